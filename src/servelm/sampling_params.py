@@ -1,0 +1,80 @@
+"""SamplingParams: how one request's next tokens are chosen. Crosses the API → core boundary.
+
+Semantics follow vLLM / OpenAI:
+- temperature == 0 means greedy (argmax), whatever the other knobs say.
+- top_k <= 0 (or >= vocab) disables top-k; top_p == 1 disables top-p; min_p == 0 disables min-p.
+- repetition_penalty (HF/CTRL style, multiplicative on logits of tokens seen in prompt or output),
+  presence_penalty and frequency_penalty (OpenAI style, additive, over output tokens only).
+- seed: same seed → same output, whatever else shares the batch.
+- logprobs: number of top alternatives to return per sampled token (0 = only the sampled one's).
+- prompt_logprobs: the same for prompt tokens (needed for `echo` + loglikelihood evaluation).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names the parameter and the bound."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context window
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise SamplingParamsError for the first out-of-range field."""
+        checks: list[tuple[str, bool, str]] = [
+            ("n", self.n >= 1, "n must be at least 1"),
+            ("temperature", self.temperature >= 0.0, "temperature must be >= 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            ("top_k", self.top_k >= -1, "top_k must be -1, 0 (disabled) or positive"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
+            ("min_tokens", self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (
+                "min_tokens",
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens must not exceed max_tokens",
+            ),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs must be in [0, 20]",
+            ),
+        ]
+        for param, ok, message in checks:
+            if not ok:
+                raise SamplingParamsError(param, f"{message}, got {getattr(self, param)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,187 @@
+"""Tiny random Llama / Qwen2 checkpoints on disk, for tests and benchmarks that need many fast forwards.
+
+    write_tiny_checkpoint(dir)          -> a Hugging Face directory transformers and servelm both load
+    write_tiny_gguf(path, dir, ...)     -> the same weights as llama.cpp would write them (no tokenizer)
+
+The tokenizer is the default model's (SmolLM2, vocab 49152, ChatML template), so tiny
+models tokenize and apply chat templates like a real one; the hidden size stays small,
+so the 49152-row embedding is the bulk of the ~25 MB.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from servelm.models.default_model import default_model_path
+from servelm.models.gguf_loader import load_gguf_tokenizer
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# Small enough for a forward in milliseconds on CPU; GQA (4 heads over 2 KV heads) on purpose.
+_TINY_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+# llama.cpp leaf name for each HF parameter inside a layer.
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_tiny_checkpoint(
+    directory: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    init_std: float = 0.1,
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Save a random float32 model + the default tokenizer with `save_pretrained`; returns the directory.
+
+    `overrides` go into the transformers config (e.g. num_hidden_layers=4, tie_word_embeddings=True).
+    Every parameter, biases and norm weights included, is drawn from the seed so that a loader
+    that drops or swaps a tensor changes the output. `init_std` 0.1 (not transformers' 0.02)
+    spreads the logits, so greedy parity tests do not hinge on near-ties.
+    `max_shard_size` (e.g. "2MB") writes shards and a model.safetensors.index.json.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    out = Path(directory)
+    tokenizer = load_gguf_tokenizer(default_model_path())
+    config_class = getattr(transformers, ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
+    values = {
+        **_TINY_CONFIG,
+        "vocab_size": len(tokenizer),
+        # Llama keeps a separate lm_head and Qwen2 ties it, so the two cover both layouts.
+        "tie_word_embeddings": arch == "qwen2",
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        **overrides,
+    }
+    if values["vocab_size"] < len(tokenizer):
+        raise ValueError(f"vocab_size {values['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    torch.manual_seed(seed)
+    model = getattr(transformers, ARCHITECTURES[arch])(config_class(**values)).to(torch.float32)
+    _randomize(model, init_std)
+    shard_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **shard_kwargs)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, init_std: float) -> None:
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + init_std * torch.randn_like(param))  # near 1, but a skipped norm shows
+        else:
+            param.normal_(0.0, init_std)
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    hf_directory: str | Path,
+    tensor_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    override_types: dict[str, gguf.GGMLQuantizationType] | None = None,
+) -> Path:
+    """Write a single-file tiny HF checkpoint as llama.cpp's converter would: names, reversed shapes,
+    q/k rows permuted for `llama`, 2-D weights stored as `tensor_type` (norms and biases stay F32).
+
+    `override_types` forces a type per GGUF tensor name; types gguf cannot quantise are written
+    as zero bytes, which is enough to exercise a loader's type check. No tokenizer metadata.
+    """
+    directory = Path(hf_directory)
+    config = json.loads((directory / "config.json").read_text())
+    arch = {v: k for k, v in ARCHITECTURES.items()}[config["architectures"][0]]
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    _write_metadata(writer, arch, config)
+    for name, tensor in load_file(str(directory / "model.safetensors")).items():
+        gguf_name = _hf_to_gguf_name(name)
+        values = tensor.to(torch.float32).numpy()
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+            values = llama_cpp_permute(values, heads)
+        qtype = (override_types or {}).get(gguf_name, tensor_type if values.ndim == 2 else gguf.GGMLQuantizationType.F32)
+        _add_tensor(writer, gguf_name, values, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def llama_cpp_permute(values: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's `LlamaModel.permute` (convert_hf_to_gguf.py), verbatim in numpy."""
+    return (
+        values.reshape(num_heads, 2, values.shape[0] // num_heads // 2, *values.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(values.shape)
+    )
+
+
+def _write_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -> None:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("bos_token_id") is not None:
+        writer.add_bos_token_id(config["bos_token_id"])
+    if config.get("eos_token_id") is not None:
+        writer.add_eos_token_id(config["eos_token_id"])
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    # transformers 5 writes it under rope_parameters.
+    return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
+    if qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+        return
+    try:
+        data = gguf.quants.quantize(values, qtype)
+    except NotImplementedError:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        data = np.zeros((*values.shape[:-1], values.shape[-1] // block_size * type_size), dtype=np.uint8)
+    writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+
+
+def _hf_to_gguf_name(name: str) -> str:
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}  # fmt: skip
+    if name in globals_:
+        return globals_[name]
+    _, _, layer, rest = name.split(".", 3)  # model.layers.{i}.{module}.{weight|bias}
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}"
