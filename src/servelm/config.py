@@ -1,0 +1,145 @@
+"""Configuration by concern: one frozen dataclass per component, validated on creation.
+
+Each component receives only its own slice. Validation raises ValueError naming the
+field (never `assert`, which `python -O` strips).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block geometry, how many blocks, prefix caching."""
+
+    block_size: int = 16  # tokens per KV block
+    # Size the pool by block count or by bytes (the runner converts bytes to blocks from
+    # the model's KV geometry). At most one may be set; neither: the runner decides.
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    # Record block stored / removed events for a router to drain. Off by default:
+    # nobody draining them would let them pile up.
+    enable_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
+        _require(self.num_blocks is None or self.num_blocks > 0, f"num_blocks must be positive, got {self.num_blocks}")
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}",
+        )
+        _require(
+            self.num_blocks is None or self.kv_cache_memory_bytes is None,
+            "set at most one of num_blocks and kv_cache_memory_bytes",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token-budget scheduling: how much work one step may take and in what order."""
+
+    max_num_batched_tokens: int = 2048  # token budget per step, prefill and decode together
+    max_num_seqs: int = 128  # requests running at once
+    max_model_len: int = 8192  # prompt + output tokens of one request
+    # Most tokens one request may compute in one step (0 = no cap). Caps a long prompt's
+    # chunk so several prompts progress at once and decodes keep their latency.
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True  # off: a prompt is computed in one step or waits
+    # Seconds of waiting after which a request's effective priority improves by one class
+    # (and again after each further interval), so batch traffic is never starved. It is
+    # also the wait after which no smaller request may skip past it. 0 disables both.
+    aging_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_num_batched_tokens > 0,
+            f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",
+        )
+        _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        _require(self.max_model_len > 1, f"max_model_len must be at least 2, got {self.max_model_len}")
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
+        )
+        _require(
+            self.enable_chunked_prefill or self.long_prefill_token_threshold == 0,
+            "long_prefill_token_threshold needs enable_chunked_prefill (a prompt cannot be capped unchunked)",
+        )
+        # Unchunked, the longest allowed prompt must fit one step's budget or it waits forever.
+        _require(
+            self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+            f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+            f"must be >= max_model_len ({self.max_model_len})",
+        )
+        _require(self.aging_s >= 0, f"aging_s must be >= 0, got {self.aging_s}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights, in which dtype, on which device."""
+
+    model: str | None = None  # HF directory or .gguf; None: the embedded default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    attention_backend: str = "torch"
+    num_threads: int | None = None  # torch CPU threads in the engine core; None: torch's default
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
+        _require(
+            self.max_model_len is None or self.max_model_len > 1,
+            f"max_model_len must be at least 2, got {self.max_model_len}",
+        )
+        _require(self.num_threads is None or self.num_threads > 0, f"num_threads must be positive, got {self.num_threads}")
+
+
+# KV budget when neither num_blocks nor kv_cache_memory_bytes is given.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of the memory free after the weights are loaded
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every slice an engine core needs; `build_engine` hands each component its own."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    def scheduler_for(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler slice with the context window the loaded model and KV pool allow."""
+        return replace(self.scheduler, max_model_len=max_model_len)
+
+    @classmethod
+    def from_flat(cls, model: str | None = None, **overrides: Any) -> "EngineConfig":
+        """Build from flat keyword settings (CLI flags, LLM(**kwargs)); each goes to the slice owning it.
+
+        `max_model_len` goes to ModelConfig (the first owner): the scheduler's is derived by
+        `scheduler_for` once the model and the KV pool are known.
+
+        `kv_cache_memory_gib` is accepted as a convenience for `kv_cache_memory_bytes`.
+        """
+        if overrides.get("kv_cache_memory_gib") is not None:
+            overrides["kv_cache_memory_bytes"] = int(overrides.pop("kv_cache_memory_gib") * 2**30)
+        overrides.pop("kv_cache_memory_gib", None)
+        slices: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
+        for key, value in overrides.items():
+            owner = next((c for c in slices if key in {f.name for f in fields(c)}), None)
+            if owner is None:
+                valid = sorted({f.name for c in slices for f in fields(c)} | {"kv_cache_memory_gib"})
+                raise ValueError(f"unknown engine setting {key!r}; valid: {', '.join(valid)}")
+            slices[owner][key] = value
+        return cls(
+            model=ModelConfig(**slices[ModelConfig]),
+            cache=CacheConfig(**slices[CacheConfig]),
+            scheduler=SchedulerConfig(**slices[SchedulerConfig]),
+        )

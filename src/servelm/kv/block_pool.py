@@ -1,0 +1,263 @@
+"""The KV block pool: blocks, refcounts, the LRU free queue and the prefix-cache map.
+
+Knows nothing of requests or models; KV tensors live with the runner, addressed by
+block id. The KVCacheManager is the only caller.
+
+Free queue (doubly linked, O(1) append / pop / remove from the middle):
+
+    head ─▶ [evicted first] ⇄ ... ⇄ [evicted last] ◀─ tail
+            popleft() allocates       append() frees a cached block
+
+- A freed block keeps its hash and stays findable in the cache map (lazy eviction):
+  a prefix hit takes it back out of the queue from wherever it sits. Its hash is
+  dropped only when `allocate` reuses it, which counts one eviction.
+- A freed block WITHOUT a hash (a partial last block, a duplicate, or prefix caching
+  off) holds nothing anyone can hit, so it goes to the head and is reused before
+  any cached block.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from servelm.kv.block_hash import BlockHash
+
+
+class KVCacheInvariantError(RuntimeError):
+    """The block bookkeeping is inconsistent: a bug, never a user error."""
+
+
+@dataclass(eq=False, slots=True)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0  # number of request block tables holding this block
+    block_hash: BlockHash | None = None  # set once full and computed; kept while free (lazy eviction)
+    # Free-queue links: both None exactly when the block is not in the free queue.
+    prev_free: KVBlock | None = field(default=None, repr=False)
+    next_free: KVBlock | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Blocks with refcount 0, in eviction order. Two sentinels keep every edit branch-free."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(block_id=-1)
+        self._tail = KVBlock(block_id=-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        """Head to tail. Bounded so a corrupted (cyclic) list cannot hang a check."""
+        node = self._head.next_free
+        for _ in range(self._len + 1):
+            if node is None or node is self._tail:
+                return
+            yield node
+            node = node.next_free
+        raise KVCacheInvariantError("free queue is longer than its length (cycle?)")
+
+    def check_links(self) -> set[int]:
+        """The ids in the queue; raises if a block appears twice or a back link is wrong."""
+        in_queue: set[int] = set()
+        prev = self._head
+        for block in self:
+            if block.block_id in in_queue:
+                raise KVCacheInvariantError(f"block {block.block_id} is in the free queue twice")
+            if block.prev_free is not prev:
+                raise KVCacheInvariantError(f"block {block.block_id}: broken free-queue back link")
+            in_queue.add(block.block_id)
+            prev = block
+        if self._tail.prev_free is not prev or len(in_queue) != self._len:
+            raise KVCacheInvariantError(f"free queue holds {len(in_queue)} blocks, counts {self._len}")
+        return in_queue
+
+    def append(self, block: KVBlock) -> None:
+        self._link(block, self._tail.prev_free, self._tail)  # type: ignore[arg-type]
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._link(block, self._head, self._head.next_free)  # type: ignore[arg-type]
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("pop from an empty free queue")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise KVCacheInvariantError(f"block {block.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+    def _link(self, block: KVBlock, prev: KVBlock, nxt: KVBlock) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise KVCacheInvariantError(f"block {block.block_id} is already in the free queue")
+        block.prev_free, block.next_free = prev, nxt
+        prev.next_free = block
+        nxt.prev_free = block
+        self._len += 1
+
+
+class KVEventType(str, enum.Enum):
+    STORED = "stored"  # a block became findable under its hash
+    REMOVED = "removed"  # the hash is no longer findable here (block evicted for reuse)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheEvent:
+    """What the prefix cache of this replica can serve; a router mirrors it."""
+
+    type: KVEventType
+    block_hash: BlockHash
+    block_id: int
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative counters (Prometheus-counter style; never reset)."""
+
+    num_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
+    num_hit_tokens: int = 0  # of those, tokens served from cached blocks
+    num_evicted_blocks: int = 0  # cached blocks whose hash was dropped to reuse the block
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class BlockPool:
+    def __init__(
+        self, num_blocks: int, enable_prefix_caching: bool = True, enable_kv_events: bool = False
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_kv_events = enable_kv_events
+        self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.stats = PrefixCacheStats()
+        # One block per hash. A second block computed with the same content stays
+        # unhashed (see cache_block), so this map and the blocks' hashes are a bijection.
+        self._cached: dict[BlockHash, KVBlock] = {}
+        # Undrained events; only recorded when someone will drain them (else they pile up).
+        self._events: list[KVCacheEvent] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached-free ones included (they can be evicted)."""
+        return len(self.free_queue)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        """Take `num_blocks` from the head of the free queue, each with refcount 1."""
+        if num_blocks > len(self.free_queue):
+            raise ValueError(f"cannot allocate {num_blocks} blocks: {len(self.free_queue)} free")
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """One more holder for each block (a prefix hit); cached-free blocks leave the queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """One holder fewer for each block, given in the order they should be evicted."""
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise KVCacheInvariantError(f"block {block.block_id} freed with refcount {block.ref_count}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Make a full, computed, held block findable under `block_hash`.
+
+        Returns False (and leaves the block unhashed) when another block already holds
+        that content: two requests computed the same block at once. Keeping one block
+        per hash keeps eviction and events simple; the duplicate is reused first.
+        """
+        if not self.enable_prefix_caching:
+            return False
+        if block.block_hash is not None or block.ref_count <= 0:
+            raise KVCacheInvariantError(f"block {block.block_id} cannot be cached: {block}")
+        if block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        self._emit(KVEventType.STORED, block)
+        return True
+
+    def record_prefix_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.num_queried_tokens += num_queried_tokens
+        self.stats.num_hit_tokens += num_hit_tokens
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Events since the last call, oldest first. Calling it twice returns [] the second time."""
+        events, self._events = self._events, []
+        return events
+
+    def _evict(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        del self._cached[block.block_hash]
+        self._emit(KVEventType.REMOVED, block)
+        block.block_hash = None
+        self.stats.num_evicted_blocks += 1
+
+    def _emit(self, event_type: KVEventType, block: KVBlock) -> None:
+        if self.enable_kv_events:
+            assert block.block_hash is not None
+            self._events.append(KVCacheEvent(event_type, block.block_hash, block.block_id))
+
+    def check_invariants(self, holders: Counter[int]) -> None:
+        """Raise KVCacheInvariantError unless the pool agrees with `holders`.
+
+        `holders[block_id]` is how many block tables hold the block. Every block must be
+        exactly one of: free (in the queue once, refcount 0) or held (refcount == holders),
+        and the cache map must be the exact inverse of the blocks' hashes.
+        """
+        in_queue = self.free_queue.check_links()
+        for block in self.blocks:
+            self._check_block(block, block.block_id in in_queue, holders.get(block.block_id, 0))
+        for block_hash, block in self._cached.items():
+            if block.block_hash != block_hash:
+                raise KVCacheInvariantError(f"cache map key {block_hash.hex()[:16]} points at {block}")
+        if not self.enable_prefix_caching and self._cached:
+            raise KVCacheInvariantError("prefix caching is off but blocks are cached")
+
+    def _check_block(self, block: KVBlock, in_queue: bool, num_holders: int) -> None:
+        if block.ref_count != num_holders:
+            raise KVCacheInvariantError(f"block {block.block_id}: refcount {block.ref_count}, {num_holders} holders")
+        if in_queue != (block.ref_count == 0):
+            state = "in" if in_queue else "not in"
+            raise KVCacheInvariantError(f"block {block.block_id}: refcount {block.ref_count} but {state} free queue")
+        if not in_queue and (block.prev_free is not None or block.next_free is not None):
+            raise KVCacheInvariantError(f"block {block.block_id} is held but still linked in the free queue")
+        if block.block_hash is not None and self._cached.get(block.block_hash) is not block:
+            raise KVCacheInvariantError(f"block {block.block_id} has a hash the cache map does not point back to")
