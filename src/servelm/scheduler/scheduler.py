@@ -1,0 +1,396 @@
+"""Scheduler: token catch-up scheduling over a paged KV cache. The one writer of request state.
+
+Each step hands out a token budget (max_num_batched_tokens):
+
+    1. RUNNING requests, in (priority, arrival) order, each get
+       min(num_tokens - num_computed_tokens, cap, budget left): 1 for a decode, the next
+       chunk for a prompt mid-prefill. No blocks for it → preempt the lowest-priority,
+       latest-arrived running request (perhaps itself) and retry.
+    2. WAITING requests, in (effective priority, arrival) order, only if nobody was
+       preempted in step 1 (then blocks are short; admitting would only thrash):
+       prefix-cache lookup, chunk the rest under the budget, allocate. A request that
+       does not fit is SKIPPED, so smaller ones behind it still run (no head-of-line
+       blocking) — except that nothing skips past a request that has waited longer than
+       aging_s: admission stops there until it fits, so it cannot starve.
+
+update() then advances num_computed_tokens by what was scheduled, caches newly full
+blocks, appends sampled tokens, checks stop conditions and frees finished requests.
+
+Calling protocol (one thread, the engine core's): schedule() → the runner executes the
+SchedulerOutput → update() with that output, before the next schedule(). add_request()
+and abort_requests() go between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+
+from servelm.config import SchedulerConfig
+from servelm.datatypes import (
+    CachedRequestData,
+    EngineOutput,
+    EngineRequest,
+    EventType,
+    ModelOutput,
+    NewRequestData,
+    PositionLogprobs,
+    SchedulerOutput,
+)
+from servelm.kv.block_pool import KVCacheEvent, PrefixCacheStats
+from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
+from servelm.scheduler.request import Request, RequestStatus
+from servelm.scheduler.stop import check_stop
+from servelm.scheduler.waiting_queue import WaitingQueue
+
+
+class SchedulerInvariantError(RuntimeError):
+    """Request bookkeeping is inconsistent: a bug, never a user error."""
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() call has decided so far."""
+
+    budget: int  # tokens left this step
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    def take(self, request_id: str, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request_id] = num_tokens
+        self.budget -= num_tokens
+
+
+def _running_key(request: Request) -> tuple[int, float, int]:
+    return (request.priority, request.arrival_time, request.arrival_seq)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        eos_token_ids: Collection[int] = (),
+        clock: Callable[[], float] = time.time,  # wall clock for events and aging
+    ) -> None:
+        capacity = kv_cache_manager.num_blocks * kv_cache_manager.block_size
+        if capacity < scheduler_config.max_model_len:
+            # One request alone could then outgrow the cache and preempt itself forever.
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, fewer than max_model_len "
+                f"({scheduler_config.max_model_len}): add blocks or lower max_model_len"
+            )
+        self.config = scheduler_config
+        self._kv = kv_cache_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._clock = clock
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._running: list[Request] = []
+        self._waiting = WaitingQueue(scheduler_config.aging_s)
+        self._finished_ids: set[str] = set()  # the runner must forget these next step
+        self._pending_outputs: list[EngineOutput] = []  # aborts, delivered by the next update()
+        self._next_arrival_seq = 0
+
+    # -- queries -------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is unfinished or an abort's output awaits update()."""
+        return bool(self._requests) or bool(self._pending_outputs)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request, for inspection only: never mutate it."""
+        return self._requests.get(request_id)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self._kv.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self._kv.stats
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """Block stored / removed events since the last call (for a router)."""
+        return self._kv.take_events()
+
+    # -- requests in and out ------------------------------------------------------
+
+    def add_request(self, engine_request: EngineRequest) -> None:
+        """Queue a request. Raises ValueError for a duplicate id or a prompt that cannot run
+        (the API process validates first; this is the backstop)."""
+        request_id = engine_request.request_id
+        num_prompt = len(engine_request.prompt_token_ids)
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already running or waiting")
+        if not 0 < num_prompt < self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {num_prompt} tokens: need 1 to {self.config.max_model_len - 1} "
+                f"(max_model_len {self.config.max_model_len} leaves room for one output token)"
+            )
+        now = self._clock()
+        request = Request.from_engine_request(engine_request, self._next_arrival_seq, now)
+        self._next_arrival_seq += 1
+        request.record(EventType.ARRIVED, now)
+        request.record(EventType.QUEUED, now)
+        self._requests[request_id] = request
+        self._waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish requests now and free their blocks. Unknown or finished ids are ignored
+        (safe to repeat). Their ABORT outputs come from the next update(); until then
+        has_unfinished_requests() stays True so the engine steps once more."""
+        now = self._clock()
+        aborted = [self._requests[rid] for rid in dict.fromkeys(request_ids) if rid in self._requests]
+        if not aborted:
+            return
+        self._waiting.remove_many(r for r in aborted if r.status is not RequestStatus.RUNNING)
+        gone = {id(r) for r in aborted}
+        self._running = [r for r in self._running if id(r) not in gone]
+        for request in aborted:
+            self._finish(request, RequestStatus.FINISHED_ABORTED, now)
+            self._pending_outputs.append(self._make_output(request, [], None))
+
+    # -- schedule -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        now = self._clock()
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan, now)
+        if not plan.preempted_request_ids:
+            self._schedule_waiting(plan, now)
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            new_requests=plan.new_requests,
+            cached_requests=plan.cached_requests,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_request_ids=finished,
+            preempted_request_ids=plan.preempted_request_ids,
+        )
+
+    def _chunk(self, num_uncomputed: int, budget: int) -> int:
+        """Tokens one request computes this step: capped per request, then by the budget."""
+        if self.config.long_prefill_token_threshold > 0:
+            num_uncomputed = min(num_uncomputed, self.config.long_prefill_token_threshold)
+        return min(num_uncomputed, budget)
+
+    def _schedule_running(self, plan: _StepPlan, now: float) -> None:
+        # Sorted so that preemption victims can be popped from the end: everything after
+        # index i is lower priority (or later) than running[i] and not yet scheduled.
+        running = self._running = sorted(self._running, key=_running_key)
+        i = 0
+        while i < len(running) and plan.budget > 0:
+            request = running[i]
+            # >= 1: update() refuses a step that caught a request up without sampling.
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, plan.budget)
+            new_block_ids = self._allocate_or_preempt(request, num_new, running, plan, now)
+            if new_block_ids is None:
+                break  # it preempted itself: it was the last one left
+            plan.cached_requests.append(
+                CachedRequestData(
+                    request_id=request.request_id,
+                    new_token_ids=request.all_token_ids[request.num_sent_tokens :],
+                    new_block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            request.num_sent_tokens = request.num_tokens
+            plan.take(request.request_id, num_new)
+            i += 1
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, running: list[Request], plan: _StepPlan, now: float
+    ) -> list[int] | None:
+        while True:
+            new_block_ids = self._kv.allocate_slots(
+                request.request_id, num_new, num_computed_tokens=request.num_computed_tokens
+            )
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = running.pop()  # lowest priority, latest arrival
+            self._preempt(victim, plan, now)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, plan: _StepPlan, now: float) -> None:
+        """Drop its KV; it recomputes prompt + output later (it keeps its output tokens)."""
+        self._kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.num_sent_tokens = 0  # the runner drops its mirror; it is re-sent in full
+        request.record(EventType.PREEMPTED, now)
+        request.record(EventType.QUEUED, now)
+        plan.preempted_request_ids.add(request.request_id)
+        self._waiting.add(request)
+
+    def _schedule_waiting(self, plan: _StepPlan, now: float) -> None:
+        admitted: list[Request] = []
+        for request in self._waiting.ordered(now):
+            if plan.budget <= 0 or len(self._running) >= self.config.max_num_seqs:
+                break
+            if self._try_admit(request, plan, now):
+                admitted.append(request)
+            elif self._is_starving(request, now):
+                break  # the free blocks and budget are now kept for it
+        self._waiting.remove_many(admitted)
+
+    def _is_starving(self, request: Request, now: float) -> bool:
+        return self.config.aging_s > 0 and now - request.arrival_time >= self.config.aging_s
+
+    def _try_admit(self, request: Request, plan: _StepPlan, now: float) -> bool:
+        hit = self._lookup(request)
+        num_new = request.num_tokens - hit.num_computed_tokens
+        if not self.config.enable_chunked_prefill and num_new > plan.budget:
+            return False
+        num_new = self._chunk(num_new, plan.budget)
+        block_ids = self._kv.allocate_slots(
+            request.request_id, num_new, num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit
+        )
+        if block_ids is None:
+            return False
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = hit.num_computed_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = hit.num_computed_tokens
+        request.num_prefill_tokens = request.num_tokens
+        request.record(EventType.SCHEDULED, now)
+        self._running.append(request)
+        plan.new_requests.append(
+            NewRequestData(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,  # never mutated: shared, not copied
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=block_ids,
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
+        request.num_sent_tokens = request.num_tokens
+        plan.take(request.request_id, num_new)
+        return True
+
+    def _lookup(self, request: Request) -> ComputedBlocks:
+        # Cached positions yield no logits: a request still owed prompt logprobs computes
+        # its whole prompt (its blocks are still cached, in its own namespace).
+        if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            return ComputedBlocks.miss(request.extra_key)
+        return self._kv.get_computed_blocks(request.request_id, request.all_token_ids, request.extra_key)
+
+    # -- update ---------------------------------------------------------------------
+
+    def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[EngineOutput]:
+        """Apply one executed step. Returns one output per request that got tokens or finished."""
+        now = self._clock()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        any_finished = False
+        for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted after schedule(): its output is already out
+            output = self._update_request(request, num_scheduled, model_output, now)
+            if output is not None:
+                outputs.append(output)
+            any_finished |= request.status.is_finished
+        if any_finished:
+            self._running = [r for r in self._running if not r.status.is_finished]
+        return outputs
+
+    def _update_request(
+        self, request: Request, num_scheduled: int, model_output: ModelOutput, now: float
+    ) -> EngineOutput | None:
+        request_id = request.request_id
+        computed_before = request.num_computed_tokens
+        sampled = model_output.sampled_token_ids.get(request_id, [])
+        caught_up = computed_before + num_scheduled >= request.num_tokens
+        if caught_up and not sampled:
+            # It would have nothing left to compute and never finish: fail loudly instead.
+            raise ValueError(f"ModelOutput has no sampled token for {request_id!r}, whose step reached its last token")
+        request.num_computed_tokens += num_scheduled
+        self._kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+        if computed_before < request.num_prefill_tokens:
+            request.record(EventType.PREFILL_CHUNK, now, detail=num_scheduled)
+        chunk_logprobs = model_output.prompt_logprobs.get(request_id)
+        if chunk_logprobs:
+            request.add_prompt_logprobs(chunk_logprobs, chunk_start=computed_before)
+        new_token_ids: list[int] = []
+        if caught_up:  # the step's last logits gave new token(s); mid-prompt samples are ignored
+            new_token_ids = self._append_sampled(request, sampled, now)
+        if not new_token_ids and not request.status.is_finished:
+            return None
+        logprobs = model_output.logprobs.get(request_id)
+        return self._make_output(request, new_token_ids, logprobs[: len(new_token_ids)] if logprobs else None)
+
+    def _append_sampled(self, request: Request, sampled: list[int], now: float) -> list[int]:
+        """Append tokens one by one; tokens after a stop are dropped (several come with speculation)."""
+        accepted: list[int] = []
+        for token_id in sampled:
+            request.append_output_token(token_id)
+            accepted.append(token_id)
+            if request.num_output_tokens == 1:
+                request.record(EventType.FIRST_TOKEN, now)
+            stop = check_stop(request, self.eos_token_ids, self.config.max_model_len)
+            if stop is not None:
+                request.stop_reason = stop[1]
+                self._finish(request, stop[0], now)
+                break
+        return accepted
+
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        """Free its blocks and forget it. The caller takes it off the running/waiting lists."""
+        self._kv.free(request.request_id)
+        request.status = status
+        request.record(EventType.FINISHED, now)
+        if request.num_sent_tokens > 0:  # the runner mirrors it
+            self._finished_ids.add(request.request_id)
+        del self._requests[request.request_id]
+
+    def _make_output(
+        self, request: Request, new_token_ids: list[int], logprobs: list[PositionLogprobs] | None
+    ) -> EngineOutput:
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs,
+            prompt_logprobs=request.take_prompt_logprobs(),
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            events=request.take_events(),
+        )
+
+    # -- checks ---------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """KV invariants, plus: every unfinished request is running xor waiting, running ones
+        hold blocks covering their computed tokens, waiting ones hold none."""
+        self._kv.check_invariants()
+        running, waiting = self._running, list(self._waiting)
+        ids = [r.request_id for r in running] + [r.request_id for r in waiting]
+        if len(ids) != len(set(ids)) or set(ids) != set(self._requests):
+            raise SchedulerInvariantError(f"running + waiting {sorted(ids)} != unfinished {sorted(self._requests)}")
+        if len(running) > self.config.max_num_seqs:
+            raise SchedulerInvariantError(f"{len(running)} running > max_num_seqs {self.config.max_num_seqs}")
+        for request in running:
+            num_slots = len(self._kv.get_block_ids(request.request_id)) * self._kv.block_size
+            if request.status is not RequestStatus.RUNNING or num_slots < request.num_computed_tokens:
+                raise SchedulerInvariantError(f"running {request.request_id!r}: {request.status}, {num_slots} slots")
+            if request.num_computed_tokens > request.num_tokens:
+                raise SchedulerInvariantError(f"running {request.request_id!r} computed past its tokens")
+        for request in waiting:
+            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise SchedulerInvariantError(f"waiting {request.request_id!r} has status {request.status}")
+            if request.num_computed_tokens or self._kv.get_block_ids(request.request_id):
+                raise SchedulerInvariantError(f"waiting {request.request_id!r} holds KV")

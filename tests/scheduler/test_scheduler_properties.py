@@ -1,0 +1,195 @@
+"""Random add / abort / step sequences: invariants after every step, no block leaked at the end.
+
+A tiny reference runner mirror is rebuilt from SchedulerOutputs alone, checking the diff
+protocol: what the runner would see must match what the scheduler holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from servelm.config import SchedulerConfig
+from servelm.datatypes import EngineRequest, ModelOutput, SchedulerOutput
+from servelm.kv import KVCacheManager
+from servelm.sampling_params import SamplingParams
+from servelm.scheduler.request import RequestStatus
+from servelm.scheduler.scheduler import Scheduler
+
+EOS = 2
+BLOCK_SIZE = 4
+NUM_BLOCKS = 12
+PREFIXES = [[3] * 12, [3] * 4 + [4] * 8, [5, 6, 5, 6, 5, 6, 5, 6]]
+
+
+@st.composite
+def _request(draw: st.DrawFn) -> tuple[list[int], int, SamplingParams, str | None]:
+    prefix = draw(st.sampled_from(PREFIXES))
+    prompt = prefix[: draw(st.integers(0, 12))] + draw(st.lists(st.integers(3, 6), min_size=1, max_size=14))
+    max_tokens = draw(st.integers(1, 20))
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, min(2, max_tokens))),
+        stop_token_ids=draw(st.sampled_from([[], [6]])),
+    )
+    return prompt, draw(st.integers(0, 2)), params, draw(st.sampled_from([None, "t1"]))
+
+
+REQUESTS = _request()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Mirror:
+    """The runner's view of a request, built only from SchedulerOutput."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.next_id = 0
+        self.mirrors: dict[str, Mirror] = {}
+        self.finished: set[str] = set()
+        self.scheduler = self._make(True, 0, True)
+
+    def _make(self, chunked: bool, cap: int, prefix_caching: bool) -> Scheduler:
+        config = SchedulerConfig(
+            max_num_batched_tokens=32 if chunked else 40,
+            max_num_seqs=4,
+            max_model_len=40,
+            long_prefill_token_threshold=cap if chunked else 0,
+            enable_chunked_prefill=chunked,
+            aging_s=3.0,
+        )
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
+        return Scheduler(config, self.kv, eos_token_ids=[EOS], clock=self.clock)
+
+    @initialize(chunked=st.booleans(), cap=st.sampled_from([0, 3, 8]), prefix_caching=st.booleans())
+    def setup(self, chunked: bool, cap: int, prefix_caching: bool) -> None:
+        self.scheduler = self._make(chunked, cap, prefix_caching)
+
+    @rule(requests=st.lists(REQUESTS, min_size=1, max_size=3))
+    def add(self, requests: list[tuple[list[int], int, SamplingParams, str | None]]) -> None:
+        """A burst of arrivals: several at once is what fills the cache and forces preemption."""
+        for prompt, priority, params, salt in requests:
+            self.next_id += 1
+            self.scheduler.add_request(
+                EngineRequest(
+                    request_id=f"r{self.next_id}",
+                    prompt_token_ids=prompt,
+                    sampling_params=params,
+                    priority=priority,
+                    cache_salt=salt,
+                )
+            )
+
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        every = [f"r{i}" for i in range(1, self.next_id + 1)]
+        live = [r for r in every if self.scheduler.get_request(r) is not None]
+        preempted = [r for r in live if self.scheduler.get_request(r).status is RequestStatus.PREEMPTED]
+        # Mostly live requests, preempted ones first (the runner has already dropped them);
+        # sometimes finished or unknown ids.
+        pools = [p for p in (preempted, live, every + ["nobody"]) if p]
+        pool = pools[data.draw(st.integers(0, len(pools) - 1))]
+        self.scheduler.abort_requests([data.draw(st.sampled_from(pool))])
+
+    @rule(
+        tokens=st.lists(st.sampled_from([3, 4, 3, 4, 3, 6, EOS]), min_size=8, max_size=8),  # stops are rarer
+        dt=st.sampled_from([0.0, 1.0, 4.0]),
+        num_steps=st.integers(1, 3),
+    )
+    def step(self, tokens: list[int], dt: float, num_steps: int) -> None:
+        for i in range(num_steps):
+            self.clock.now += dt
+            self._step(tokens[i:] + tokens[:i])
+
+    def _step(self, tokens: list[int]) -> None:
+        s = self.scheduler
+        so = s.schedule()
+        s.check_invariants()
+        assert so.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
+        self._apply_to_mirrors(so)
+        sampled = {}
+        for i, (request_id, num) in enumerate(so.num_scheduled_tokens.items()):
+            mirror = self.mirrors[request_id]
+            end = mirror.num_computed_tokens + num
+            assert 0 < num and end <= len(mirror.token_ids)
+            assert len(mirror.block_ids) * BLOCK_SIZE >= end  # slots exist for every scheduled token
+            sampled[request_id] = [tokens[i % len(tokens)]] if end == len(mirror.token_ids) else []
+            mirror.num_computed_tokens = end  # the runner computed them
+        outputs = s.update(so, ModelOutput(sampled))
+        s.check_invariants()
+        for output in outputs:
+            assert output.request_id not in self.finished
+            if output.finish_reason is not None:
+                self.finished.add(output.request_id)
+        for request_id in so.num_scheduled_tokens:
+            request = s.get_request(request_id)
+            if request is not None:  # still running: KV exactly covers what is computed
+                assert len(self.kv.get_block_ids(request_id)) == -(-request.num_computed_tokens // BLOCK_SIZE)
+
+    def _apply_to_mirrors(self, so: SchedulerOutput) -> None:
+        assert not so.finished_request_ids & so.preempted_request_ids
+        for request_id in so.finished_request_ids | so.preempted_request_ids:
+            del self.mirrors[request_id]  # only ids the runner knows
+        for new in so.new_requests:
+            assert new.request_id not in self.mirrors
+            self.mirrors[new.request_id] = Mirror(
+                new.prompt_token_ids + new.output_token_ids, new.num_computed_tokens, list(new.block_ids)
+            )
+        for diff in so.cached_requests:
+            mirror = self.mirrors[diff.request_id]
+            assert diff.num_computed_tokens == mirror.num_computed_tokens
+            mirror.token_ids += diff.new_token_ids
+            mirror.block_ids += diff.new_block_ids
+            mirror.num_computed_tokens = diff.num_computed_tokens
+        s = self.scheduler
+        for request_id, mirror in self.mirrors.items():
+            if request_id in so.num_scheduled_tokens:
+                request = s.get_request(request_id)
+                assert request is not None
+                assert mirror.token_ids == request.all_token_ids
+                assert mirror.num_computed_tokens == request.num_computed_tokens
+                assert mirror.block_ids == self.kv.get_block_ids(request_id)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.scheduler.check_invariants()
+
+    def teardown(self) -> None:
+        s = self.scheduler
+        # Generous but finite: a request alone needs at most max_model_len steps, and the
+        # top-priority running request advances every step, so everything drains.
+        max_steps = 50 * (1 + self.next_id - len(self.finished))
+        for _ in range(max_steps):
+            if not s.has_unfinished_requests():
+                break
+            self._step([3, 4, EOS])
+        assert not s.has_unfinished_requests()
+        assert self.finished == {f"r{i}" for i in range(1, self.next_id + 1)}  # each finished exactly once
+        s.check_invariants()
+        assert s.kv_cache_usage == 0.0 and self.kv.num_free_blocks == NUM_BLOCKS
+        assert all(block.ref_count == 0 for block in self.kv.pool.blocks)
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestSchedulerMachine = SchedulerMachine.TestCase
