@@ -1,0 +1,91 @@
+"""Wires an EngineCore from an EngineConfig: checkpoint → model → KV pool → runner + scheduler.
+
+The one place that knows every component; each component receives only its own
+config slice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig
+from servelm.engine.core import EngineCore
+from servelm.kv.kv_cache_manager import KVCacheManager
+from servelm.models.arch import ModelArchConfig
+from servelm.models.factory import build_model, resolve_device, resolve_dtype
+from servelm.models.loader import load_checkpoint
+from servelm.scheduler.scheduler import Scheduler
+from servelm.worker.kv_cache import allocate_kv_caches, free_device_memory, num_blocks_for_budget
+from servelm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltEngine:
+    core: EngineCore
+    tokenizer: Any
+    arch: ModelArchConfig
+    max_model_len: int
+    num_blocks: int
+    source: str  # where the weights came from
+
+
+def eos_token_ids(arch: ModelArchConfig, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids from the checkpoint's config and its tokenizer, merged (chat models often differ)."""
+    ids = set(arch.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def build_engine(config: EngineConfig) -> BuiltEngine:
+    if config.model.num_threads:
+        torch.set_num_threads(config.model.num_threads)
+    checkpoint = load_checkpoint(config.model.model)
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend)
+    del checkpoint.weights  # the model holds its own copies now
+    arch = checkpoint.arch
+    max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+
+    num_blocks = _num_kv_blocks(config, arch, dtype, device)
+    block_size = config.cache.block_size
+    if num_blocks * block_size < max_model_len:
+        logger.warning(
+            "KV pool holds %d tokens, fewer than max_model_len %d: capping max_model_len",
+            num_blocks * block_size,
+            max_model_len,
+        )
+        max_model_len = num_blocks * block_size
+    kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+    eos_ids = eos_token_ids(arch, checkpoint.tokenizer)
+    runner = ModelRunner(model, kv_caches, block_size, eos_ids, device)
+    kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+    scheduler = Scheduler(config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids)
+    return BuiltEngine(
+        core=EngineCore(scheduler, runner, kv_manager),
+        tokenizer=checkpoint.tokenizer,
+        arch=arch,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        source=checkpoint.source,
+    )
+
+
+def _num_kv_blocks(config: EngineConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> int:
+    cache = config.cache
+    if cache.num_blocks:
+        return cache.num_blocks
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+    else:
+        free = free_device_memory(device)
+        # On an accelerator take a fraction of what is free after the weights; on CPU a fixed default.
+        budget = int(free * DEFAULT_GPU_MEMORY_FRACTION) if free is not None else DEFAULT_CPU_KV_CACHE_BYTES
+    return num_blocks_for_budget(arch, cache.block_size, dtype, budget)

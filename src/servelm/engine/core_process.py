@@ -1,0 +1,90 @@
+"""The engine-core process: receive requests over ZMQ, step the model, send outputs back.
+
+The loop never blocks while there is work: it drains whatever messages have arrived,
+runs one step, sends that step's outputs as one batch. With nothing to do it waits on
+the socket. Any exception ends the process after telling the client why (CoreFailed),
+so the API side can fail every waiting request instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+
+import zmq
+
+from servelm.config import EngineConfig
+from servelm.engine.builder import build_engine
+from servelm.engine.core import EngineCore
+from servelm.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreReady,
+    OutputBatch,
+    Shutdown,
+    from_core_encoder,
+    to_core_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """Process entry point (spawned by the client)."""
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    try:
+        built = build_engine(config)
+        outputs.send(
+            from_core_encoder.encode(
+                CoreReady(
+                    max_model_len=built.max_model_len,
+                    num_blocks=built.num_blocks,
+                    block_size=config.cache.block_size,
+                    vocab_size=built.arch.vocab_size,
+                    source=built.source,
+                )
+            )
+        )
+        _serve(built.core, inputs, outputs)
+    except Exception:  # noqa: BLE001 - reported to the client, then the process ends
+        outputs.send(from_core_encoder.encode(CoreFailed(error=traceback.format_exc(limit=8))))
+        raise
+    finally:
+        outputs.close(linger=1000)
+        inputs.close(linger=0)
+        context.term()
+
+
+def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    parent = os.getppid()
+    while True:
+        # With work pending, only drain what is already there; otherwise wait (bounded, to notice orphaning).
+        timeout_ms = 0 if core.has_work() else 1000
+        while poller.poll(timeout_ms):
+            message = to_core_decoder.decode(inputs.recv())
+            if isinstance(message, Shutdown):
+                return
+            if isinstance(message, AddRequest):
+                core.add_request(message.request)
+            elif isinstance(message, AbortRequests):
+                core.abort_requests(message.request_ids)
+            timeout_ms = 0
+        if os.getppid() != parent:
+            logger.error("engine core: the API process is gone; exiting")
+            return
+        if not core.has_work():
+            continue
+        step_outputs = core.step()
+        if step_outputs:
+            batch = OutputBatch(outputs=step_outputs, stats=core.stats(), timestamp=time.time())
+            outputs.send(from_core_encoder.encode(batch))
+
