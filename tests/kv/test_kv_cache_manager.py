@@ -2,7 +2,7 @@
 
 import pytest
 
-from servelm.kv import KVCacheManager, KVCacheInvariantError, KVEventType
+from servelm.kv import KVCacheManager, KVCacheInvariantError, KVEventType, hash_block_tokens
 
 
 def queue_ids(kv: KVCacheManager) -> list[int]:
@@ -168,3 +168,17 @@ def test_usage_and_invariant_check_on_tables() -> None:
     kv.pool.blocks[0].ref_count += 1  # a holder the tables do not show
     with pytest.raises(KVCacheInvariantError):
         kv.check_invariants()
+
+
+def test_repeated_lookups_of_a_growing_request_hash_consistently() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    assert kv.get_computed_blocks("w", tokens[:3]).block_hashes == hash_block_tokens(tokens[:3], 2)
+    assert kv.get_computed_blocks("w", tokens).block_hashes == hash_block_tokens(tokens, 2)
+    salted = kv.get_computed_blocks("w", tokens, b"s")  # a different namespace starts over
+    assert salted.block_hashes == hash_block_tokens(tokens, 2, b"s")
+    kv.allocate_slots("w", 7, num_computed_tokens=0, computed_blocks=salted)
+    kv.check_invariants()
+    kv.free("w")
+    kv.free("never-allocated")
+    assert kv.get_computed_blocks("w", tokens[:4]).block_hashes == hash_block_tokens(tokens[:4], 2)

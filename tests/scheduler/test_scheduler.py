@@ -386,15 +386,6 @@ def test_aborting_a_never_scheduled_request_does_not_bother_the_runner() -> None
 # -- stop conditions ------------------------------------------------------------------------
 
 
-def run_to_end(s: Scheduler, rid: str, tokens: list[int]) -> EngineOutput:
-    """Feed `tokens` as the sampled sequence until the request finishes; return the last output."""
-    for token in tokens:
-        _, out = step(s, {rid: token})
-        if rid in out and out[rid].finish_reason is not None:
-            return out[rid]
-    raise AssertionError("request did not finish")
-
-
 @pytest.mark.parametrize(
     ("params", "tokens", "reason", "stop_reason", "num_outputs"),
     [
@@ -413,7 +404,7 @@ def test_stop_conditions(
     params: dict, tokens: list[int], reason: FinishReason, stop_reason: int | None, num_outputs: int
 ) -> None:
     s = make_scheduler(max_model_len=16)
-    s.add_request(request("r", 10, **{"max_tokens": 16, **params} if "max_tokens" not in params else params))
+    s.add_request(request("r", 10, **params))
     seen: list[int] = []
     for token in tokens:
         _, out = step(s, {"r": token})

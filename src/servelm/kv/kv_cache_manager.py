@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from servelm.kv.block_hash import BlockHash, extend_block_hashes, hash_block_tokens
+from servelm.kv.block_hash import BlockHash, extend_block_hashes
 from servelm.kv.block_pool import BlockPool, KVBlock, KVCacheEvent, KVCacheInvariantError, PrefixCacheStats
 
 
@@ -77,6 +77,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching, enable_kv_events)
         self._requests: dict[str, _RequestBlocks] = {}
+        # Block hashes of requests looked up but not yet allocated (a waiting request may be
+        # looked up every step while it does not fit): hashed once, extended as it grows.
+        # Dropped on its first allocation or on free().
+        self._lookup_hashes: dict[str, tuple[bytes | None, list[BlockHash]]] = {}
 
     # -- queries -------------------------------------------------------------------
 
@@ -117,12 +121,19 @@ class KVCacheManager:
         Never the whole sequence: at most (len - 1) tokens, so the last token is still
         computed and yields logits. When every full block hits and the sequence ends on a
         block boundary, that drops the last block from the hit.
+
+        `token_ids` may only have grown since a previous lookup of the same request (its
+        hashes are remembered until its first allocation or free()).
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks; look up before its first allocation")
         if not self.enable_prefix_caching:
             return ComputedBlocks([], 0, 0, extra_key=extra_key)
-        block_hashes = hash_block_tokens(token_ids, self.block_size, extra_key)
+        memo_key, block_hashes = self._lookup_hashes.get(request_id, (extra_key, []))
+        if memo_key != extra_key:
+            block_hashes = []
+        extend_block_hashes(block_hashes, token_ids, self.block_size, extra_key)
+        self._lookup_hashes[request_id] = (extra_key, block_hashes)
         max_hit_blocks = max(0, len(token_ids) - 1) // self.block_size
         blocks: list[KVBlock] = []
         for block_hash in block_hashes[:max_hit_blocks]:
@@ -134,7 +145,7 @@ class KVCacheManager:
             blocks=blocks,
             num_computed_tokens=len(blocks) * self.block_size,
             num_queried_tokens=len(token_ids),
-            block_hashes=block_hashes,
+            block_hashes=list(block_hashes),
             extra_key=extra_key,
         )
 
@@ -148,12 +159,14 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Make room for KV of tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
 
-        `computed_blocks` only on a request's first allocation: the lookup, or
-        ComputedBlocks.miss(extra_key) to skip it (then `num_computed_tokens` must equal
-        its num_computed_tokens; without it the request's blocks are cached unsalted). All or nothing: returns None and changes
-        nothing when too few blocks are free; free cached blocks count as free and are
-        evicted lazily. Returns the block ids appended to the request's table by this call
-        (on the first call: the prefix-hit blocks, then the fresh ones).
+        Pass `computed_blocks` on a request's first allocation only: the lookup, or
+        ComputedBlocks.miss(extra_key) when it skips the lookup (without one its blocks are
+        cached with no extra key). `num_computed_tokens` must then equal the lookup's.
+
+        All or nothing: returns None and changes nothing when too few blocks are free.
+        Free cached blocks count as free and are evicted lazily. Returns the block ids
+        appended to the request's table by this call (on the first call: the prefix-hit
+        blocks, then the fresh ones).
         """
         state = self._requests.get(request_id)
         hit = self._validate_hit(request_id, state, num_computed_tokens, computed_blocks)
@@ -168,6 +181,7 @@ class KVCacheManager:
             state = _RequestBlocks(blocks=[], block_hashes=[], extra_key=None)
             self._requests[request_id] = state
         if computed_blocks is not None:
+            self._lookup_hashes.pop(request_id, None)
             state.block_hashes = list(computed_blocks.block_hashes)
             state.extra_key = computed_blocks.extra_key
             state.num_cached_blocks = len(hit)
@@ -196,11 +210,13 @@ class KVCacheManager:
         state.num_cached_blocks = num_full
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks. Safe to call for a request that holds none.
+        """Release the request's blocks (and forget its lookups). Safe to call for a request
+        that holds none; call it for a request that was looked up and then dropped.
 
         Freed in REVERSE table order: a sequence's tail blocks (shared by fewest other
         prompts) reach the free queue first and are evicted first.
         """
+        self._lookup_hashes.pop(request_id, None)
         state = self._requests.pop(request_id, None)
         if state is not None:
             self.pool.free(reversed(state.blocks))
@@ -224,6 +240,8 @@ class KVCacheManager:
             if state.num_cached_blocks > len(state.blocks):
                 raise KVCacheInvariantError(f"request {request_id!r} cached more blocks than it holds")
             holders.update(ids)
+            if request_id in self._lookup_hashes:
+                raise KVCacheInvariantError(f"request {request_id!r} holds blocks but still has a pending lookup")
         self.pool.check_invariants(holders)
 
     def _validate_hit(

@@ -238,7 +238,9 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan, now: float) -> None:
         admitted: list[Request] = []
         for request in self._waiting.ordered(now):
-            if plan.budget <= 0 or len(self._running) >= self.config.max_num_seqs:
+            # No free block: nobody can be admitted (new tokens always need a fresh block),
+            # so stop before hashing the rest of a long queue for nothing.
+            if plan.budget <= 0 or len(self._running) >= self.config.max_num_seqs or not self._kv.num_free_blocks:
                 break
             if self._try_admit(request, plan, now):
                 admitted.append(request)
