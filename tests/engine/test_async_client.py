@@ -81,3 +81,24 @@ def test_core_death_fails_every_request(tiny_dir):
             await client.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_refused_request_fails_alone(tiny_dir):
+    async def scenario():
+        client = AsyncEngineClient(EngineConfig.from_flat(model=str(tiny_dir), num_blocks=64, num_threads=1))
+        await client.start()
+        try:
+            good = await client.add_request(_request("good", 8))
+            too_long = EngineRequest(
+                request_id="too-long", prompt_token_ids=[5] * 2000, sampling_params=SamplingParams(max_tokens=4)
+            )
+            bad = await client.add_request(too_long)
+            _, last = await _collect(bad)
+            assert last.finish_reason == FinishReason.ERROR and "max_model_len" in last.error
+            tokens, last = await _collect(good)
+            assert len(tokens) == 8 and last.finish_reason == FinishReason.LENGTH
+            assert client.dead_error is None
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())

@@ -16,6 +16,7 @@ import traceback
 import zmq
 
 from servelm.config import EngineConfig
+from servelm.datatypes import EngineOutput, EngineRequest, FinishReason
 from servelm.engine.builder import build_engine
 from servelm.engine.core import EngineCore
 from servelm.engine.messages import (
@@ -67,6 +68,7 @@ def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
     poller.register(inputs, zmq.POLLIN)
     parent = os.getppid()
     while True:
+        rejected: list[EngineOutput] = []
         # With work pending, only drain what is already there; otherwise wait (bounded, to notice orphaning).
         timeout_ms = 0 if core.has_work() else 1000
         while poller.poll(timeout_ms):
@@ -74,17 +76,27 @@ def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
             if isinstance(message, Shutdown):
                 return
             if isinstance(message, AddRequest):
-                core.add_request(message.request)
+                rejection = _add_request(core, message.request)
+                if rejection is not None:
+                    rejected.append(rejection)
             elif isinstance(message, AbortRequests):
                 core.abort_requests(message.request_ids)
             timeout_ms = 0
         if os.getppid() != parent:
             logger.error("engine core: the API process is gone; exiting")
             return
-        if not core.has_work():
-            continue
-        step_outputs = core.step()
+        step_outputs = rejected + (core.step() if core.has_work() else [])
         if step_outputs:
             batch = OutputBatch(outputs=step_outputs, stats=core.stats(), timestamp=time.time())
             outputs.send(from_core_encoder.encode(batch))
 
+
+def _add_request(core: EngineCore, request: EngineRequest) -> EngineOutput | None:
+    """Queue a request; a request the scheduler refuses fails alone instead of ending the core."""
+    try:
+        core.add_request(request)
+    except ValueError as error:
+        return EngineOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=str(error)
+        )
+    return None

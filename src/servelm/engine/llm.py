@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from servelm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest, PositionLogprobs
 from servelm.engine.builder import BuiltEngine, build_engine
 from servelm.engine.output_processor import OutputProcessor, RequestState
