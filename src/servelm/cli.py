@@ -1,0 +1,111 @@
+"""`servelm serve | generate | bench`: the command line.
+
+Engine flags are shared by every subcommand that runs an engine; each maps onto one
+field of one config slice (see servelm.config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from servelm.config import EngineConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine core")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--kv-cache-memory", type=float, default=None, dest="kv_cache_memory_gib", help="GiB for KV")
+    group.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    group.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    group.add_argument("--max-num-seqs", type=int, default=None, help="requests per step at most")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    flat = {
+        name: getattr(args, name, None)
+        for name in (
+            "dtype",
+            "device",
+            "max_model_len",
+            "num_threads",
+            "block_size",
+            "kv_cache_memory_gib",
+            "num_blocks",
+            "enable_prefix_caching",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+        )
+        if getattr(args, name, None) is not None
+    }
+    return EngineConfig.from_flat(model=args.model, **flat)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from servelm.engine.llm import LLM
+    from servelm.sampling_params import SamplingParams
+
+    llm = LLM(config=engine_config_from_args(args))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    for prompt in prompts:
+        token_ids = llm.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else None
+        [result] = llm.generate([token_ids if token_ids is not None else prompt], params)
+        print(result.outputs[0].text, flush=True)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from servelm.server.app import run_server
+
+    return run_server(engine_config_from_args(args), args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="servelm", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require this bearer token (or env SERVELM_API_KEY)")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, 429")
+    serve.add_argument("--log-requests", action="store_true", help="one JSON timeline line per request")
+    serve.add_argument(
+        "--shutdown-timeout", type=int, default=30, dest="shutdown_timeout_s",
+        help="on SIGTERM, seconds in-flight requests may take to finish before they are cut",
+    )  # fmt: skip
+    serve.add_argument("--tokenizer-threads", type=int, default=2, help="threads that tokenize prompts off the event loop")
+    serve.set_defaults(handler=_serve)
+
+    generate = sub.add_parser("generate", help="one-shot generation (prompts from --prompt or stdin)")
+    add_engine_arguments(generate)
+    generate.add_argument("--prompt", action="append", help="may repeat; default: one prompt per stdin line")
+    generate.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.set_defaults(handler=_generate)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Observability: per-request timelines, TTFT attribution, Prometheus metrics, request logs."""

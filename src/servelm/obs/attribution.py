@@ -1,0 +1,105 @@
+"""Where one request's time to first token went.
+
+    received ──ingress──▶ sent_to_core ──queue──▶ first scheduled ──prefill + preemption──▶ first_token ──output──▶ end
+      (API)   parse,          (API)     IPC in +     (core)        chunks; lost time while      (core)    core→API, detokenize,  (API)
+              template,                 waiting                    preempted, and the chunks             SSE write
+              tokenize                  queue                      that redo work done before it
+
+The components telescope, so they sum to `end - received` exactly (in wall-clock time;
+`ttft_mono` is the same span on the API's monotonic clock, the cross-check for a clock step).
+
+Preemption before the first token is charged two ways: the wall time from PREEMPTED to the
+next SCHEDULED (waiting again), and the share of later prefill chunks that recompute tokens
+already computed before the preemption (a prefix-cache hit on the old blocks shrinks the
+chunks, so this is an upper bound on the recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelm.datatypes import EventType, RequestEvent
+
+
+@dataclass(frozen=True)
+class TTFTBreakdown:
+    """Seconds. ingress + queue + prefill + preemption + output == ttft."""
+
+    ingress: float  # HTTP received → sent to the core: validation, chat template, tokenization
+    queue: float  # sent → first scheduled: IPC into the core and the waiting queue
+    prefill: float  # first scheduled → first token, less preemption: prompt compute (chunks, batch-mates)
+    preemption: float  # waiting after preemptions + recomputing lost progress, before the first token
+    output: float  # first token sampled in the core → end: core→API, detokenize, write
+    ttft: float  # received → end, wall clock
+    ttft_mono: float  # received → end on the API's monotonic clock
+    core_to_api: float  # first token sampled → its output received by the API (part of `output`)
+    detokenize: float  # received → detokenized (part of `output`)
+
+    COMPONENTS = ("ingress", "queue", "prefill", "preemption", "output")
+
+    def as_ms(self) -> dict[str, float]:
+        names = (*self.COMPONENTS, "ttft", "ttft_mono", "core_to_api", "detokenize")
+        return {name: round(getattr(self, name) * 1000.0, 3) for name in names}
+
+    def header_value(self) -> str:
+        """`x-servelm-ttft-breakdown`: `ingress=0.412;queue=1.03;…;ttft=5.9` in milliseconds."""
+        return ";".join(f"{k}={v:.3f}" for k, v in self.as_ms().items())
+
+
+def attribute_ttft(
+    *,
+    received: float,
+    sent_to_core: float,
+    first_output_received: float,
+    first_token_detokenized: float,
+    end: float,
+    ttft_mono: float,
+    events: list[RequestEvent],
+) -> TTFTBreakdown | None:
+    """Split received → end; None when the core events lack a SCHEDULED or FIRST_TOKEN."""
+    first_scheduled = next((e.timestamp for e in events if e.type is EventType.SCHEDULED), None)
+    first_token = next((e.timestamp for e in events if e.type is EventType.FIRST_TOKEN), None)
+    if first_scheduled is None or first_token is None:
+        return None
+    compute = first_token - first_scheduled
+    preemption = min(preemption_before(events, first_token), max(compute, 0.0))
+    return TTFTBreakdown(
+        ingress=sent_to_core - received,
+        queue=first_scheduled - sent_to_core,
+        prefill=compute - preemption,
+        preemption=preemption,
+        output=end - first_token,
+        ttft=end - received,
+        ttft_mono=ttft_mono,
+        core_to_api=first_output_received - first_token,
+        detokenize=first_token_detokenized - first_output_received,
+    )
+
+
+def preemption_before(events: list[RequestEvent], until: float) -> float:
+    """Seconds lost to preemption up to `until` (see module doc for the two parts)."""
+    lost = 0.0
+    computed = 0  # prompt tokens computed since the request last (re)started
+    high_water = 0  # most prompt tokens any run got through: everything below it is redo work
+    redo = 0  # tokens still to recompute in the current run
+    preempted_at: float | None = None
+    boundary: float | None = None  # end of the previous chunk, or the SCHEDULED that began this run
+    for event in events:
+        if event.timestamp > until or event.type is EventType.FIRST_TOKEN:
+            break
+        if event.type is EventType.PREEMPTED:
+            high_water = max(high_water, computed)
+            preempted_at, redo, computed = event.timestamp, high_water, 0
+        elif event.type is EventType.SCHEDULED:
+            if preempted_at is not None:
+                lost += event.timestamp - preempted_at
+                preempted_at = None
+            boundary = event.timestamp
+        elif event.type is EventType.PREFILL_CHUNK and boundary is not None:
+            if redo > 0 and event.detail > 0:
+                share = min(redo, event.detail)
+                lost += (event.timestamp - boundary) * share / event.detail
+                redo -= share
+            computed += event.detail
+            boundary = event.timestamp
+    return lost

@@ -1,0 +1,182 @@
+"""Prometheus metrics, named after vLLM's (`vllm:` → `servelm:`) so existing dashboards map over.
+
+Two sources:
+- per request, observed in the API process when a request finishes (latency histograms,
+  token counters, finish reasons), labelled by model and priority class;
+- the engine core's own counters and gauges (running / waiting requests, KV usage,
+  prefix-cache queries and hits, preemptions), which arrive with every output batch as
+  `CoreStats` and are read at scrape time by a custom collector, so they are never stale
+  by more than one engine step (or one abort, see core_process).
+
+Each server owns its own CollectorRegistry: two servers in one process (tests) never collide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from servelm.datatypes import EventType, RequestEvent
+from servelm.engine.messages import CoreStats
+from servelm.obs.attribution import TTFTBreakdown
+
+PREFIX = "servelm:"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+def priority_class(priority: int) -> str:
+    """A bounded label for a free-form integer priority (lower runs first; 0 is interactive)."""
+    return "interactive" if priority <= 0 else "batch"
+
+
+def length_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, … up to max_value (vLLM's build_1_2_5_buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(float(value))
+        exponent += 1
+
+
+@dataclass
+class FinishedRequest:
+    """What the API knows about one engine request (one choice) when it finishes."""
+
+    priority: int
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    events: list[RequestEvent]
+    e2e_s: float  # HTTP received → finished in the API
+
+
+class ServerMetrics:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        core_stats: Callable[[], CoreStats],
+        num_blocks: int,
+        num_in_api: Callable[[], int],
+    ) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name", "priority"]
+
+        def histogram(name: str, doc: str, buckets: Iterable[float], extra: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels + list(extra), buckets=tuple(buckets), registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
+
+        lengths = length_buckets(max_model_len)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (HTTP received → first token out).", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs of a request.", _TOKEN_GAP_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Decode time / (generated tokens - 1).", _TOKEN_GAP_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "HTTP received → finished.", _REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Core: arrived → first scheduled.", _REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "Core: first scheduled → first token.", _REQUEST_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "Core: first token → finished.", _REQUEST_BUCKETS)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per request.", lengths)
+        self.generation_len = histogram("request_generation_tokens", "Generated tokens per request.", lengths)
+        self.ttft_component = histogram(
+            "ttft_component_seconds", "TTFT split by cause (see servelm.obs.attribution).", _LATENCY_BUCKETS, ("component",)
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        self.request_success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
+        self.registry.register(_CoreCollector(model_name, core_stats, num_blocks, num_in_api))
+        self._itl_children: dict[str, object] = {}
+
+    def observe_token_gap(self, priority: int, gap_s: float) -> None:
+        """Hot path (every output of every stream): the labelled child is cached."""
+        label = priority_class(priority)
+        child = self._itl_children.get(label)
+        if child is None:
+            child = self._itl_children[label] = self.itl.labels(self.model_name, label)
+        child.observe(gap_s)  # type: ignore[attr-defined]
+
+    def observe_ttft(self, priority: int, breakdown: TTFTBreakdown) -> None:
+        label = priority_class(priority)
+        self.ttft.labels(self.model_name, label).observe(max(breakdown.ttft, 0.0))
+        for name in TTFTBreakdown.COMPONENTS:
+            self.ttft_component.labels(self.model_name, label, name).observe(max(getattr(breakdown, name), 0.0))
+
+    def observe_finished(self, request: FinishedRequest) -> None:
+        labels = (self.model_name, priority_class(request.priority))
+        self.request_success.labels(*labels, request.finish_reason).inc()
+        self.prompt_tokens.labels(*labels).inc(request.num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(request.num_generation_tokens)
+        self.prompt_len.labels(*labels).observe(request.num_prompt_tokens)
+        self.generation_len.labels(*labels).observe(request.num_generation_tokens)
+        self.e2e.labels(*labels).observe(max(request.e2e_s, 0.0))
+        stamps = _first_stamps(request.events)
+        arrived, scheduled = stamps.get(EventType.ARRIVED), stamps.get(EventType.SCHEDULED)
+        first_token, finished = stamps.get(EventType.FIRST_TOKEN), stamps.get(EventType.FINISHED)
+        if arrived is not None and scheduled is not None:
+            self.queue.labels(*labels).observe(max(scheduled - arrived, 0.0))
+        if scheduled is not None and first_token is not None:
+            self.prefill.labels(*labels).observe(max(first_token - scheduled, 0.0))
+        if first_token is not None and finished is not None:
+            decode = max(finished - first_token, 0.0)
+            self.decode.labels(*labels).observe(decode)
+            if request.num_generation_tokens > 1:
+                self.tpot.labels(*labels).observe(decode / (request.num_generation_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _first_stamps(events: list[RequestEvent]) -> dict[EventType, float]:
+    stamps: dict[EventType, float] = {}
+    for event in events:
+        stamps.setdefault(event.type, event.timestamp)
+    return stamps
+
+
+class _CoreCollector(Collector):
+    """Gauges and cumulative counters straight from the latest CoreStats, read at scrape time."""
+
+    def __init__(
+        self, model_name: str, core_stats: Callable[[], CoreStats], num_blocks: int, num_in_api: Callable[[], int]
+    ) -> None:
+        self.model_name = model_name
+        self.core_stats = core_stats
+        self.num_blocks = num_blocks
+        self.num_in_api = num_in_api
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.core_stats()
+        gauges = (
+            ("num_requests_running", "Requests in the engine's running set.", stats.num_running),
+            ("num_requests_waiting", "Requests in the engine's waiting queue.", stats.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).", stats.kv_usage),
+            ("kv_cache_used_blocks", "KV blocks held by requests.", stats.num_used_blocks),
+            ("kv_cache_total_blocks", "KV blocks in the pool.", self.num_blocks),
+            ("num_requests_in_api", "Engine requests the API process has in flight.", self.num_in_api()),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family
+        counters = (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
+            ("num_preemptions", "Preemptions (a running request lost its blocks).", stats.num_preemptions),
+        )
+        for name, doc, value in counters:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family

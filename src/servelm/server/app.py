@@ -1,0 +1,266 @@
+"""The OpenAI-compatible HTTP server: app factory, routes, and `servelm serve`'s entry point.
+
+    uvicorn ─▶ _EdgeMiddleware (stamp "received", API key) ─▶ FastAPI routes ─▶ completions / chat
+                                                                              └▶ AsyncEngineClient ─ZMQ─▶ engine core process
+
+Shutdown (SIGTERM or SIGINT): new requests get 503 at once and uvicorn stops accepting
+connections; in-flight requests run to completion for up to `--shutdown-timeout` seconds
+(then they are cancelled, which aborts them in the core); then the core is stopped and the
+process exits with code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import hmac
+import logging
+import os
+import signal
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from servelm.config import EngineConfig
+from servelm.engine.async_client import AsyncEngineClient
+from servelm.engine.output_processor import OutputProcessor
+from servelm.obs.metrics import ServerMetrics
+from servelm.obs.request_log import RequestLogger
+from servelm.server.admission import Admission
+from servelm.server.chat import create_chat_completion
+from servelm.server.completions import create_completion
+from servelm.server.context import ServerContext
+from servelm.server.errors import from_validation_errors, install_error_handlers, unauthorized, unavailable
+from servelm.server.protocol import ChatCompletionRequest, CompletionRequest
+from servelm.server.serving import json_response
+from servelm.server.tokenization import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+API_KEY_ENV = "SERVELM_API_KEY"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_waiting_requests: int = 1024
+    log_requests: bool = False
+    shutdown_timeout_s: int = 30
+    tokenizer_threads: int = 2
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerOptions:
+        """CLI flags; the API key may also come from $SERVELM_API_KEY (the one place env is read)."""
+        names = [name for name in cls.__dataclass_fields__ if getattr(args, name, None) is not None]
+        values = {name: getattr(args, name) for name in names}
+        if values.get("api_key") is None and os.environ.get(API_KEY_ENV):
+            values["api_key"] = os.environ[API_KEY_ENV]
+        return cls(**values)
+
+
+def model_name_for(engine_config: EngineConfig, options: ServerOptions) -> str:
+    if options.served_model_name:
+        return options.served_model_name
+    if engine_config.model.model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(engine_config.model.model)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+class _EdgeMiddleware:
+    """First thing a request meets: stamp its arrival (before the body is read) and check the API key."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["servelm_received"] = (time.time(), time.perf_counter())
+            if self.expected is not None and scope["path"].startswith("/v1/"):
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    await unauthorized().response()(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def _load_tokenizer(model: str | None) -> Any:
+    # Imported here: the models package pulls in torch, which the API process should only
+    # pay for after the core process has been spawned (they then load concurrently).
+    from servelm.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(model)
+
+
+async def _start_context(engine_config: EngineConfig, options: ServerOptions) -> ServerContext:
+    client = AsyncEngineClient(engine_config)
+    # The core loads the model in its own process while this one loads the tokenizer.
+    tokenizer_load = asyncio.create_task(asyncio.to_thread(_load_tokenizer, engine_config.model.model))
+    try:
+        ready = await client.start()
+    except BaseException:
+        tokenizer_load.cancel()
+        await client.shutdown()
+        raise
+    tokenizer = await tokenizer_load
+    prompt_tokenizer = PromptTokenizer(tokenizer, max_workers=options.tokenizer_threads)
+    name = model_name_for(engine_config, options)
+    metrics = ServerMetrics(name, ready.max_model_len, lambda: client.stats, ready.num_blocks, lambda: client.num_in_flight)
+    admission = Admission(
+        max_waiting=options.max_waiting_requests,
+        num_tokenizing=lambda: prompt_tokenizer.num_pending,
+        num_engine_in_flight=lambda: client.num_in_flight,
+        num_running=lambda: client.stats.num_running,
+        engine_error=lambda: client.dead_error,
+    )
+    logger.info("serving %s (%s): context %d tokens, %d KV blocks", name, ready.source, ready.max_model_len, ready.num_blocks)
+    return ServerContext(
+        client=client,
+        tokenizer=prompt_tokenizer,
+        processor=OutputProcessor(prompt_tokenizer.decoder),
+        metrics=metrics,
+        admission=admission,
+        request_logger=RequestLogger(options.log_requests),
+        model_name=name,
+        max_model_len=ready.max_model_len,
+        vocab_size=ready.vocab_size,
+        block_size=ready.block_size,
+    )
+
+
+def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
+    """The ASGI app; its lifespan starts the engine core process and stops it at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx = await _start_context(engine_config, options)
+        app.state.ctx = ctx
+        gc.collect()
+        gc.freeze()  # start-up objects (tokenizer, modules) never need scanning again: shorter GC pauses
+        try:
+            yield
+        finally:
+            ctx.admission.draining = True
+            await ctx.client.shutdown()
+            ctx.tokenizer.shutdown()
+
+    app = FastAPI(title="servelm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    _add_routes(app)
+    app.add_middleware(_EdgeMiddleware, api_key=options.api_key)
+    return app
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from exc
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(_ctx(request), request, await _parse(request, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(_ctx(request), request, await _parse(request, ChatCompletionRequest))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        ctx = _ctx(request)
+        card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "servelm",
+                "root": ctx.model_name, "max_model_len": ctx.max_model_len}  # fmt: skip
+        return json_response({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        ctx = _ctx(request)
+        if ctx.admission.draining:
+            return unavailable("shutting down").response()
+        if ctx.client.dead_error is not None:
+            return unavailable(f"The engine is not running: {ctx.client.dead_error}").response()
+        return json_response({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: a signal flips the server to draining first; and no re-raise of the signal afterwards."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises the captured signal once serving ends, so the process would die of
+        # SIGTERM (exit -15) after draining; a drained shutdown is a clean exit, so we do not.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+
+def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
+    """`servelm serve`: serve until SIGTERM/SIGINT; 0 after a clean drain, non-zero if start-up failed."""
+    options = ServerOptions.from_args(args)
+    app = create_app(engine_config, options)
+    config = uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        # uvloop and httptools when installed (about half the per-token cost of the pure-Python
+        # h11 + asyncio pair), else asyncio and h11: same behaviour, both covered by the tests.
+        loop="auto",
+        http="auto",
+        lifespan="on",
+        access_log=False,
+        log_level=logging.getLevelName(logging.getLogger().level).lower() if logging.getLogger().level else "info",
+        timeout_graceful_shutdown=options.shutdown_timeout_s,
+    )
+
+    def on_exit() -> None:
+        ctx: ServerContext | None = getattr(app.state, "ctx", None)
+        if ctx is not None:
+            ctx.admission.draining = True
+
+    server = _Server(config, on_exit)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits this way when the lifespan (engine start-up) failed
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0 if server.started else 1

@@ -1,0 +1,130 @@
+"""POST /v1/chat/completions: messages → the model's chat template → tokens → an assistant reply."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from servelm.obs.timeline import ApiStamp
+from servelm.server.context import ServerContext
+from servelm.server.errors import bad_request
+from servelm.server.generation import ChoiceDelta, Generation
+from servelm.server.logprobs import chat_logprobs_content, ids_to_decode
+from servelm.server.protocol import ChatCompletionRequest
+from servelm.server.serving import (
+    DONE, api_error_from_engine, check_model, check_prompts, engine_error, final_chunk, finish_request, json_response,
+    new_request, sse, sse_response, start_generation, stream_error_event, until_disconnect, usage,
+)  # fmt: skip
+
+
+async def create_chat_completion(ctx: ServerContext, http_request: Request, body: ChatCompletionRequest) -> Response:
+    request_id, timeline = new_request(http_request, "chatcmpl", body.stream)
+    check_model(ctx, body.model)
+    body.check()
+    params = body.to_sampling_params()
+    ctx.admission.admit(body.n)
+    try:
+        prompt = await ctx.tokenizer.apply_chat_template(body.chat_messages(), body.add_generation_prompt)
+    except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
+        raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
+    check_prompts(ctx, [prompt], params, "messages")
+    timeline.stamp(ApiStamp.TOKENIZED)
+    gen = Generation(ctx, request_id, [prompt], params, body.priority, timeline)
+    await start_generation(gen)
+    view = _ChatView(ctx, body, gen)
+    if body.stream:
+        return sse_response(view.stream())
+    response = await until_disconnect(http_request, view.collect(), gen)
+    return response if response is not None else Response(status_code=499)
+
+
+@dataclass
+class _ChatView:
+    ctx: ServerContext
+    body: ChatCompletionRequest
+    gen: Generation
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _header(self, obj: str) -> dict[str, Any]:
+        return {"id": self.gen.request_id, "object": obj, "created": self.created, "model": self.ctx.model_name}
+
+    def _logprobs(self, token_ids: list[int], entries: list) -> dict[str, Any] | None:
+        if not self.body.logprobs or not token_ids:
+            return None
+        ids = ids_to_decode(token_ids, entries)
+        strings = dict(zip(ids, self.ctx.tokenizer.decoder.token_strings(ids)))
+        return {"content": chat_logprobs_content(token_ids, entries, strings, self.body.top_logprobs or 0), "refusal": None}
+
+    async def collect(self) -> Response:
+        texts = {c.index: [] for c in self.gen.choices}
+        tokens: dict[int, list[int]] = {c.index: [] for c in self.gen.choices}
+        entries: dict[int, list] = {c.index: [] for c in self.gen.choices}
+        async for deltas in self.gen.deltas():
+            for delta in deltas:
+                texts[delta.choice.index].append(delta.text)
+                tokens[delta.choice.index].extend(delta.token_ids)
+                entries[delta.choice.index].extend(delta.logprobs or [])
+        error = engine_error(self.gen)
+        if error is not None:
+            raise api_error_from_engine(error)
+        choices = []
+        for choice in self.gen.choices:
+            state = choice.state
+            choices.append(
+                {
+                    "index": choice.index,
+                    "message": {"role": "assistant", "content": "".join(texts[choice.index])},
+                    "logprobs": self._logprobs(tokens[choice.index], entries[choice.index]),
+                    "finish_reason": state.finish_reason if state else None,
+                    "stop_reason": state.stop_reason if state else None,
+                }
+            )
+        prompt_tokens, completion_tokens = len(self.gen.prompts[0]), sum(len(t) for t in tokens.values())
+        done = finish_request(self.ctx, self.gen, prompt_tokens, completion_tokens, self.body.wants_timeline)
+        payload = {**self._header("chat.completion"), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        if done.timeline_dict is not None:
+            payload["servelm"] = {"timeline": done.timeline_dict}
+        return json_response(payload, headers=done.ttft_header)
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        header = self._header("chat.completion.chunk")
+        if self.body.include_usage:
+            header["usage"] = None
+        started: set[int] = set()
+        completion_tokens = 0
+        try:
+            async for deltas in self.gen.deltas():
+                entries = [e for e in (self._stream_entry(d, started) for d in deltas) if e is not None]
+                completion_tokens += sum(len(d.token_ids) for d in deltas)
+                if entries:
+                    yield sse({**header, "choices": entries})
+                    if any(d.token_ids for d in deltas):
+                        self.gen.timeline.stamp(ApiStamp.FIRST_BYTE_WRITTEN)
+            error = engine_error(self.gen)
+            if error is not None:
+                yield stream_error_event(error)
+            prompt_tokens = len(self.gen.prompts[0])
+            done = finish_request(self.ctx, self.gen, prompt_tokens, completion_tokens, self.body.wants_timeline)
+            final = final_chunk(header, self.body.include_usage, prompt_tokens, completion_tokens, done.timeline_dict)
+            if final is not None:
+                yield sse(final)
+            yield DONE
+        finally:
+            self.gen.close()
+
+    def _stream_entry(self, delta: ChoiceDelta, started: set[int]) -> dict[str, Any] | None:
+        message: dict[str, str] = {}
+        if delta.choice.index not in started:
+            started.add(delta.choice.index)
+            message["role"] = "assistant"  # the first chunk of each choice names the role
+        if delta.text or "role" in message:
+            message["content"] = delta.text
+        logprobs = self._logprobs(delta.token_ids, delta.logprobs or [])
+        if not message and logprobs is None and delta.finish_reason is None:
+            return None
+        return {"index": delta.choice.index, "delta": message, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip

@@ -1,0 +1,188 @@
+"""POST /v1/completions: prompt(s) as text or token ids → text, streamed or whole.
+
+echo + logprobs returns the prompt's tokens with their logprobs before the generated ones
+(the first prompt token has none); with max_tokens 0 only the prompt is scored — the engine
+runs one token, which is dropped here. That is lm-evaluation-harness's loglikelihood call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from servelm.obs.timeline import ApiStamp
+from servelm.server.context import ServerContext
+from servelm.server.errors import bad_request
+from servelm.server.generation import Choice, ChoiceDelta, Generation
+from servelm.server.logprobs import empty_completion_logprobs, extend_completion_logprobs, ids_to_decode
+from servelm.server.protocol import CompletionRequest
+from servelm.server.serving import (
+    DONE, api_error_from_engine, check_model, check_prompts, engine_error, final_chunk, finish_request, json_response,
+    new_request, sse, sse_response, start_generation, stream_error_event, until_disconnect, usage,
+)  # fmt: skip
+
+
+async def create_completion(ctx: ServerContext, http_request: Request, body: CompletionRequest) -> Response:
+    request_id, timeline = new_request(http_request, "cmpl", body.stream)
+    check_model(ctx, body.model)
+    body.check()
+    params = body.to_sampling_params()
+    prompts = _prompt_list(body.prompt)
+    ctx.admission.admit(len(prompts) * body.n)
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await ctx.tokenizer.encode_many(texts)) if texts else iter(())
+    token_ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
+    check_prompts(ctx, token_ids, params, "prompt", client_ids=len(texts) < len(prompts))
+    timeline.stamp(ApiStamp.TOKENIZED)
+    gen = Generation(ctx, request_id, token_ids, params, body.priority, timeline)
+    await start_generation(gen)
+    view = _CompletionView(ctx, body, gen, prompts)
+    if body.stream:
+        return view.streaming_response()
+    response = await until_disconnect(http_request, view.collect(), gen)
+    return response if response is not None else Response(status_code=499)
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+@dataclass
+class _Accumulated:
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    echoed: bool = False  # the streamed echo prefix went out already
+    text_offset: int = 0
+
+
+@dataclass
+class _CompletionView:
+    ctx: ServerContext
+    body: CompletionRequest
+    gen: Generation
+    prompts: list[str | list[int]]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def drop_generated(self) -> bool:
+        return self.body.max_tokens == 0  # prompt scoring only
+
+    def _header(self) -> dict[str, Any]:
+        return {"id": self.gen.request_id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name}
+
+    async def _echo(self, choice: Choice, acc: _Accumulated) -> tuple[str, dict[str, list[Any]] | None]:
+        """The prompt's text (and its logprobs) that precede this choice's completion."""
+        prompt = self.prompts[choice.prompt_index]
+        prompt_ids = self.gen.prompts[choice.prompt_index]
+        text = prompt if isinstance(prompt, str) else await self.ctx.tokenizer.decode(prompt_ids)
+        if self.body.logprobs is None:
+            return text, None
+        entries = self._prompt_logprobs(choice)
+        strings = await self._strings(prompt_ids, entries, in_pool=True)
+        logprobs = empty_completion_logprobs()
+        acc.text_offset = extend_completion_logprobs(logprobs, prompt_ids, entries, strings, acc.text_offset)
+        return text, logprobs
+
+    def _prompt_logprobs(self, choice: Choice) -> list:
+        # Only each prompt's first choice scores the prompt (generation._child_params).
+        leader = self.gen.choices[choice.prompt_index * self.body.n]
+        return list(leader.state.prompt_logprobs) if leader.state is not None else []
+
+    async def _strings(self, token_ids: list[int], entries: list, in_pool: bool) -> dict[int, str]:
+        ids = ids_to_decode(token_ids, entries)
+        decoded = await self.ctx.tokenizer.token_strings(ids) if in_pool else self.ctx.tokenizer.decoder.token_strings(ids)
+        return dict(zip(ids, decoded))
+
+    async def collect(self) -> Response:
+        accumulated = {c.index: _Accumulated() for c in self.gen.choices}
+        async for deltas in self.gen.deltas():
+            for delta in deltas:
+                acc = accumulated[delta.choice.index]
+                acc.parts.append(delta.text)
+                acc.token_ids.extend(delta.token_ids)
+                acc.logprobs.extend(delta.logprobs or [])
+        error = engine_error(self.gen)
+        if error is not None:
+            raise api_error_from_engine(error)
+        choices = [await self._final_choice(c, accumulated[c.index]) for c in self.gen.choices]
+        completion_tokens = sum(len(a.token_ids) for a in accumulated.values()) if not self.drop_generated else 0
+        done = finish_request(self.ctx, self.gen, self._prompt_tokens(), completion_tokens, self.body.wants_timeline)
+        payload = {**self._header(), "choices": choices, "usage": usage(self._prompt_tokens(), completion_tokens)}
+        if done.timeline_dict is not None:
+            payload["servelm"] = {"timeline": done.timeline_dict}
+        return json_response(payload, headers=done.ttft_header)
+
+    async def _final_choice(self, choice: Choice, acc: _Accumulated) -> dict[str, Any]:
+        echo_text, logprobs = await self._echo(choice, acc) if self.body.echo else ("", None)
+        text = echo_text + ("" if self.drop_generated else "".join(acc.parts))
+        if self.body.logprobs is not None and not self.drop_generated:
+            logprobs = logprobs or empty_completion_logprobs()
+            strings = await self._strings(acc.token_ids, acc.logprobs, in_pool=True)
+            extend_completion_logprobs(logprobs, acc.token_ids, acc.logprobs, strings, acc.text_offset)
+        state = choice.state
+        return {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": state.finish_reason if state else None,
+            "stop_reason": state.stop_reason if state else None,
+        }
+
+    def _prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.gen.prompts)
+
+    def streaming_response(self) -> Response:
+        return sse_response(self._stream())
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        header = self._header()
+        if self.body.include_usage:
+            header["usage"] = None  # OpenAI: every chunk but the last carries "usage": null
+        accumulated = {c.index: _Accumulated() for c in self.gen.choices}
+        completion_tokens = 0
+        try:
+            async for deltas in self.gen.deltas():
+                entries = [await self._stream_entry(d, accumulated[d.choice.index]) for d in deltas]
+                entries = [e for e in entries if e is not None]
+                completion_tokens += 0 if self.drop_generated else sum(len(d.token_ids) for d in deltas)
+                if entries:
+                    yield sse({**header, "choices": entries})
+                    if any(d.token_ids for d in deltas):
+                        self.gen.timeline.stamp(ApiStamp.FIRST_BYTE_WRITTEN)
+            error = engine_error(self.gen)
+            if error is not None:
+                yield stream_error_event(error)
+            done = finish_request(self.ctx, self.gen, self._prompt_tokens(), completion_tokens, self.body.wants_timeline)
+            final = final_chunk(header, self.body.include_usage, self._prompt_tokens(), completion_tokens, done.timeline_dict)
+            if final is not None:
+                yield sse(final)
+            yield DONE
+        finally:
+            self.gen.close()
+
+    async def _stream_entry(self, delta: ChoiceDelta, acc: _Accumulated) -> dict[str, Any] | None:
+        text, logprobs = "", None
+        if self.body.echo and not acc.echoed:
+            acc.echoed = True
+            text, logprobs = await self._echo(delta.choice, acc)
+        if not self.drop_generated:
+            text += delta.text
+            if self.body.logprobs is not None and delta.token_ids:
+                logprobs = logprobs or empty_completion_logprobs()
+                strings = await self._strings(delta.token_ids, delta.logprobs or [], in_pool=False)
+                acc.text_offset = extend_completion_logprobs(logprobs, delta.token_ids, delta.logprobs or [], strings, acc.text_offset)
+        if not text and logprobs is None and delta.finish_reason is None:
+            return None
+        return {"index": delta.choice.index, "text": text, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip

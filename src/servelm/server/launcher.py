@@ -1,0 +1,97 @@
+"""Start a real `servelm serve` in a subprocess and wait until it answers /health.
+
+For tests and benchmarks that must exercise the server as deployed: its own process,
+its own engine-core process, real HTTP on 127.0.0.1. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def terminate(self) -> None:
+        """SIGTERM: the server drains in-flight requests, then exits."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, wait, SIGKILL if it does not go; returns the exit code."""
+        self.terminate()
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(timeout=10)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def launch_server(
+    model: str | Path | None,
+    extra_args: Sequence[str] = (),
+    *,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    startup_timeout_s: float = 240.0,
+) -> ServerProcess:
+    """`python -m servelm.cli serve --model MODEL --port PORT EXTRA...`, healthy on return (or raises with its log)."""
+    port = port or free_port()
+    log_file = tempfile.NamedTemporaryFile(prefix=f"servelm-{port}-", suffix=".log", delete=False)
+    command = [sys.executable, "-m", "servelm.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if model is not None:
+        command += ["--model", str(model)]
+    command += list(extra_args)
+    process = subprocess.Popen(
+        command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=False
+    )
+    server = ServerProcess(process, port, Path(log_file.name))
+    log_file.close()
+    deadline = time.monotonic() + startup_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"servelm serve exited with {process.returncode} during start-up:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"servelm serve not healthy after {startup_timeout_s:.0f} s:\n{server.log_tail()}")

@@ -1,0 +1,205 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their mapping onto SamplingParams.
+
+Strict on purpose: an unknown field or a value of the wrong type is a 400 naming the
+parameter (a typo like `max_token` silently ignored is worse than an error). Beyond
+OpenAI's fields we accept vLLM's common extensions (top_k, min_p, repetition_penalty,
+stop_token_ids, ignore_eos, min_tokens, priority, ...) and our own `servelm` options.
+Range checks live in SamplingParams (one place); their errors keep the parameter name.
+
+Responses are built as plain dicts and encoded with msgspec: they are on the per-token
+hot path, where constructing pydantic models would cost more than the JSON itself.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from servelm.sampling_params import SamplingParams, SamplingParamsError
+from servelm.server.errors import bad_request
+
+MAX_N = 128  # choices per request; each one is an engine request
+MAX_TOP_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ServelmOptions(_Strict):
+    """Our own request options, under `"servelm": {...}` (the openai client: `extra_body=`)."""
+
+    timeline: bool = False  # return the request's timeline and TTFT split in the response
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None: the one served model
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    priority: int = 0  # lower runs first; 0 interactive, larger = batch
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # accepted only empty: not supported
+    servelm: ServelmOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def wants_timeline(self) -> bool:
+        return self.servelm is not None and self.servelm.timeline
+
+    def check_common(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None, max_tokens_param: str
+    ) -> SamplingParams:
+        """The engine's SamplingParams; a range error becomes a 400 naming the API parameter."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise bad_request("stop strings must not be empty", param="stop")
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
+        try:
+            return SamplingParams(
+                n=self.n,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                **{k: v for k, v in given.items() if v is not None},
+            )
+        except SamplingParamsError as exc:
+            # Chat names its limit max_completion_tokens: say what the client sent.
+            param = max_tokens_param if exc.param == "max_tokens" else exc.param
+            raise bad_request(str(exc).replace("max_tokens", max_tokens_param), param=param) from exc
+
+
+class CompletionRequest(_GenerationRequest):
+    # A string, several strings, one token-id list, or several (lm-eval sends batches of ids).
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None  # top alternatives per token (0: only the chosen token's)
+    suffix: str | None = None  # not supported
+    best_of: int | None = None  # accepted only when equal to n
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of is not supported (it may only equal n)", param="best_of")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise bad_request(f"max_tokens must be >= 0, got {self.max_tokens}", param="max_tokens")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens may be 0 only with echo (prompt scoring)", param="max_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", param="logprobs")
+
+    def to_sampling_params(self) -> SamplingParams:
+        # max_tokens 0 + echo scores the prompt: the engine runs one token, the handler drops it.
+        engine_max = 1 if self.max_tokens == 0 else self.max_tokens
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.sampling_params(
+            max_tokens=engine_max, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs, max_tokens_param="max_tokens"
+        )
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise bad_request(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+                )
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def to_sampling_params(self) -> SamplingParams:
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(
+            max_tokens=limit, logprobs=logprobs, prompt_logprobs=None, max_tokens_param=self.max_tokens_param
+        )
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them."""
+        out = []
+        for message in self.messages:
+            entry = {"role": message.role, "content": message.text()}
+            if message.name is not None:
+                entry["name"] = message.name
+            out.append(entry)
+        return out

@@ -1,0 +1,168 @@
+"""What /v1/completions and /v1/chat/completions share: admission, prompt checks, the
+disconnect watch of a non-streaming request, SSE framing and the end-of-request record."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from servelm.obs.timeline import ApiStamp, RequestTimeline
+from servelm.sampling_params import SamplingParams
+from servelm.server.context import ServerContext
+from servelm.server.errors import APIError, bad_request, error_body, model_not_found
+from servelm.server.generation import Generation
+
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+TTFT_HEADER = "x-servelm-ttft-breakdown"
+_json = msgspec.json.Encoder()
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+def json_response(payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(_json.encode(payload), media_type="application/json", headers=headers)
+
+
+def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
+    # X-Accel-Buffering: a reverse proxy must not batch up tokens.
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def new_request(http_request: Request, prefix: str, streaming: bool) -> tuple[str, RequestTimeline]:
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    timeline = RequestTimeline(request_id, streaming)
+    wall, mono = getattr(http_request.state, "servelm_received", (time.time(), time.perf_counter()))
+    timeline.stamp(ApiStamp.RECEIVED, wall, mono)
+    return request_id, timeline
+
+
+def check_model(ctx: ServerContext, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise model_not_found(model)
+
+
+def check_prompts(
+    ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, param: str, client_ids: bool = False
+) -> None:
+    """Empty, too-long and (for ids the client sent) out-of-vocabulary prompts are the client's error."""
+    for prompt in prompts:
+        if not prompt:
+            raise bad_request("The prompt is empty: at least one token is needed.", param=param)
+        wanted = len(prompt) + (params.max_tokens or 1)
+        if len(prompt) >= ctx.max_model_len or wanted > ctx.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+                f"{wanted} tokens ({len(prompt)} in the prompt, {params.max_tokens or 1} for the completion). "
+                "Please reduce the length of the prompt or of the completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        # After the length check, so a huge prompt is rejected without a scan on the event loop.
+        if client_ids:
+            bad = next((t for t in prompt if not 0 <= t < ctx.vocab_size), None)
+            if bad is not None:
+                raise bad_request(
+                    f"Token id {bad} is out of range: the vocabulary has {ctx.vocab_size} tokens.", param=param
+                )
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class Finished:
+    """The end-of-request record: metrics, the JSON log line, and the timeline if asked for."""
+
+    timeline_dict: dict[str, Any] | None
+    ttft_header: dict[str, str]
+
+
+def finish_request(ctx: ServerContext, gen: Generation, prompt_tokens: int, completion_tokens: int, want_timeline: bool) -> Finished:
+    timeline = gen.timeline
+    timeline.stamp(ApiStamp.FINISHED)
+    breakdown = timeline.breakdown()
+    if breakdown is not None:
+        ctx.metrics.observe_ttft(gen.priority, breakdown)
+    ctx.request_logger.log(
+        timeline,
+        model=ctx.model_name,
+        priority=gen.priority,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        finish_reasons=[c.state.finish_reason if c.state else None for c in gen.choices],
+    )
+    header = {TTFT_HEADER: breakdown.header_value()} if breakdown is not None and not timeline.streaming else {}
+    return Finished(timeline.to_dict() if want_timeline else None, header)
+
+
+def engine_error(gen: Generation) -> str | None:
+    for choice in gen.choices:
+        if choice.state is not None and choice.state.error:
+            return choice.state.error
+    return None
+
+
+def stream_error_event(message: str) -> bytes:
+    return sse(error_body(f"The engine failed: {message}", "server_error"))
+
+
+async def until_disconnect(http_request: Request, work: Awaitable[T], gen: Generation) -> T | None:
+    """Run a non-streaming request's work; if the client goes away first, abort it and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(http_request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server gave up on this request (shutdown deadline)
+        task.cancel()
+        gen.close()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    gen.close()
+    return None
+
+
+async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def start_generation(gen: Generation) -> None:
+    """Start; on any failure close() so nothing half-submitted stays in the core."""
+    try:
+        await gen.start()
+    except BaseException:
+        gen.close()
+        raise
+
+
+def api_error_from_engine(message: str) -> APIError:
+    return APIError(500, f"The engine failed: {message}", type="server_error")
+
+
+def final_chunk(
+    header: dict[str, Any], include_usage: bool, prompt_tokens: int, completion_tokens: int, timeline: dict | None
+) -> dict[str, Any] | None:
+    """The chunk after all content: usage (if asked) and the timeline (if asked), with no choices."""
+    if not include_usage and timeline is None:
+        return None
+    chunk: dict[str, Any] = {**header, "choices": []}
+    if include_usage:
+        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+    if timeline is not None:
+        chunk["servelm"] = {"timeline": timeline}
+    return chunk

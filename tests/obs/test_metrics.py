@@ -1,0 +1,55 @@
+"""Prometheus metrics: vLLM-style names under `servelm:`, labels by model and priority class,
+core gauges and counters read from the latest CoreStats at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from servelm.datatypes import EventType as E
+from servelm.datatypes import RequestEvent
+from servelm.engine.messages import CoreStats
+from servelm.obs.attribution import TTFTBreakdown
+from servelm.obs.metrics import FinishedRequest, ServerMetrics, length_buckets, priority_class
+
+
+def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_buckets_and_priority_classes():
+    assert length_buckets(1024) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+    assert [priority_class(p) for p in (-3, 0, 1, 10)] == ["interactive", "interactive", "batch", "batch"]
+
+
+def test_request_and_core_metrics():
+    stats = CoreStats(num_running=3, num_waiting=2, kv_usage=0.25, num_used_blocks=16, prefix_queries=100,
+                      prefix_hits=40, num_preemptions=1)  # fmt: skip
+    metrics = ServerMetrics("tiny", 1024, lambda: stats, num_blocks=64, num_in_api=lambda: 5)
+    events = [RequestEvent(E.ARRIVED, 10.0), RequestEvent(E.SCHEDULED, 10.5), RequestEvent(E.FIRST_TOKEN, 11.0),
+              RequestEvent(E.FINISHED, 13.0)]  # fmt: skip
+    metrics.observe_finished(FinishedRequest(priority=5, finish_reason="length", num_prompt_tokens=7,
+                                             num_generation_tokens=5, events=events, e2e_s=3.2))  # fmt: skip
+    metrics.observe_token_gap(5, 0.02)
+    metrics.observe_ttft(0, TTFTBreakdown(0.001, 0.002, 0.003, 0.0, 0.001, 0.007, 0.007, 0.0005, 0.0001))
+    s = _samples(metrics)
+    batch = (("model_name", "tiny"), ("priority", "batch"))
+    assert s[("servelm:request_queue_time_seconds_sum", batch)] == 0.5
+    assert s[("servelm:request_prefill_time_seconds_sum", batch)] == 0.5
+    assert s[("servelm:request_decode_time_seconds_sum", batch)] == 2.0
+    assert s[("servelm:time_per_output_token_seconds_sum", batch)] == 0.5  # 2 s over 4 gaps
+    assert s[("servelm:e2e_request_latency_seconds_sum", batch)] == 3.2
+    assert s[("servelm:prompt_tokens_total", batch)] == 7 and s[("servelm:generation_tokens_total", batch)] == 5
+    assert s[("servelm:request_success_total", (("finished_reason", "length"), *batch))] == 1
+    assert s[("servelm:inter_token_latency_seconds_count", batch)] == 1
+    interactive = (("model_name", "tiny"), ("priority", "interactive"))
+    assert s[("servelm:time_to_first_token_seconds_count", interactive)] == 1
+    assert s[("servelm:ttft_component_seconds_sum", (("component", "prefill"), *interactive))] == 0.003
+    model = (("model_name", "tiny"),)
+    assert s[("servelm:num_requests_running", model)] == 3 and s[("servelm:num_requests_waiting", model)] == 2
+    assert s[("servelm:kv_cache_usage_perc", model)] == 0.25 and s[("servelm:kv_cache_used_blocks", model)] == 16
+    assert s[("servelm:prefix_cache_queries_total", model)] == 100 and s[("servelm:prefix_cache_hits_total", model)] == 40
+    assert s[("servelm:num_preemptions_total", model)] == 1 and s[("servelm:num_requests_in_api", model)] == 5

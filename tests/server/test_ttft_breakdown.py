@@ -1,0 +1,99 @@
+"""The TTFT breakdown adds up to the TTFT a client measures, and moves the right way when the
+cause is applied: queued requests raise `queue`, a long prompt raises `prefill`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+import pytest
+
+from helpers_http import KEY, wait_idle
+
+COMPONENTS = ("ingress", "queue", "prefill", "preemption", "output")
+
+
+def _streamed_breakdown(client: httpx.Client, body: dict) -> tuple[float, dict]:
+    """(client-measured TTFT in ms, the server's breakdown in ms) for one streamed request."""
+    # logprobs=0 marks each chunk's tokens, so the first token is seen even if its text is held back.
+    body = {**body, "stream": True, "logprobs": 0, "servelm": {"timeline": True}}
+    started = time.perf_counter()
+    first_token_ms = None
+    timeline = None
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first_token_ms is None and any(c["logprobs"] and c["logprobs"]["tokens"] for c in chunk["choices"]):
+                first_token_ms = (time.perf_counter() - started) * 1000
+            timeline = chunk.get("servelm", {}).get("timeline", timeline)
+    assert first_token_ms is not None and timeline is not None
+    return first_token_ms, timeline["ttft_breakdown_ms"]
+
+
+def test_breakdown_adds_up_to_the_measured_ttft(server):
+    body = {"prompt": "Measure me, please, token by token", "max_tokens": 3, "temperature": 0}
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        _streamed_breakdown(client, body)  # warm the connection: a new TCP connect is not server time
+        samples = [_streamed_breakdown(client, body) for _ in range(5)]
+        non_streaming = client.post("/v1/completions", json=body)
+    for _, breakdown in samples:
+        assert sum(breakdown[c] for c in COMPONENTS) == _approx(breakdown["ttft"], 0.01)
+        assert abs(breakdown["ttft"] - breakdown["ttft_mono"]) < 1.0, "wall and monotonic clocks agree"
+        assert all(breakdown[c] >= -0.5 for c in COMPONENTS), breakdown
+    # What the client measured also holds the request's trip to the server and the first chunk's back.
+    differences = [measured - sum(b[c] for c in COMPONENTS) for measured, b in samples]
+    assert statistics.median(differences) < 5.0 and min(differences) > -1.0, differences
+    header = dict(part.split("=") for part in non_streaming.headers["x-servelm-ttft-breakdown"].split(";"))
+    assert sum(float(header[c]) for c in COMPONENTS) == _approx(float(header["ttft"]), 0.01)
+
+
+def test_long_prompt_raises_prefill(server):
+    rng = random.Random(5)
+
+    def prefill_ms(num_tokens: int) -> float:
+        def once(client: httpx.Client) -> float:
+            # Fresh random ids every time: a prefix-cache hit would skip the prefill being measured.
+            body = {"prompt": [rng.randrange(1000, 40000) for _ in range(num_tokens)], "max_tokens": 2, "temperature": 0}
+            return _streamed_breakdown(client, body)[1]["prefill"]
+
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            return statistics.median(once(client) for _ in range(3))
+
+    wait_idle(server)
+    short, long = prefill_ms(5), prefill_ms(1000)
+    assert long > 2 * short and long - short > 1.0, (short, long)
+
+
+def test_queued_requests_raise_queue_wait(restricted):
+    """`restricted` runs 2 requests at a time: a third waits for a slot."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": "Probe", "max_tokens": 2, "temperature": 0}
+
+    def probe_queue_ms() -> float:
+        with httpx.Client(base_url=restricted.base_url, timeout=60, headers=headers) as client:
+            return _streamed_breakdown(client, body)[1]["queue"]
+
+    async def with_busy_slots() -> float:
+        async with httpx.AsyncClient(base_url=restricted.base_url, timeout=120, headers=headers) as client:
+            long = {"prompt": "Occupy a slot", "max_tokens": 150, "ignore_eos": True}
+            hogs = [asyncio.create_task(client.post("/v1/completions", json=long)) for _ in range(2)]
+            await asyncio.sleep(0.5)  # both running
+            queue_ms = await asyncio.get_running_loop().run_in_executor(None, probe_queue_ms)
+            assert all(r.status_code == 200 for r in await asyncio.gather(*hogs))
+            return queue_ms
+
+    wait_idle(restricted)
+    idle = probe_queue_ms()
+    busy = asyncio.run(with_busy_slots())
+    assert busy > idle + 50.0, (idle, busy)
+
+
+def _approx(value: float, tolerance: float):
+    return pytest.approx(value, abs=tolerance)
