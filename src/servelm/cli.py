@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.set_defaults(handler=_generate)
 
+    from servelm.bench.cli import add_bench_parser  # argparse only: the bench's own imports wait for its handlers
+
+    add_bench_parser(sub)
+
     return parser
 
 

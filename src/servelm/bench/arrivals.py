@@ -1,0 +1,62 @@
+"""When requests are sent: open-loop arrival processes, or a closed loop at a concurrency.
+
+    poisson   exponential gaps with mean 1/rate
+    gamma     gamma gaps with mean 1/rate and shape = burstiness (vLLM's convention):
+              burstiness 1 is Poisson, < 1 burstier (clumps and lulls), > 1 more even
+    closed    no times: `concurrency` requests in flight, the next sent when one finishes
+    trace     the trace's own timestamps, scaled (see bench.trace)
+
+Open-loop times are fixed before the run from the seed: the load does not slow down when
+the server does, which is the point of measuring at a rate.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from servelm.bench.workload import WorkloadRequest
+
+ARRIVALS = ("poisson", "gamma")
+
+
+@dataclass(frozen=True)
+class ArrivalConfig:
+    kind: str = "poisson"  # poisson | gamma
+    rate: float = 1.0  # requests per second
+    burstiness: float = 1.0  # gamma shape
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARRIVALS:
+            raise ValueError(f"unknown arrival process {self.kind!r}: expected one of {list(ARRIVALS)}")
+        if self.rate <= 0:
+            raise ValueError(f"rate must be > 0 requests/s, got {self.rate}")
+        if self.burstiness <= 0:
+            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
+
+
+def arrival_times(config: ArrivalConfig, num_requests: int, seed: int = 0) -> list[float]:
+    """Seconds after the start; the first request goes at 0."""
+    rng = random.Random(f"{seed}:arrivals")
+    times, now = [], 0.0
+    for i in range(num_requests):
+        if i:
+            now += _gap(rng, config)
+        times.append(now)
+    return times
+
+
+def _gap(rng: random.Random, config: ArrivalConfig) -> float:
+    if config.kind == "poisson":
+        return rng.expovariate(config.rate)
+    # Gamma with shape k and scale 1/(rate k): mean 1/rate, coefficient of variation 1/sqrt(k).
+    return rng.gammavariate(config.burstiness, 1.0 / (config.rate * config.burstiness))
+
+
+def assign_arrivals(requests: list[WorkloadRequest], times: list[float] | None) -> list[WorkloadRequest]:
+    """Set each request's arrival time (None: closed loop); returns the same list."""
+    if times is not None and len(times) != len(requests):
+        raise ValueError(f"{len(times)} arrival times for {len(requests)} requests")
+    for i, request in enumerate(requests):
+        request.arrival_s = None if times is None else times[i]
+    return requests

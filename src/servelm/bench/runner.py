@@ -1,0 +1,186 @@
+"""Replays a workload against a server: open loop at the requests' arrival times, or closed loop.
+
+    open loop    one task per request sleeps until its arrival time, then sends; a session's next
+                 turn also waits for the previous turn to finish (a user answers what they heard)
+    closed loop  `concurrency` workers, each sending the next request as soon as its last one ended
+
+Every run is bounded: by the workload's length (the request count) and by `duration_s` of wall
+clock. At the limit, or on Ctrl-C, nothing more is sent and requests in flight are cancelled
+and recorded as `cancelled` with whatever they had received, so a report can always be written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+from tqdm import tqdm
+
+from servelm.bench.client import ClientConfig, RequestRecord, send_request
+from servelm.bench.tokens import TokenSource
+from servelm.bench.workload import WorkloadRequest
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    duration_s: float  # wall-clock limit of the whole run
+    concurrency: int | None = None  # closed loop at this concurrency; None: open loop (arrival times)
+    max_connections: int = 1024  # HTTP connection pool: more than the requests ever in flight at once
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0:
+            raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]  # every request that was sent, in workload order
+    started_unix: float
+    duration_s: float  # run start → last request ended (or the stop)
+    num_not_sent: int  # workload requests never sent (limit reached or interrupted first)
+    interrupted: bool = False  # Ctrl-C
+    hit_time_limit: bool = False
+
+
+@dataclass
+class _Run:
+    requests: list[WorkloadRequest]
+    client: ClientConfig
+    limits: RunLimits
+    tokens: TokenSource | None
+    t0: float = field(default_factory=time.perf_counter)
+    records: dict[int, RequestRecord] = field(default_factory=dict)
+    finished: dict[int, asyncio.Event] = field(default_factory=dict)
+    interrupted: bool = False
+    progress: tqdm | None = None
+
+    def __post_init__(self) -> None:
+        self.finished = {r.index: asyncio.Event() for r in self.requests}
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def one(self, http: httpx.AsyncClient, request: WorkloadRequest, due_s: float) -> None:
+        try:
+            if request.after is not None and request.after in self.finished:
+                await self.finished[request.after].wait()
+            delay = due_s - self.clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            record = RequestRecord(
+                index=request.index, traffic_class=request.traffic_class, priority=request.priority,
+                session_id=request.session_id, max_tokens=request.max_tokens,
+                expected_prompt_tokens=request.num_prompt_tokens, shared_prefix_tokens=request.shared_prefix_tokens,
+                scheduled_s=max(due_s, self.clock()),
+            )  # fmt: skip
+            self.records[request.index] = record
+            await send_request(http, self.client, request, record, self.clock, self.tokens)
+        except asyncio.CancelledError:
+            record = self.records.get(request.index)
+            if record is not None and record.status == "pending":
+                record.status, record.error, record.end_s = (
+                    "cancelled",
+                    "cut by the wall-clock limit or Ctrl-C",
+                    self.clock(),
+                )
+            raise
+        finally:
+            self.finished[request.index].set()
+            if request.index in self.records and self.progress is not None:
+                self.progress.update(1)
+                failed = sum(1 for r in self.records.values() if r.status == "error")
+                self.progress.set_postfix(in_flight=sum(1 for r in self.records.values() if r.status == "pending"),
+                                          errors=failed, refresh=False)  # fmt: skip
+
+    async def worker(self, http: httpx.AsyncClient, queue: Iterator[WorkloadRequest]) -> None:
+        for request in queue:  # a shared iterator: each request goes to exactly one worker
+            await self.one(http, request, self.clock())
+
+    def tasks(self, http: httpx.AsyncClient) -> list[asyncio.Task]:
+        if self.limits.concurrency is not None:
+            shared = iter(self.requests)
+            return [asyncio.create_task(self.worker(http, shared)) for _ in range(self.limits.concurrency)]
+        return [asyncio.create_task(self.one(http, r, r.arrival_s or 0.0)) for r in self.requests]
+
+
+async def run_workload(
+    requests: list[WorkloadRequest], client: ClientConfig, limits: RunLimits, tokens: TokenSource | None = None
+) -> RunResult:
+    """Send the workload (see module doc); returns every sent request's record."""
+    if not requests:
+        raise ValueError("the workload is empty")
+    if limits.concurrency is None and any(r.arrival_s is None for r in requests):
+        raise ValueError("open-loop requests need arrival times (or give a concurrency)")
+    headers = {"Authorization": f"Bearer {client.api_key}"} if client.api_key else {}
+    pool = httpx.Limits(max_connections=limits.max_connections, max_keepalive_connections=limits.max_connections)
+    timeout = httpx.Timeout(client.request_timeout_s, connect=30.0, pool=None)
+    run = _Run(requests, client, limits, tokens)
+    started_unix = time.time()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def interrupt() -> None:
+        run.interrupted = True
+        stop.set()
+
+    with _sigint(loop, interrupt), tqdm(total=len(requests), unit="req", file=sys.stderr, disable=not limits.progress,
+                                         dynamic_ncols=True) as progress:  # fmt: skip
+        run.progress = progress
+        async with httpx.AsyncClient(base_url=client.base_url, headers=headers, limits=pool, timeout=timeout) as http:
+            await _warm_up(http)
+            run.t0 = time.perf_counter()
+            tasks = run.tasks(http)
+            everything = asyncio.create_task(asyncio.wait(tasks))  # never raises: failures surface below
+            stopped = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait(
+                {everything, stopped}, timeout=limits.duration_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            hit_limit = not done
+            stopped.cancel()
+            everything.cancel()
+            for task in tasks:  # at the limit or on Ctrl-C; also the rest when one task failed
+                task.cancel()
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            failure = next((o for o in outcomes if isinstance(o, Exception)), None)
+            if failure is not None:  # a bug here, not a failed request (those are records)
+                raise failure
+    records = [run.records[r.index] for r in requests if r.index in run.records]
+    ends = [r.end_s for r in records if r.end_s is not None]
+    return RunResult(
+        records=records,
+        started_unix=started_unix,
+        duration_s=max(ends, default=run.clock()),
+        num_not_sent=len(requests) - len(records),
+        interrupted=run.interrupted,
+        hit_time_limit=hit_limit and not run.interrupted,
+    )
+
+
+async def _warm_up(http: httpx.AsyncClient) -> None:
+    """One cheap request first: the client's first-use costs (~0.1 s) must not land in a request's TTFT."""
+    with contextlib.suppress(httpx.HTTPError):
+        await http.get("/v1/models")
+
+
+@contextlib.contextmanager
+def _sigint(loop: asyncio.AbstractEventLoop, handler: object) -> Iterator[None]:
+    """Ctrl-C stops the run (and keeps what was measured) instead of killing it; one run at a time."""
+    try:
+        loop.add_signal_handler(signal.SIGINT, handler)  # type: ignore[arg-type]
+        installed = True
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        installed = False
+    try:
+        yield
+    finally:
+        if installed:
+            loop.remove_signal_handler(signal.SIGINT)
