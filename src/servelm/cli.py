@@ -1,4 +1,4 @@
-"""`servelm serve | generate | bench`: the command line.
+"""`servelm serve | generate | bench | router | cluster`: the command line.
 
 Engine flags are shared by every subcommand that runs an engine; each maps onto one
 field of one config slice (see servelm.config).
@@ -43,6 +43,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "enable_prefix_caching",
             "max_num_batched_tokens",
             "max_num_seqs",
+            "kv_events_port",
         )
         if getattr(args, name, None) is not None
     }
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds in-flight requests may take to finish before they are cut",
     )  # fmt: skip
     serve.add_argument("--tokenizer-threads", type=int, default=2, help="threads that tokenize prompts off the event loop")
+    serve.add_argument(
+        "--kv-events-port", type=int, default=None,
+        help="publish KV-cache events for a router: PUB on tcp://127.0.0.1:P, snapshots on P+1",
+    )  # fmt: skip
     serve.set_defaults(handler=_serve)
 
     generate = sub.add_parser("generate", help="one-shot generation (prompts from --prompt or stdin)")
@@ -102,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from servelm.cluster.cli import add_cluster_parser  # argparse only, like bench
+    from servelm.router.cli import add_router_parser
+
+    add_router_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 

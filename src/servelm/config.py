@@ -102,6 +102,28 @@ class ModelConfig:
         _require(self.num_threads is None or self.num_threads > 0, f"num_threads must be positive, got {self.num_threads}")
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Where the engine core publishes KV-cache events for a router (servelm.engine.kv_events).
+
+    Set `kv_events_port` P: PUB on tcp://HOST:P, snapshot REP on tcp://HOST:P+1. Setting it
+    turns on the cache's event recording (CacheConfig.enable_kv_events) too.
+    """
+
+    kv_events_port: int | None = None
+    kv_events_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kv_events_port is None or 0 < self.kv_events_port < 65535,
+            f"kv_events_port must be in 1..65534 (it uses the next port too), got {self.kv_events_port}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_events_port is not None
+
+
 # KV budget when neither num_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of the memory free after the weights are loaded
@@ -114,6 +136,7 @@ class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
 
     def scheduler_for(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler slice with the context window the loaded model and KV pool allow."""
@@ -131,7 +154,9 @@ class EngineConfig:
         if overrides.get("kv_cache_memory_gib") is not None:
             overrides["kv_cache_memory_bytes"] = int(overrides.pop("kv_cache_memory_gib") * 2**30)
         overrides.pop("kv_cache_memory_gib", None)
-        slices: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
+        slices: dict[type, dict[str, Any]] = {
+            ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}, KVEventsConfig: {},
+        }  # fmt: skip
         for key, value in overrides.items():
             owner = next((c for c in slices if key in {f.name for f in fields(c)}), None)
             if owner is None:
@@ -142,4 +167,5 @@ class EngineConfig:
             model=ModelConfig(**slices[ModelConfig]),
             cache=CacheConfig(**slices[CacheConfig]),
             scheduler=SchedulerConfig(**slices[SchedulerConfig]),
+            kv_events=KVEventsConfig(**slices[KVEventsConfig]),
         )

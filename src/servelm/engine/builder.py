@@ -66,7 +66,8 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
     eos_ids = eos_token_ids(arch, checkpoint.tokenizer)
     runner = ModelRunner(model, kv_caches, block_size, eos_ids, device)
-    kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+    enable_kv_events = config.cache.enable_kv_events or config.kv_events.enabled
+    kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, enable_kv_events)
     scheduler = Scheduler(config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids)
     return BuiltEngine(
         core=EngineCore(scheduler, runner, kv_manager),

@@ -19,6 +19,7 @@ from servelm.config import EngineConfig
 from servelm.datatypes import EngineOutput, EngineRequest, FinishReason
 from servelm.engine.builder import build_engine
 from servelm.engine.core import EngineCore
+from servelm.engine.kv_events import KVEventPublisher
 from servelm.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -40,8 +41,15 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     inputs.connect(input_address)
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
+    kv_events: KVEventPublisher | None = None
     try:
         built = build_engine(config)
+        if config.kv_events.enabled:
+            # Bound before the first step, so it sees every event the cache records.
+            kv_events = KVEventPublisher(
+                context, config.kv_events.kv_events_host, config.kv_events.kv_events_port,
+                config.cache.block_size, built.core.scheduler.take_kv_events,
+            )  # fmt: skip
         outputs.send(
             from_core_encoder.encode(
                 CoreReady(
@@ -53,25 +61,36 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                 )
             )
         )
-        _serve(built.core, inputs, outputs)
+        _serve(built.core, inputs, outputs, kv_events)
     except Exception:  # noqa: BLE001 - reported to the client, then the process ends
         outputs.send(from_core_encoder.encode(CoreFailed(error=traceback.format_exc(limit=8))))
         raise
     finally:
+        if kv_events is not None:
+            kv_events.close()
         outputs.close(linger=1000)
         inputs.close(linger=0)
         context.term()
 
 
-def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+def _serve(
+    core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, kv_events: KVEventPublisher | None = None
+) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    if kv_events is not None:
+        kv_events.register(poller)
     parent = os.getppid()
     while True:
         rejected: list[EngineOutput] = []
         # With work pending, only drain what is already there; otherwise wait (bounded, to notice orphaning).
         timeout_ms = 0 if core.has_work() else 1000
-        while poller.poll(timeout_ms):
+        while ready := dict(poller.poll(timeout_ms)):
+            timeout_ms = 0
+            if kv_events is not None:
+                kv_events.handle(ready)  # a snapshot request, answered between steps so it is exact
+            if inputs not in ready:
+                continue
             message = to_core_decoder.decode(inputs.recv())
             if isinstance(message, Shutdown):
                 return
@@ -86,6 +105,8 @@ def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
             logger.error("engine core: the API process is gone; exiting")
             return
         step_outputs = rejected + (core.step() if core.has_work() else [])
+        if kv_events is not None:
+            kv_events.publish()  # this step's stored / removed blocks, or an idle heartbeat
         if step_outputs:
             batch = OutputBatch(outputs=step_outputs, stats=core.stats(), timestamp=time.time())
             outputs.send(from_core_encoder.encode(batch))

@@ -1,0 +1,140 @@
+"""KV-cache events out of the engine-core process, for a cache-aware router.
+
+    --kv-events-port P
+      tcp://HOST:P      PUB  KVEventBatch after every step that changed the prefix cache,
+                             and a heartbeat (no events, same seq) after each idle second
+      tcp://HOST:P+1    REP  any request → KVSnapshot (every cached block hash + the seq it
+                             is consistent with)
+
+A router mirrors each replica's prefix cache from the batches. The wire contract:
+
+- `seq` counts non-empty batches of one publisher, from 1, with no holes; a heartbeat
+  repeats the last seq. So a subscriber that sees seq > last + 1, or a heartbeat with
+  seq > last, lost something (PUB drops on slow joiners and full queues) and must resync.
+- `epoch` is random per publisher start: a restarted replica (seq from 1 again) never
+  looks like a continuation of the old one.
+- A snapshot is taken between steps, after publishing everything drained so far, so
+  "the cached set at seq S" is exact: apply batches with seq > S on top of it.
+
+The hashes are the engine's own block hashes (servelm.kv.block_hash), so a router that
+hashes a prompt the same way can look them up directly. Runs in the core process only;
+nothing here touches torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from servelm.kv.block_pool import KVCacheEvent, KVEventType
+
+# Record kinds; "cleared" means every block this replica had is gone (a restart sends it first).
+STORED = "stored"
+REMOVED = "removed"
+CLEARED = "cleared"
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+class KVEventRecord(msgspec.Struct, array_like=True):
+    kind: str  # STORED | REMOVED | CLEARED
+    block_hash: bytes  # b"" for CLEARED
+
+
+class KVEventBatch(msgspec.Struct, kw_only=True):
+    epoch: str  # random per publisher start
+    seq: int  # 1, 2, ... per non-empty batch; a heartbeat repeats the last one
+    timestamp: float
+    block_size: int
+    events: list[KVEventRecord]
+
+
+class KVSnapshot(msgspec.Struct, kw_only=True):
+    epoch: str
+    seq: int  # the cached set below is the result of batches 1..seq
+    block_size: int
+    block_hashes: list[bytes]
+
+
+def event_addresses(host: str, port: int) -> tuple[str, str]:
+    """(PUB address, snapshot address) for a replica started with --kv-events-port `port`."""
+    return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
+
+
+class KVEventPublisher:
+    """Publishes the core's KV events; answers snapshot requests. Owned by the core loop alone.
+
+    It keeps its own set of cached hashes, updated from the very events it publishes, so a
+    snapshot is exactly the sum of the batches (and needs no access to the block pool).
+    Must be created before the engine's first step: it has to see every event.
+    """
+
+    def __init__(
+        self, context: zmq.Context, host: str, port: int, block_size: int, drain: Callable[[], list[KVCacheEvent]]
+    ) -> None:
+        """`drain` returns the events recorded since its last call (Scheduler.take_kv_events)."""
+        pub_address, snapshot_address = event_addresses(host, port)
+        self.block_size = block_size
+        self._drain = drain
+        self.epoch = os.urandom(8).hex()
+        self.seq = 0
+        self._cached: set[bytes] = set()
+        self._last_sent = 0.0
+        self._encoder = msgspec.msgpack.Encoder()
+        self.pub = context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.bind(pub_address)
+        self.snapshot = context.socket(zmq.REP)
+        self.snapshot.bind(snapshot_address)
+        # A fresh start says so: a router holding entries from a previous life drops them.
+        self._send([KVEventRecord(CLEARED, b"")])
+
+    def register(self, poller: zmq.Poller) -> None:
+        poller.register(self.snapshot, zmq.POLLIN)
+
+    def publish(self) -> None:
+        """Drain and send one batch (call after each step). No events: a heartbeat, at most once a second."""
+        events = self._drain()
+        if events:
+            records = []
+            for event in events:
+                if event.type is KVEventType.STORED:
+                    self._cached.add(event.block_hash)
+                    records.append(KVEventRecord(STORED, event.block_hash))
+                else:
+                    self._cached.discard(event.block_hash)
+                    records.append(KVEventRecord(REMOVED, event.block_hash))
+            self._send(records)
+        elif time.monotonic() - self._last_sent >= HEARTBEAT_INTERVAL_S:
+            self._send_batch(self.seq, [])
+
+    def handle(self, ready: dict) -> None:
+        """Answer a snapshot request if one is in `ready` (a poll result).
+
+        Undrained events are published first, so the snapshot's seq covers them.
+        """
+        if self.snapshot not in ready:
+            return
+        self.snapshot.recv()
+        self.publish()
+        reply = KVSnapshot(epoch=self.epoch, seq=self.seq, block_size=self.block_size, block_hashes=list(self._cached))
+        self.snapshot.send(self._encoder.encode(reply))
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        self.snapshot.close(linger=0)
+
+    def _send(self, records: list[KVEventRecord]) -> None:
+        self.seq += 1
+        self._send_batch(self.seq, records)
+
+    def _send_batch(self, seq: int, records: list[KVEventRecord]) -> None:
+        batch = KVEventBatch(epoch=self.epoch, seq=seq, timestamp=time.time(), block_size=self.block_size, events=records)
+        try:
+            self.pub.send(self._encoder.encode(batch), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a subscriber that cannot keep up sees the hole in seq and resyncs
+        self._last_sent = time.monotonic()

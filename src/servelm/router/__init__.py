@@ -1,0 +1,17 @@
+"""Cache-aware router over servelm replicas (`servelm router`).
+
+    app.py           HTTP front: OpenAI endpoints, /health, /metrics, /admin/replicas
+    proxy.py         choose → forward → retry once before the first byte → stream through
+    request_view.py  body → tokens → engine block hashes (what policies route on)
+    policies.py      round_robin, least_load, prefix, kv (+ SessionAffinity); the registry
+    prefix_index.py  per replica: hashes the router sent there (LRU + TTL)
+    kv_index.py      exact hash → replicas, mirrored from the replicas' KV events
+    kv_subscriber.py ZMQ SUB per replica; snapshot resync on any loss
+    health.py        periodic /health; failures take a replica out and drop its index
+    state.py         Router: replicas + policy + indexes, and every change of a replica's standing
+    replicas.py      ReplicaSpec (address) and Replica (health, load)
+    metrics.py       servelm:router_* Prometheus metrics
+
+The router talks to replicas over HTTP and ZMQ only; where replicas run is the
+launcher's business (servelm.cluster).
+"""

@@ -1,0 +1,189 @@
+"""`servelm router`: the OpenAI-compatible front over replicas, and its admin API.
+
+    POST /v1/completions, /v1/chat/completions   routed (proxy.py), streamed through
+    GET  /v1/models                               from any healthy replica
+    GET  /health                                  200 while at least one replica is in rotation
+    GET  /metrics                                 router metrics (servelm:router_*)
+    GET  /admin/replicas                          every replica: health, load, index sizes
+    POST /admin/replicas    {"url", "kv_events"?} add one at runtime (in rotation after its first health check)
+    DELETE /admin/replicas  {"url"}               remove one (its index dropped)
+
+With an API key, /v1/* and /admin/* require `Authorization: Bearer KEY` (as the server
+does); the client's Authorization header is forwarded to the replicas unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from servelm.router.health import HealthChecker, check_all
+from servelm.router.proxy import Proxy, error_response, request_headers
+from servelm.router.replicas import ReplicaSpec
+from servelm.router.state import Router, RouterOptions
+from servelm.server.tokenization import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+_PROTECTED = ("/v1/", "/admin/")
+# Policies that look at prompt tokens; the others never need the tokenizer.
+_TOKENIZING_POLICIES = {"prefix", "kv"}
+
+
+@dataclass(frozen=True)
+class RouterServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model: str | None = None  # whose tokenizer to hash prompts with (the replicas' model)
+    replicas: Sequence[ReplicaSpec] = ()
+
+
+class _ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.expected is not None and scope["path"].startswith(_PROTECTED):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = {"error": {"message": "Invalid or missing API key.", "type": "invalid_request_error",
+                                  "param": None, "code": "invalid_api_key"}}  # fmt: skip
+                await Response(json.dumps(body), 401, media_type="application/json")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _load_tokenizer(model: str | None) -> PromptTokenizer:
+    from servelm.models.tokenizer import (
+        load_tokenizer,  # pulls in transformers: only when needed
+    )
+
+    return PromptTokenizer(load_tokenizer(model))
+
+
+def create_router_app(router_options: RouterOptions, options: RouterServerOptions) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        router = Router(router_options)
+        for spec in options.replicas:
+            router.add_replica(spec)
+        tokenizer = None
+        if router_options.policy in _TOKENIZING_POLICIES:
+            tokenizer = await asyncio.to_thread(_load_tokenizer, options.model)
+        timeout = httpx.Timeout(connect=router_options.connect_timeout_s, read=None, write=60.0, pool=None)
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+        client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        health = HealthChecker(router, client)
+        await check_all(client, router)  # in rotation from the first request, when healthy already
+        health.start()
+        app.state.router = router
+        app.state.proxy = Proxy(router, client, tokenizer)
+        try:
+            yield
+        finally:
+            await health.stop()
+            await router.close()
+            await client.aclose()
+            if tokenizer is not None:
+                tokenizer.shutdown()
+
+    app = FastAPI(title="servelm router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _add_routes(app)
+    app.add_middleware(_ApiKeyMiddleware, api_key=options.api_key)
+    return app
+
+
+def _replica_summary(router: Router) -> list[dict[str, Any]]:
+    kv, prefix = router.context.kv_index, router.context.prefix_index
+    summary = []
+    for r in router.replicas.all():
+        summary.append({
+            "url": r.url, "kv_events": r.spec.kv_events, "healthy": r.healthy, "in_flight": r.in_flight,
+            "outstanding_tokens": r.outstanding_tokens, "num_requests": r.num_requests, "last_error": r.last_error,
+            "kv_synced": kv.is_synced(r.url), "kv_index_blocks": kv.replica_size(r.url),
+            "prefix_index_blocks": prefix.size(r.url),
+        })  # fmt: skip
+    return summary
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        body = None
+    return body if isinstance(body, dict) else {}
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
+    async def generate(request: Request) -> Response:
+        return await request.app.state.proxy.forward(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await request.app.state.proxy.get_any("/v1/models", request_headers(request))
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        healthy = request.app.state.router.replicas.healthy()
+        if not healthy:
+            return error_response(503, "no replica in rotation", "no_replica_available")
+        return Response(json.dumps({"status": "ok", "replicas": len(healthy)}), media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/replicas")
+    async def list_replicas(request: Request) -> Response:
+        return Response(json.dumps({"replicas": _replica_summary(request.app.state.router)}), media_type="application/json")
+
+    @app.post("/admin/replicas")
+    async def add_replica(request: Request) -> Response:
+        body = await _json_body(request)
+        try:
+            spec = ReplicaSpec.parse(str(body.get("url", "")))
+            if body.get("kv_events"):
+                spec = ReplicaSpec(spec.url, str(body["kv_events"]))
+        except ValueError as exc:
+            return Response(json.dumps({"error": {"message": str(exc), "type": "invalid_request_error",
+                                                  "param": "url", "code": None}}), 400, media_type="application/json")  # fmt: skip
+        router: Router = request.app.state.router
+        replica = router.add_replica(spec)
+        await check_all(request.app.state.proxy.client, router)
+        return Response(json.dumps({"url": replica.url, "healthy": replica.healthy}), 201, media_type="application/json")
+
+    @app.delete("/admin/replicas")
+    async def remove_replica(request: Request) -> Response:
+        url = (await _json_body(request)).get("url") or request.query_params.get("url", "")
+        removed = await request.app.state.router.remove_replica(str(url))
+        status = 200 if removed else 404
+        return Response(json.dumps({"url": url, "removed": removed}), status, media_type="application/json")
+
+
+def run_router(router_options: RouterOptions, options: RouterServerOptions) -> int:
+    """Serve until SIGINT/SIGTERM. In-flight streams are given a few seconds to finish."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request and health poll otherwise
+    app = create_router_app(router_options, options)
+    config = uvicorn.Config(
+        app, host=options.host, port=options.port, loop="asyncio", http="h11", lifespan="on",
+        access_log=False, timeout_graceful_shutdown=10, log_level="info",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

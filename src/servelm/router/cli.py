@@ -1,0 +1,53 @@
+"""`servelm router` flags → RouterOptions / RouterServerOptions. Imports nothing heavy until run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from servelm.router.policies import LOAD_METRICS, POLICIES
+
+API_KEY_ENV = "SERVELM_API_KEY"
+
+
+def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    router = sub.add_parser("router", help="cache-aware OpenAI-compatible router over replicas")
+    router.add_argument(
+        "--replica", action="append", default=[], metavar="URL[,kv=tcp://HOST:PORT]",
+        help="a replica's base URL, with its --kv-events-port address for the kv policy (repeat per replica)",
+    )  # fmt: skip
+    router.add_argument("--policy", default="kv", choices=sorted(POLICIES))
+    router.add_argument("--model", default=None, help="the replicas' model (its tokenizer hashes prompts)")
+    router.add_argument("--block-size", type=int, default=16, help="the replicas' --block-size")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--api-key", default=None, help=f"require this bearer token (or env {API_KEY_ENV})")
+    router.add_argument("--load-metric", default="requests", choices=LOAD_METRICS)
+    router.add_argument("--load-weight", type=float, default=1.0, help="load penalty per replica capacity of load")
+    router.add_argument("--capacity", type=float, default=8.0, help="load (requests or tokens) counted as full")
+    router.add_argument("--session-affinity", action="store_true", help="keep x-session-id / user on one replica")
+    router.add_argument("--health-interval", type=float, default=2.0, dest="health_interval_s")
+    router.add_argument("--health-timeout", type=float, default=2.0, dest="health_timeout_s")
+    router.add_argument("--prefix-index-blocks", type=int, default=65536, help="per replica (prefix policy)")
+    router.add_argument("--prefix-index-ttl", type=float, default=600.0, dest="prefix_index_ttl_s")
+    router.add_argument("--kv-index-blocks", type=int, default=1 << 20, help="per replica (kv policy)")
+    router.set_defaults(handler=run_from_args)
+    return router
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from servelm.router.app import RouterServerOptions, run_router
+    from servelm.router.replicas import ReplicaSpec
+    from servelm.router.state import RouterOptions
+
+    router_options = RouterOptions(
+        policy=args.policy, block_size=args.block_size, load_metric=args.load_metric, load_weight=args.load_weight,
+        capacity=args.capacity, session_affinity=args.session_affinity, prefix_index_blocks=args.prefix_index_blocks,
+        prefix_index_ttl_s=args.prefix_index_ttl_s, kv_index_blocks=args.kv_index_blocks,
+        health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
+    )  # fmt: skip
+    options = RouterServerOptions(
+        host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        model=args.model, replicas=[ReplicaSpec.parse(text) for text in args.replica],
+    )  # fmt: skip
+    return run_router(router_options, options)

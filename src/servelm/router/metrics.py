@@ -1,0 +1,58 @@
+"""Router metrics (Prometheus, prefix `servelm:router_`), on the router's own registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from servelm.router.replicas import ReplicaSet
+
+PREFIX = "servelm:router_"
+# Matched prefix length in tokens: from nothing to a long shared context.
+MATCH_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class _ReplicaGauges:
+    """In-flight, outstanding tokens and health per replica, read at scrape time."""
+
+    def __init__(self, replicas: Callable[[], ReplicaSet]) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> list[Metric]:
+        in_flight = GaugeMetricFamily(PREFIX + "in_flight", "Requests in flight per replica.", labels=["replica"])
+        tokens = GaugeMetricFamily(
+            PREFIX + "outstanding_tokens", "Prompt + max output tokens in flight per replica.", labels=["replica"]
+        )
+        healthy = GaugeMetricFamily(PREFIX + "replica_healthy", "1 if the replica is in rotation.", labels=["replica"])
+        for replica in self._replicas().all():
+            in_flight.add_metric([replica.url], replica.in_flight)
+            tokens.add_metric([replica.url], replica.outstanding_tokens)
+            healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
+        return [in_flight, tokens, healthy]
+
+
+class RouterMetrics:
+    def __init__(self, replicas: Callable[[], ReplicaSet]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            PREFIX + "requests", "Requests sent to each replica (retries included).", ["replica"], registry=self.registry
+        )
+        self.decisions = Counter(
+            PREFIX + "routing_decisions", "Routing decisions by reason.", ["reason"], registry=self.registry
+        )
+        self.retries = Counter(
+            PREFIX + "retries", "Requests retried on another replica before their first byte.", registry=self.registry
+        )
+        self.failures = Counter(
+            PREFIX + "request_failures", "Attempts that failed, by replica.", ["replica"], registry=self.registry
+        )
+        self.prefix_match_tokens = Histogram(
+            PREFIX + "prefix_match_tokens", "Prompt tokens the chosen replica was expected to have cached.",
+            buckets=MATCH_TOKEN_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.registry.register(_ReplicaGauges(replicas))  # type: ignore[arg-type]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,183 @@
+"""Forwarding one request to a replica: choose, send, retry once before the first byte, stream.
+
+    body ─▶ RequestView ─▶ policy.choose ─▶ POST replica ─▶ first chunk? ──yes──▶ stream the rest as it comes
+                               ▲                              │ no (connect error, reset, 502/503/504)
+                               └──── another replica ◀────────┘ (once; the failed one is marked down)
+
+"Before the first byte" is literal: the upstream's first body chunk is awaited before the
+client gets the status line, so a replica that dies while prefilling (or while computing a
+non-streamed answer) costs a retry, not an error. After that, bytes are passed through
+unchanged and unbuffered (`aiter_raw`), and a failure can only cut the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from servelm.router.policies import Decision, RequestView
+from servelm.router.replicas import Replica
+from servelm.router.request_view import build_view
+from servelm.router.state import Router
+from servelm.server.tokenization import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+RETRY_STATUSES = {502, 503, 504}  # the replica is going away or overloaded upstream: another may serve
+# Hop-by-hop (RFC 9110 §7.6.1) or recomputed by the HTTP stack: never forwarded.
+_DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"}
+_DROP_RESPONSE_HEADERS = {"connection", "keep-alive", "transfer-encoding", "upgrade", "date", "server"}
+REPLICA_HEADER = "x-servelm-replica"
+
+
+def error_response(status: int, message: str, code: str) -> Response:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return Response(json.dumps(body), status_code=status, media_type="application/json")
+
+
+@dataclass
+class _Attempt:
+    replica: Replica
+    response: httpx.Response
+    first_chunk: bytes
+    chunks: AsyncIterator[bytes]
+
+
+class Proxy:
+    def __init__(self, router: Router, client: httpx.AsyncClient, tokenizer: PromptTokenizer | None) -> None:
+        self.router = router
+        self.client = client
+        self.tokenizer = tokenizer
+
+    async def forward(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            body = {}
+        if not isinstance(body, dict):
+            body = {}
+        headers = request_headers(request)
+        view = await build_view(self.tokenizer, self.router.options.block_size, request.url.path, body, headers)
+        tried: set[str] = set()
+        last_error = "no healthy replica"
+        for attempt in range(self.router.options.max_attempts):
+            candidates = [r for r in self.router.replicas.healthy() if r.url not in tried]
+            if not candidates:
+                break
+            decision = self.router.policy.choose(view, candidates)
+            tried.add(decision.replica.url)
+            self._record_decision(decision, view, retry=attempt > 0)
+            result = await self._try(decision.replica, view, request.url.path, raw, headers)
+            if isinstance(result, _Attempt):
+                return self._stream(result, view)
+            last_error = result
+        return error_response(503, f"no replica could serve the request: {last_error}", "no_replica_available")
+
+    def _record_decision(self, decision: Decision, view: RequestView, retry: bool) -> None:
+        metrics = self.router.metrics
+        if retry:
+            metrics.retries.inc()
+        metrics.decisions.labels("retry" if retry else decision.reason).inc()
+        metrics.requests.labels(decision.replica.url).inc()
+        block_size = self.router.options.block_size
+        metrics.prefix_match_tokens.observe(min(decision.matched_blocks * block_size, view.num_prompt_tokens))
+
+    async def _try(
+        self, replica: Replica, view: RequestView, path: str, raw: bytes, headers: dict[str, str]
+    ) -> _Attempt | str:
+        """Send and wait for the first body chunk. Returns the live attempt, or why it failed."""
+        tokens = view.num_prompt_tokens + view.num_output_tokens
+        replica.in_flight += 1
+        replica.outstanding_tokens += tokens
+        replica.num_requests += 1
+        response: httpx.Response | None = None
+        try:
+            upstream = self.client.build_request("POST", replica.url + path, content=raw, headers=headers)
+            response = await self.client.send(upstream, stream=True)
+            if response.status_code in RETRY_STATUSES:
+                error = f"{replica.url} answered {response.status_code}"
+            else:
+                chunks = response.aiter_raw()
+                first = await anext(chunks, b"")
+                return _Attempt(replica, response, first, chunks)
+        except httpx.HTTPError as exc:
+            error = f"{replica.url}: {type(exc).__name__}: {exc}"
+            self.router.metrics.failures.labels(replica.url).inc()
+            await self.router.mark_down(replica, error)
+        # Failed before any byte reached the client: release and let the caller retry.
+        if response is not None:
+            await response.aclose()
+        replica.in_flight -= 1
+        replica.outstanding_tokens -= tokens
+        logger.warning("attempt failed before the first byte: %s", error)
+        return error
+
+    def _stream(self, attempt: _Attempt, view: RequestView) -> StreamingResponse:
+        replica, response = attempt.replica, attempt.response
+        tokens = view.num_prompt_tokens + view.num_output_tokens
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                if attempt.first_chunk:
+                    yield attempt.first_chunk
+                async for chunk in attempt.chunks:
+                    yield chunk
+            except httpx.HTTPError as exc:
+                # Mid-stream: too late to retry; the client sees the stream cut.
+                self.router.metrics.failures.labels(replica.url).inc()
+                await self.router.mark_down(replica, f"stream broke: {type(exc).__name__}: {exc}")
+                raise
+
+        async def release() -> None:
+            await response.aclose()  # a client gone mid-stream: closing aborts the request on the replica
+            replica.in_flight -= 1
+            replica.outstanding_tokens -= tokens
+
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
+        headers[REPLICA_HEADER] = replica.url
+        return _ReleasingStream(body(), release, status_code=response.status_code, headers=headers)
+
+    async def get_any(self, path: str, headers: dict[str, str]) -> Response:
+        """GET a read-only endpoint (/v1/models) from the first healthy replica that answers."""
+        for replica in self.router.replicas.healthy():
+            try:
+                response = await self.client.get(replica.url + path, headers=headers)
+            except httpx.HTTPError as exc:
+                await self.router.mark_down(replica, f"{type(exc).__name__}: {exc}")
+                continue
+            return Response(response.content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type"))  # fmt: skip
+        return error_response(503, "no healthy replica", "no_replica_available")
+
+
+class _ReleasingStream(StreamingResponse):
+    """A StreamingResponse that runs `release` exactly once however it ends.
+
+    A generator's own `finally` is not enough: when the client disconnects before the
+    body is first iterated, Starlette never starts the generator, so its `finally` never
+    runs and the replica's load count and upstream connection would leak.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):  # it must complete even while being cancelled
+                await self._release()
+
+
+def request_headers(request: Request) -> dict[str, Any]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}

@@ -1,0 +1,92 @@
+"""What the router knows about each replica: where it is, whether it is healthy, how busy.
+
+The router process is single-threaded (one asyncio loop), so these are plain objects
+mutated in place: the proxy counts requests in and out, the health checker flips
+`healthy`, the admin endpoint adds and removes entries. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """How to reach one replica: its HTTP base URL and, optionally, its KV-event PUB address.
+
+    Parsed from `URL` or `URL,kv=tcp://HOST:PORT` (the snapshot socket is PORT+1, see
+    servelm.engine.kv_events). Placement (which machine, which process) is not here: the
+    launcher decides it and hands the router only these addresses.
+    """
+
+    url: str
+    kv_events: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> ReplicaSpec:
+        url, *options = [part.strip() for part in text.split(",")]
+        kv_events = None
+        for option in options:
+            key, _, value = option.partition("=")
+            if key != "kv" or not value:
+                raise ValueError(f"bad replica option {option!r} in {text!r}; expected kv=tcp://HOST:PORT")
+            kv_events = value
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
+        return cls(url.rstrip("/"), kv_events)
+
+    @property
+    def snapshot_address(self) -> str | None:
+        """The replica's snapshot REP socket: the event port + 1."""
+        if self.kv_events is None:
+            return None
+        host, _, port = self.kv_events.rpartition(":")
+        return f"{host}:{int(port) + 1}"
+
+
+@dataclass
+class Replica:
+    spec: ReplicaSpec
+    healthy: bool = False  # set by the health checker; a new replica waits for its first pass
+    in_flight: int = 0  # requests sent and not finished (streams count until their last byte)
+    outstanding_tokens: int = 0  # prompt + max output tokens of those requests
+    consecutive_failures: int = 0
+    last_error: str = ""
+    num_requests: int = 0  # routed here, retries included
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def load(self, metric: str) -> float:
+        """The raw load number the policies compare: "requests" or "tokens"."""
+        return float(self.in_flight if metric == "requests" else self.outstanding_tokens)
+
+
+@dataclass
+class ReplicaSet:
+    """Replicas by URL, in insertion order (round robin follows it)."""
+
+    replicas: dict[str, Replica] = field(default_factory=dict)
+
+    def add(self, spec: ReplicaSpec) -> Replica:
+        """Add a replica (unhealthy until checked). Adding a URL twice replaces its spec, keeps its counters."""
+        existing = self.replicas.get(spec.url)
+        if existing is not None:
+            existing.spec = spec
+            return existing
+        replica = Replica(spec)
+        self.replicas[spec.url] = replica
+        return replica
+
+    def remove(self, url: str) -> Replica | None:
+        return self.replicas.pop(url.rstrip("/"), None)
+
+    def get(self, url: str) -> Replica | None:
+        return self.replicas.get(url)
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    def all(self) -> list[Replica]:
+        return list(self.replicas.values())

@@ -1,0 +1,81 @@
+"""Turn an OpenAI request body into the RequestView policies route on.
+
+The router tokenizes exactly as the replicas do (servelm.server.tokenization's encoder and
+chat-template rendering, the same tokenizer files) and hashes full blocks with the
+engine's own function, so a prompt's hashes here are the block hashes in the replica's
+prefix cache. If they ever disagreed, routing would only get worse, never wrong: the
+body is forwarded untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from servelm.kv.block_hash import hash_block_tokens
+from servelm.router.policies import RequestView
+from servelm.server.tokenization import PromptTokenizer
+
+SESSION_HEADER = "x-session-id"
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """Messages as the server renders them: content parts joined, name kept (see protocol.ChatMessage)."""
+    messages = []
+    for message in body.get("messages") or []:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        entry = {"role": str(message.get("role", "user")), "content": content or ""}
+        if message.get("name") is not None:
+            entry["name"] = message["name"]
+        messages.append(entry)
+    return messages
+
+
+async def prompt_token_ids(tokenizer: PromptTokenizer, path: str, body: dict[str, Any]) -> list[int]:
+    """The (first) prompt's token ids, [] when the body has none we understand."""
+    if path.endswith("/chat/completions"):
+        messages = _chat_messages(body)
+        if not messages:
+            return []
+        return await tokenizer.apply_chat_template(messages, bool(body.get("add_generation_prompt", True)))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: route on its first prompt (they usually share the prefix)
+    if isinstance(prompt, str):
+        return (await tokenizer.encode_many([prompt]))[0]
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return []
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 16
+
+
+async def build_view(
+    tokenizer: PromptTokenizer | None, block_size: int, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> RequestView:
+    """The RequestView of a parsed body. No tokenizer: no hashes (the cache-blind policies need none)."""
+    token_ids: list[int] = []
+    if tokenizer is not None:
+        try:
+            token_ids = await prompt_token_ids(tokenizer, path, body)
+        except (ValueError, TypeError, KeyError):
+            token_ids = []  # the replica will reject the request with a proper error
+    block_hashes = hash_block_tokens(token_ids, block_size)
+    routing_key = block_hashes[0] if block_hashes else hashlib.sha256(repr(token_ids or body).encode()).digest()
+    user = body.get("user")
+    session_id = headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)
+    return RequestView(
+        block_hashes=block_hashes,
+        num_prompt_tokens=len(token_ids),
+        num_output_tokens=_max_tokens(body),
+        session_id=session_id,
+        routing_key=routing_key,
+    )

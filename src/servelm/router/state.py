@@ -1,0 +1,121 @@
+"""The router's state and its life-cycle operations, apart from HTTP.
+
+    Router ─ replicas (ReplicaSet) ─ policy (+ SessionAffinity) ─ PolicyContext (prefix / kv index)
+           └ one KVSubscriber per healthy replica that publishes events
+
+Every change of a replica's standing goes through here, so the indexes never disagree
+with rotation: `mark_down` takes a replica out and drops its index entries and event
+subscription; `mark_up` puts it back (its KV index resyncs from a snapshot);
+`remove_replica` forgets it. All run on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import zmq.asyncio
+
+from servelm.router.kv_index import KVIndex
+from servelm.router.kv_subscriber import KVSubscriber
+from servelm.router.metrics import RouterMetrics
+from servelm.router.policies import (
+    PolicyContext,
+    PolicySettings,
+    RoutingPolicy,
+    SessionAffinity,
+    make_policy,
+)
+from servelm.router.prefix_index import PrefixIndex
+from servelm.router.replicas import Replica, ReplicaSet, ReplicaSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    policy: str = "kv"
+    block_size: int = 16  # must equal the replicas' --block-size, or no hash will match
+    load_metric: str = "requests"
+    load_weight: float = 1.0
+    capacity: float = 8.0
+    session_affinity: bool = False
+    prefix_index_blocks: int = 65536  # per replica, prefix policy
+    prefix_index_ttl_s: float = 600.0
+    kv_index_blocks: int = 1 << 20  # per replica, kv policy (>= the replicas' KV pool size)
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    max_attempts: int = 2  # the first try, plus one retry on another replica before the first byte
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_attempts < 1 or self.health_interval_s <= 0:
+            raise ValueError("block_size, max_attempts and health_interval_s must be positive")
+
+
+class Router:
+    def __init__(self, options: RouterOptions) -> None:
+        self.options = options
+        self.replicas = ReplicaSet()
+        settings = PolicySettings(options.load_metric, options.load_weight, options.capacity)
+        self.context = PolicyContext(
+            settings=settings,
+            prefix_index=PrefixIndex(options.prefix_index_blocks, options.prefix_index_ttl_s),
+            kv_index=KVIndex(options.kv_index_blocks),
+        )
+        policy = make_policy(options.policy, self.context)
+        # Sessions stick unless their replica is at twice the capacity: then the load wins.
+        self.policy: RoutingPolicy = (
+            SessionAffinity(policy, settings, overload=2 * options.capacity) if options.session_affinity else policy
+        )
+        self.metrics = RouterMetrics(lambda: self.replicas)
+        self._zmq = zmq.asyncio.Context()
+        self._subscribers: dict[str, KVSubscriber] = {}
+
+    def add_replica(self, spec: ReplicaSpec) -> Replica:
+        """Register a replica; it joins the rotation once a health check passes."""
+        logger.info("replica added: %s (kv events: %s)", spec.url, spec.kv_events or "none")
+        return self.replicas.add(spec)
+
+    async def remove_replica(self, url: str) -> bool:
+        replica = self.replicas.remove(url)
+        if replica is None:
+            return False
+        await self._forget(replica)
+        logger.info("replica removed: %s", replica.url)
+        return True
+
+    def mark_up(self, replica: Replica) -> None:
+        replica.consecutive_failures = 0
+        if replica.healthy or self.replicas.get(replica.url) is not replica:
+            return
+        replica.healthy = True
+        logger.info("replica %s is healthy: in rotation", replica.url)
+        spec = replica.spec
+        if spec.kv_events is not None and spec.snapshot_address is not None:
+            subscriber = KVSubscriber(self._zmq, spec.url, spec.kv_events, spec.snapshot_address, self.context.kv_index)
+            self._subscribers[spec.url] = subscriber
+            subscriber.start()
+
+    async def mark_down(self, replica: Replica, error: str) -> None:
+        """Out of rotation, its index entries dropped (its cache is gone or unknown). Safe to repeat."""
+        replica.consecutive_failures += 1
+        replica.last_error = error
+        if not replica.healthy:
+            return
+        replica.healthy = False
+        logger.warning("replica %s out of rotation: %s", replica.url, error)
+        await self._forget(replica)
+
+    async def _forget(self, replica: Replica) -> None:
+        subscriber = self._subscribers.pop(replica.url, None)
+        if subscriber is not None:
+            await subscriber.stop()
+        self.context.kv_index.drop_replica(replica.url)
+        self.context.prefix_index.drop_replica(replica.url)
+
+    async def close(self) -> None:
+        for subscriber in list(self._subscribers.values()):
+            await subscriber.stop()
+        self._subscribers.clear()
+        self._zmq.term()

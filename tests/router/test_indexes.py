@@ -1,0 +1,109 @@
+"""The prefix and kv indexes: matching, bounds, and the kv index's loss detection."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servelm.engine.kv_events import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    KVEventBatch,
+    KVEventRecord,
+    KVSnapshot,
+)
+from servelm.kv.block_hash import hash_block_tokens
+from servelm.router.kv_index import KVIndex
+from servelm.router.prefix_index import PrefixIndex
+
+H = hash_block_tokens(list(range(16 * 40)), 16)  # 40 chained block hashes
+
+
+def batch(seq: int, *records: tuple[str, bytes], epoch: str = "e1") -> KVEventBatch:
+    return KVEventBatch(epoch=epoch, seq=seq, timestamp=0.0, block_size=16,
+                        events=[KVEventRecord(k, h) for k, h in records])  # fmt: skip
+
+
+def test_prefix_index_matches_leading_run_and_is_bounded() -> None:
+    index = PrefixIndex(max_blocks_per_replica=10)
+    index.insert("a", H[:8])
+    assert index.match("a", H[:12]) == 8 and index.match("b", H[:12]) == 0
+    index.insert("a", H[8:30])
+    assert index.size("a") == 10
+    assert index.match("a", H) == 0  # the oldest (leading) blocks were evicted first
+    index.drop_replica("a")
+    assert index.size("a") == 0
+
+
+def test_prefix_index_ttl() -> None:
+    now = [0.0]
+    index = PrefixIndex(max_blocks_per_replica=100, ttl_s=10.0, clock=lambda: now[0])
+    index.insert("a", H[:4])
+    now[0] = 5.0
+    assert index.match("a", H[:4]) == 4
+    now[0] = 16.0
+    assert index.match("a", H[:4]) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 39), st.integers(1, 10)), max_size=80))
+def test_prefix_index_never_exceeds_its_bound(inserts: list[tuple[int, int, int]]) -> None:
+    index = PrefixIndex(max_blocks_per_replica=7)
+    for replica, start, length in inserts:
+        index.insert(f"r{replica}", H[start : start + length])
+        assert all(index.size(f"r{r}") <= 7 for r in range(4))
+
+
+def test_kv_index_applies_events_in_order() -> None:
+    index = KVIndex()
+    index.apply_snapshot("a", KVSnapshot(epoch="e1", seq=0, block_size=16, block_hashes=[]))
+    assert not index.apply_batch("a", batch(1, (STORED, H[0]), (STORED, H[1]), (STORED, H[2])))
+    assert index.match("a", H[:5]) == 3
+    assert not index.apply_batch("a", batch(2, (REMOVED, H[1])))
+    assert index.match("a", H[:5]) == 1
+    assert not index.apply_batch("a", batch(2, (STORED, H[1])))  # duplicate seq: ignored
+    assert index.match("a", H[:5]) == 1
+    assert not index.apply_batch("a", batch(3, (CLEARED, b"")))
+    assert index.replica_size("a") == 0 and index.num_hashes() == 0
+
+
+def test_kv_index_gap_epoch_and_heartbeat_mean_resync() -> None:
+    index = KVIndex()
+    index.apply_snapshot("a", KVSnapshot(epoch="e1", seq=4, block_size=16, block_hashes=list(H[:3])))
+    assert not index.apply_batch("a", batch(4, epoch="e1"))  # heartbeat at the snapshot's seq: fine
+    assert index.apply_batch("a", batch(6, (STORED, H[3])))  # seq 5 lost
+    assert index.match("a", H) == 0 and not index.is_synced("a")  # dropped, never silently wrong
+    index.apply_snapshot("a", KVSnapshot(epoch="e1", seq=6, block_size=16, block_hashes=list(H[:4])))
+    assert index.match("a", H) == 4
+    assert index.apply_batch("a", batch(7, epoch="e1"))  # heartbeat ahead: batch 7 never came
+    index.apply_snapshot("a", KVSnapshot(epoch="e1", seq=7, block_size=16, block_hashes=list(H[:4])))
+    assert index.apply_batch("a", batch(1, (STORED, H[9]), epoch="e2"))  # replica restarted
+    assert index.state("a").num_resyncs == 3
+
+
+def test_kv_index_drop_replica_keeps_others() -> None:
+    index = KVIndex()
+    for url in ("a", "b"):
+        index.apply_snapshot(url, KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=list(H[:5])))
+    index.drop_replica("a")
+    assert index.match("a", H) == 0 and index.match("b", H) == 5 and index.num_hashes() == 5
+
+
+def test_kv_index_bound_treats_overflow_as_loss() -> None:
+    index = KVIndex(max_blocks_per_replica=4)
+    index.apply_snapshot("a", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=list(H[:10])))
+    assert index.replica_size("a") == 4
+    assert index.apply_batch("a", batch(1, *[(STORED, h) for h in H[10:20]], epoch="e"))
+    assert index.replica_size("a") == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 39)), max_size=200))
+def test_kv_index_mirrors_any_event_stream_exactly(events: list[tuple[bool, int]]) -> None:
+    index, truth = KVIndex(), set()
+    index.apply_snapshot("a", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=[]))
+    for seq, (stored, i) in enumerate(events, start=1):
+        (truth.add if stored else truth.discard)(H[i])
+        assert not index.apply_batch("a", batch(seq, (STORED if stored else REMOVED, H[i]), epoch="e"))
+    assert index.state("a").block_hashes == truth and index.num_hashes() == len(truth)
