@@ -102,3 +102,18 @@ def test_a_refused_request_fails_alone(tiny_dir):
             await client.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_core_ignores_sigint_so_the_api_can_drain(tiny_dir):
+    async def scenario():
+        client = AsyncEngineClient(EngineConfig.from_flat(model=str(tiny_dir), num_blocks=64, num_threads=1))
+        await client.start()
+        try:
+            queue = await client.add_request(_request("r", 12))
+            os.kill(client.process_pid, signal.SIGINT)  # what Ctrl-C sends to the process group
+            tokens, last = await _collect(queue)
+            assert len(tokens) == 12 and last.finish_reason == FinishReason.LENGTH
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import traceback
 
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
     """Process entry point (spawned by the client)."""
+    # Ctrl-C in a terminal reaches the whole process group; the API process owns shutdown
+    # (it drains in-flight requests, then sends Shutdown), so the core must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)
