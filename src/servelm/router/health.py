@@ -8,12 +8,12 @@ down the moment a request to it fails at the connection level, without waiting f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import httpx
 
 from servelm.router.replicas import Replica
 from servelm.router.state import Router
+from servelm.router.background import BackgroundTask
 
 
 async def check_replica(client: httpx.AsyncClient, router: Router, replica: Replica, timeout_s: float) -> None:
@@ -37,18 +37,13 @@ class HealthChecker:
     def __init__(self, router: Router, client: httpx.AsyncClient) -> None:
         self.router = router
         self.client = client
-        self._task: asyncio.Task | None = None
+        self._task = BackgroundTask("router-health", self._run)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="router-health")
+        self._task.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._task.stop()
 
     async def _run(self) -> None:
         while True:

@@ -10,8 +10,6 @@ Runs on the router's event loop (zmq.asyncio). Start with `start()`, stop with `
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 
@@ -21,6 +19,7 @@ import zmq.asyncio
 
 from servelm.engine.kv_events import KVEventBatch, KVSnapshot
 from servelm.router.kv_index import KVIndex
+from servelm.router.background import BackgroundTask
 
 logger = logging.getLogger(__name__)
 SNAPSHOT_TIMEOUT_S = 5.0
@@ -52,20 +51,15 @@ class KVSubscriber:
         self.index = index
         self._context = context
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        self._task: asyncio.Task | None = None
+        self._task = BackgroundTask(f"kv-sub {self.url}", self._run)
         self._last_resync = 0.0
         self.num_batches = 0
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"kv-sub {self.url}")
+        self._task.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._task.stop()
 
     async def resync(self) -> bool:
         """Replace the replica's entries with a fresh snapshot; False (entries stay dropped) if unreachable."""
