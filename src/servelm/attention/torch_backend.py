@@ -1,8 +1,11 @@
 """The reference attention backend: plain PyTorch (SDPA), runs on CPU, CUDA, anywhere.
 
-Prefill chunks are attended one request at a time (their shapes differ); decodes
-(one new token per request) are gathered into one padded batch and attended in a
-single call, because a step of 64 decodes would otherwise cost 64 small calls per layer.
+Prefill chunks are attended one request at a time (their shapes differ); a chunk with
+nothing cached before it (a whole new prompt) attends to its own fresh K/V with SDPA's
+causal flag, skipping the pool and the mask. Decodes (one new token per request) are
+attended together in one call: on CPU in float32 by the paged kernel of
+`servelm.attention.cpu_kernels`, which reads K/V straight from the blocks; elsewhere
+(or without a compiler) gathered into one padded batch for SDPA.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from servelm.attention import cpu_kernels
 from servelm.attention.backend import AttentionMetadata, register_backend
 
 
@@ -41,16 +45,27 @@ def _causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """query: [q, H, D]; key/value: [k, KVH, D] → [q, H, D], causal with the query block at the end."""
-    mask = _causal_mask(query.shape[0], key.shape[0], query.device)
+    square = query.shape[0] == key.shape[0]  # no context before the queries: SDPA's own causal mask fits
+    mask = None if square else _causal_mask(query.shape[0], key.shape[0], query.device)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
         key.transpose(0, 1).unsqueeze(0).to(query.dtype),  # [1, KVH, k, D]
         value.transpose(0, 1).unsqueeze(0).to(query.dtype),
         attn_mask=mask,
+        is_causal=square and query.shape[0] > 1,
         scale=scale,
         enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def _paged_kernel(query: torch.Tensor, kv_cache: torch.Tensor):
+    """The CPU decode kernel when it applies here (float32 on CPU, and it could be built), else None."""
+    if query.device.type != "cpu" or query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+        return None
+    if not kv_cache.is_contiguous():
+        return None
+    return cpu_kernels.load()
 
 
 class TorchAttentionBackend:
@@ -69,26 +84,72 @@ class TorchAttentionBackend:
             return self._forward_without_cache(query, key, value, metadata, scale)
         assert metadata.slot_mapping is not None and metadata.block_tables is not None
         write_kv(kv_cache, key, value, metadata.slot_mapping)
-        output = torch.empty_like(query)
-        decode_indices = [i for i, n in enumerate(metadata.query_lens) if n == 1]
-        if len(decode_indices) > 1:
-            self._forward_decodes(query, kv_cache, metadata, decode_indices, scale, output)
+        decode_indices = self._decode_indices(metadata)
+        kernel = _paged_kernel(query, kv_cache)
+        if kernel is not None and len(decode_indices) == metadata.num_requests:
+            return self._kernel_decodes(kernel, query, kv_cache, metadata, decode_indices, scale)  # all decodes
+        output = query.new_empty(query.shape)  # contiguous even when query is a strided view
+        done: set[int] = set()
+        if decode_indices and (kernel is not None or len(decode_indices) > 1):
+            if kernel is not None:
+                rows = self._decode_rows(metadata, decode_indices, query.device)
+                output[rows] = self._kernel_decodes(kernel, query, kv_cache, metadata, decode_indices, scale)
+            else:
+                self._forward_decodes(query, kv_cache, metadata, decode_indices, scale, output)
             done = set(decode_indices)
-        else:
-            done = set()
         starts = metadata.query_start_loc
         for i in range(metadata.num_requests):
             if i in done:
                 continue
+            s, e = starts[i], starts[i + 1]
+            if metadata.seq_lens[i] == e - s:  # nothing cached before this chunk: its own K/V are all it sees
+                output[s:e] = _attend(query[s:e], key[s:e], value[s:e], scale)
+                continue
             slots = self._slots_tensor(metadata, i, query.device)
             k = kv_cache[0].view(-1, *kv_cache.shape[3:])[slots]  # [seq_len, KVH, D]
             v = kv_cache[1].view(-1, *kv_cache.shape[3:])[slots]
-            output[starts[i] : starts[i + 1]] = _attend(query[starts[i] : starts[i + 1]], k, v, scale)
+            output[s:e] = _attend(query[s:e], k, v, scale)
         return output
 
     @staticmethod
+    def _decode_indices(metadata: AttentionMetadata) -> list[int]:
+        """Requests with exactly one new token this step (computed once per step)."""
+        if "decode_indices" not in metadata.derived:
+            metadata.derived["decode_indices"] = [i for i, n in enumerate(metadata.query_lens) if n == 1]
+        return metadata.derived["decode_indices"]
+
+    @staticmethod
+    def _decode_rows(metadata: AttentionMetadata, indices: list[int], device: torch.device) -> torch.Tensor:
+        """Flattened token row of each decode, [B] long."""
+        if "decode_rows" not in metadata.derived:
+            rows = [metadata.query_start_loc[i] for i in indices]
+            metadata.derived["decode_rows"] = torch.tensor(rows, dtype=torch.long, device=device)
+        return metadata.derived["decode_rows"]
+
+    def _kernel_decodes(self, kernel, query, kv_cache, metadata, indices: list[int], scale: float) -> torch.Tensor:
+        """Paged attention of the decodes, [B, H, D], in `indices` order."""
+        if "kernel_tables" not in metadata.derived:
+            lens = [metadata.seq_lens[i] for i in indices]
+            bs = metadata.block_size
+            width = (max(lens) + bs - 1) // bs
+            # Only the blocks a request's seq_len reaches are read; the padding is never touched.
+            tables = [metadata.block_tables[i][:width] for i in indices]
+            tables = [t + [0] * (width - len(t)) for t in tables]
+            metadata.derived["kernel_tables"] = (
+                torch.tensor(tables, dtype=torch.int32),
+                torch.tensor(lens, dtype=torch.int32),
+                max(lens),
+            )
+        tables, lens, max_len = metadata.derived["kernel_tables"]
+        if len(indices) == query.shape[0]:
+            q = query.contiguous()
+        else:
+            q = query.index_select(0, self._decode_rows(metadata, indices, query.device))
+        return kernel.decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, max_len, scale)
+
+    @staticmethod
     def _forward_without_cache(query, key, value, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        output = torch.empty_like(query)
+        output = query.new_empty(query.shape)  # contiguous even when query is a strided view
         starts = metadata.query_start_loc
         for i in range(metadata.num_requests):
             s, e = starts[i], starts[i + 1]

@@ -38,14 +38,30 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; query: [T, H, D]; key: [T, KVH, D] → rotated (same shapes and dtype)."""
+        cos, sin = self.cos_sin(positions, query.dtype)
+        return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each position's angles, [T, 1, D/2] each: one half of HF's cat((freqs, freqs))."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2], fp32 like HF
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(query.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = emb.sin().to(query.dtype).unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, N, D] (any strides); cos/sin: [T, 1, D/2] → x rotated, written to `out` (or a new tensor).
+
+    HF computes x * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin). Per half that is
+    x1*cos - x2*sin and x2*cos + x1*sin, the same roundings (negating is exact), so
+    the result is bitwise HF's, in four half-size products instead of a concatenation
+    and four full-size passes.
+    """
     half = x.shape[-1] // 2
-    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated_half * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2)
+    o2.add_(x1 * sin)
+    return out
