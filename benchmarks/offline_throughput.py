@@ -47,18 +47,29 @@ MATMUL_GFLOPS_FP32 = 330.0  # measured on this machine (issue 3): the compute ce
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> dict:
+    """Seeded prompts; every round gets its own (same lengths, fresh tokens), and so does the
+    warm-up, so no system's prefix cache ever hits: each round measures full prompt processing."""
     rng = random.Random(args.seed)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(1000, vocab_size - 1000) for _ in range(n)]  # clear of special tokens
 
     lens = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.num_prompts)]
+
+    def round_prompts() -> dict:
+        return {
+            "offline": [prompt(n) for n in lens],
+            # Two different prompts of one length: (129 tokens) - (1 token), neither cached.
+            "decode_one": prompt(128),
+            "decode_many": prompt(128),
+            "prefill": prompt(args.prefill_len),
+        }
+
     return {
-        "offline_prompts": [prompt(n) for n in lens],
+        "warmup": [prompt(n) for n in lens[:8]],
+        "rounds": [round_prompts() for _ in range(args.rounds)],
         "output_len": args.output_len,
-        "decode_prompt": prompt(128),
         "decode_tokens": 128,
-        "prefill_prompt": prompt(args.prefill_len),
         "threads": args.threads,
         "max_model_len": max(args.prefill_len, args.max_prompt) + args.output_len + 8,
         "hf_batch_size": args.hf_batch_size,
@@ -184,13 +195,16 @@ def _timed(fn, *a) -> tuple[float, int]:
 
 
 def run_task(system, task: str, w: dict) -> dict:
-    if task == "warmup":
-        system.generate([w["decode_prompt"][:32]], 4)
+    """`task` is 'warmup' or 'NAME:ROUND' with NAME in offline, decode, prefill."""
+    if task == "warmup":  # the batch shapes of the offline run, small, on prompts no round reuses
+        system.generate(w["warmup"], 4)
         return {}
-    if task == "offline":
-        prompts = w["offline_prompts"]
+    name, _, r = task.partition(":")
+    p = w["rounds"][int(r)]
+    if name == "offline":
+        prompts = p["offline"]
         seconds, produced = _timed(system.generate, prompts, w["output_len"])
-        prompt_tokens = sum(len(p) for p in prompts)
+        prompt_tokens = sum(len(x) for x in prompts)
         return {
             "seconds": seconds,
             "prompt_tps": prompt_tokens / seconds,
@@ -198,13 +212,13 @@ def run_task(system, task: str, w: dict) -> dict:
             "total_tps": (prompt_tokens + produced) / seconds,
             "output_tokens": produced,
         }
-    if task == "decode":
-        one, _ = _timed(system.generate, [w["decode_prompt"]], 1)
-        many, produced = _timed(system.generate, [w["decode_prompt"]], w["decode_tokens"] + 1)
+    if name == "decode":
+        one, _ = _timed(system.generate, [p["decode_one"]], 1)
+        many, produced = _timed(system.generate, [p["decode_many"]], w["decode_tokens"] + 1)
         return {"decode_ms": 1000 * (many - one) / (produced - 1), "first_token_s": one}
-    if task == "prefill":
-        seconds, _ = _timed(system.generate, [w["prefill_prompt"]], 1)
-        return {"prefill_tps": len(w["prefill_prompt"]) / seconds}
+    if name == "prefill":
+        seconds, _ = _timed(system.generate, [p["prefill"]], 1)
+        return {"prefill_tps": len(p["prefill"]) / seconds}
     raise ValueError(f"unknown task {task!r}")
 
 
@@ -313,7 +327,7 @@ def parent_main(args: argparse.Namespace) -> None:
                 for name in names:
                     if (name, task) in skip:
                         continue
-                    res = workers[name].ask(task)
+                    res = workers[name].ask(f"{task}:{r}")
                     results[name][task].append(res)
                     print(f"round {r} {task:8s} {name:13s} " + " ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
     finally:
@@ -349,7 +363,7 @@ def summarise(results: dict, tasks: list[str]) -> dict:
 
 
 def render(summary: dict, results: dict, skipped: dict, args: argparse.Namespace, w: dict) -> str:
-    n_prompt = sum(len(p) for p in w["offline_prompts"])
+    n_prompt = sum(len(p) for p in w["rounds"][0]["offline"])
     lines = [
         f"### Run {time.strftime('%Y-%m-%d %H:%M')} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, {args.threads} threads, {args.rounds} rounds)",
