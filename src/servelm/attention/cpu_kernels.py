@@ -182,7 +182,7 @@ void decode_pv(const float* probs, const float* v_pool, const int32_t* block_tab
 /* y[M, N] = x[M, K] . W[N, K]^T for a few rows of x, with W stored as int8 codes and per-32
    scales: W[n, k] = d[n, k/32] * q[n, k] (+ m[n, k/32] when has_min). Product and sum are
    rounded separately (the file is built with -ffp-contract=off), exactly as the float32
-   weights were made from the same codes, so this is the float32 matmul reading a quarter of
+   weights were made from the same codes, so this is the float32 matmul reading under a third of
    the bytes. Threads split N; every output is one thread's sum, so results do not depend on
    the thread count. */
 void qgemm_small(const float* x, const int8_t* q, const float* d, const float* m, float* y,

@@ -10,7 +10,7 @@ consecutive inputs of a row is
 with d (and m) half-precision numbers. `find_codes` recovers (q, d, m) from the float32
 tensor alone and keeps them only if rebuilding gives back every weight bit for bit; then
 `CompactWeight.matmul` (the `qgemm_small` CPU kernel) multiplies by the very same float32
-weights while reading int8 codes plus two floats per 32 weights: about a quarter of the
+weights while reading int8 codes plus two floats per 32 weights: under a third of the
 bytes. Only the summation order differs from the float32 matmul (as it does between any
 two BLAS kernels). Weights that are not of this form (random test models, fp16/bf16
 checkpoints) simply keep the float32 path.

@@ -25,7 +25,7 @@ class Linear(nn.Linear):
     """nn.Linear that may also hold its weight as verified int8 codes (`compact_weights`).
 
     A matmul of a few rows (a decode step of a few requests) is bound by reading the
-    weight; with codes attached it reads those instead (~1/4 of the bytes) and gets the
+    weight; with codes attached it reads those instead (under 1/3 of the bytes) and gets the
     same float32 weights. Larger inputs, or no codes, take the usual float32 path.
     """
 
