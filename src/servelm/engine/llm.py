@@ -58,6 +58,7 @@ class LLM:
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         processor = OutputProcessor(self.tokenizer)
+        states: dict[str, RequestState] = {}  # every sub-request's state; it stays filled in after finishing
         order: list[tuple[str, str | None, list[int], list[str]]] = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             text, token_ids = (prompt, self.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
@@ -65,7 +66,7 @@ class LLM:
             request_id = f"offline-{next(self._ids)}"
             sub_ids = [request_id if params.n == 1 else f"{request_id}-{k}" for k in range(params.n)]
             for sub_id in sub_ids:
-                processor.add_request(sub_id, token_ids, params)
+                states[sub_id] = processor.add_request(sub_id, token_ids, params)
                 self.engine.core.add_request(
                     EngineRequest(
                         request_id=sub_id,
@@ -75,8 +76,8 @@ class LLM:
                     )
                 )
             order.append((request_id, text, token_ids, sub_ids))
-        finished = self._run_to_completion(processor)
-        return [self._to_output(rid, text, ids, [finished[s] for s in subs]) for rid, text, ids, subs in order]
+        self._run_to_completion(processor)
+        return [self._to_output(rid, text, ids, [states[s] for s in subs]) for rid, text, ids, subs in order]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
@@ -85,18 +86,13 @@ class LLM:
         """Token ids of a conversation rendered with the model's chat template, ready for a reply."""
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
-    def _run_to_completion(self, processor: OutputProcessor) -> dict[str, RequestState]:
-        finished: dict[str, RequestState] = {}
+    def _run_to_completion(self, processor: OutputProcessor) -> None:
+        """Step until the core is idle; each RequestState accumulates its own request's output."""
         core = self.engine.core
         while core.has_work():
-            states = dict(processor.requests)
-            deltas, stopped = processor.process(core.step())
+            _, stopped = processor.process(core.step())
             if stopped:
                 core.abort_requests(stopped)
-            for delta in deltas:
-                if delta.finish_reason is not None:
-                    finished[delta.request_id] = states[delta.request_id]
-        return finished
 
     def _check_length(self, token_ids: list[int]) -> None:
         if not token_ids:
