@@ -50,6 +50,14 @@ _SOURCE = r"""
 #include <immintrin.h>
 #define HAVE_AVX2 1
 
+/* Eight weights of one 32-block from their int8 codes: d * q (+ m for Q4_1), rounded as the
+   checkpoint's float32 values were (see compact_weights.py). */
+static inline __m256 dequant8(const int8_t* q, __m256 vd, __m256 vm, int has_min) {
+    const __m128i codes = _mm_loadl_epi64((const __m128i*)q);
+    const __m256 w = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
+    return has_min ? _mm256_add_ps(w, vm) : w;
+}
+
 /* Sum each of 8 vectors' lanes: result lane r = sum of v[r]. */
 static inline __m256 hsum8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6, __m256 v7) {
     __m256 s01 = _mm256_hadd_ps(v0, v1), s23 = _mm256_hadd_ps(v2, v3);
@@ -202,9 +210,7 @@ void qgemm_small(const float* x, const int8_t* q, const float* d, const float* m
                 for (int64_t j = 0; j < nb; j++) {
                     const __m256 vd = _mm256_set1_ps(dr[j]), vm = _mm256_set1_ps(mr[j]);
                     for (int g = 0; g < 4; g++) {
-                        const __m128i codes = _mm_loadl_epi64((const __m128i*)(qr + j * 32 + g * 8));
-                        __m256 w = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
-                        if (has_min) w = _mm256_add_ps(w, vm);
+                        const __m256 w = dequant8(qr + j * 32 + g * 8, vd, vm, has_min);
                         a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + j * 32 + g * 8), w, a[g]);
                     }
                 }
@@ -218,9 +224,7 @@ void qgemm_small(const float* x, const int8_t* q, const float* d, const float* m
             for (int64_t j = 0; j < nb; j++) {
                 const __m256 vd = _mm256_set1_ps(dr[j]), vm = _mm256_set1_ps(mr[j]);
                 for (int g = 0; g < 4; g++) {
-                    const __m128i codes = _mm_loadl_epi64((const __m128i*)(qr + j * 32 + g * 8));
-                    __m256 w = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
-                    if (has_min) w = _mm256_add_ps(w, vm);
+                    const __m256 w = dequant8(qr + j * 32 + g * 8, vd, vm, has_min);
                     for (int64_t r = 0; r < rows; r++)
                         acc[r][g & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (r0 + r) * K + j * 32 + g * 8), w, acc[r][g & 1]);
                 }
