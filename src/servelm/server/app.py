@@ -42,7 +42,12 @@ from servelm.server.admission import Admission
 from servelm.server.chat import create_chat_completion
 from servelm.server.completions import create_completion
 from servelm.server.context import ServerContext
-from servelm.server.errors import from_validation_errors, install_error_handlers, unauthorized, unavailable
+from servelm.server.errors import (
+    from_validation_errors,
+    install_error_handlers,
+    unauthorized,
+    unavailable,
+)
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest
 from servelm.server.serving import json_response
 from servelm.server.tokenization import PromptTokenizer

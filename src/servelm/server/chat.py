@@ -16,16 +16,23 @@ from servelm.server.generation import ChoiceDelta, Generation
 from servelm.server.logprobs import chat_logprobs_content, ids_to_decode
 from servelm.server.protocol import ChatCompletionRequest
 from servelm.server.serving import (
-    DONE, api_error_from_engine, check_model, check_prompts, engine_error, final_chunk, finish_request, json_response,
-    new_request, sse, sse_response, start_generation, stream_error_event, until_disconnect, usage,
+    DONE,
+    api_error_from_engine,
+    begin_request,
+    check_prompts,
+    engine_error,
+    final_chunk,
+    finish_request,
+    json_response,
+    respond,
+    sse,
+    stream_error_event,
+    usage,
 )  # fmt: skip
 
 
 async def create_chat_completion(ctx: ServerContext, http_request: Request, body: ChatCompletionRequest) -> Response:
-    request_id, timeline = new_request(http_request, "chatcmpl", body.stream)
-    check_model(ctx, body.model)
-    body.check()
-    params = body.to_sampling_params()
+    request_id, timeline, params = begin_request(ctx, http_request, "chatcmpl", body)
     ctx.admission.admit(body.n)
     try:
         prompt = await ctx.tokenizer.apply_chat_template(body.chat_messages(), body.add_generation_prompt)
@@ -34,12 +41,7 @@ async def create_chat_completion(ctx: ServerContext, http_request: Request, body
     check_prompts(ctx, [prompt], params, "messages")
     timeline.stamp(ApiStamp.TOKENIZED)
     gen = Generation(ctx, request_id, [prompt], params, body.priority, timeline)
-    await start_generation(gen)
-    view = _ChatView(ctx, body, gen)
-    if body.stream:
-        return sse_response(view.stream())
-    response = await until_disconnect(http_request, view.collect(), gen)
-    return response if response is not None else Response(status_code=499)
+    return await respond(http_request, gen, _ChatView(ctx, body, gen), body.stream)
 
 
 @dataclass

@@ -18,19 +18,30 @@ from servelm.obs.timeline import ApiStamp
 from servelm.server.context import ServerContext
 from servelm.server.errors import bad_request
 from servelm.server.generation import Choice, ChoiceDelta, Generation
-from servelm.server.logprobs import empty_completion_logprobs, extend_completion_logprobs, ids_to_decode
+from servelm.server.logprobs import (
+    empty_completion_logprobs,
+    extend_completion_logprobs,
+    ids_to_decode,
+)
 from servelm.server.protocol import CompletionRequest
 from servelm.server.serving import (
-    DONE, api_error_from_engine, check_model, check_prompts, engine_error, final_chunk, finish_request, json_response,
-    new_request, sse, sse_response, start_generation, stream_error_event, until_disconnect, usage,
+    DONE,
+    api_error_from_engine,
+    begin_request,
+    check_prompts,
+    engine_error,
+    final_chunk,
+    finish_request,
+    json_response,
+    respond,
+    sse,
+    stream_error_event,
+    usage,
 )  # fmt: skip
 
 
 async def create_completion(ctx: ServerContext, http_request: Request, body: CompletionRequest) -> Response:
-    request_id, timeline = new_request(http_request, "cmpl", body.stream)
-    check_model(ctx, body.model)
-    body.check()
-    params = body.to_sampling_params()
+    request_id, timeline, params = begin_request(ctx, http_request, "cmpl", body)
     prompts = _prompt_list(body.prompt)
     ctx.admission.admit(len(prompts) * body.n)
     texts = [p for p in prompts if isinstance(p, str)]
@@ -39,12 +50,12 @@ async def create_completion(ctx: ServerContext, http_request: Request, body: Com
     check_prompts(ctx, token_ids, params, "prompt", client_ids=len(texts) < len(prompts))
     timeline.stamp(ApiStamp.TOKENIZED)
     gen = Generation(ctx, request_id, token_ids, params, body.priority, timeline)
-    await start_generation(gen)
-    view = _CompletionView(ctx, body, gen, prompts)
-    if body.stream:
-        return view.streaming_response()
-    response = await until_disconnect(http_request, view.collect(), gen)
-    return response if response is not None else Response(status_code=499)
+    return await respond(http_request, gen, _CompletionView(ctx, body, gen, prompts), body.stream)
+
+
+def _entry(delta: ChoiceDelta, text: str, logprobs: dict[str, list[Any]] | None) -> dict[str, Any]:
+    return {"index": delta.choice.index, "text": text, "logprobs": logprobs,
+            "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -142,19 +153,20 @@ class _CompletionView:
     def _prompt_tokens(self) -> int:
         return sum(len(p) for p in self.gen.prompts)
 
-    def streaming_response(self) -> Response:
-        return sse_response(self._stream())
-
-    async def _stream(self) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncIterator[bytes]:
         header = self._header()
         if self.body.include_usage:
             header["usage"] = None  # OpenAI: every chunk but the last carries "usage": null
         accumulated = {c.index: _Accumulated() for c in self.gen.choices}
         completion_tokens = 0
         try:
+            plain = not self.body.echo and self.body.logprobs is None and not self.drop_generated
             async for deltas in self.gen.deltas():
-                entries = [await self._stream_entry(d, accumulated[d.choice.index]) for d in deltas]
-                entries = [e for e in entries if e is not None]
+                if plain:  # the common case, per token of every stream: no awaits, no accumulation
+                    entries = [_entry(d, d.text, None) for d in deltas if d.text or d.finish_reason is not None]
+                else:
+                    entries = [await self._stream_entry(d, accumulated[d.choice.index]) for d in deltas]
+                    entries = [e for e in entries if e is not None]
                 completion_tokens += 0 if self.drop_generated else sum(len(d.token_ids) for d in deltas)
                 if entries:
                     yield sse({**header, "choices": entries})
@@ -184,5 +196,4 @@ class _CompletionView:
                 acc.text_offset = extend_completion_logprobs(logprobs, delta.token_ids, delta.logprobs or [], strings, acc.text_offset)
         if not text and logprobs is None and delta.finish_reason is None:
             return None
-        return {"index": delta.choice.index, "text": text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
+        return _entry(delta, text, logprobs)

@@ -133,7 +133,8 @@ class Generation:
             while self.unfinished:
                 outputs = await self._next_outputs()
                 deltas = self._process(outputs)
-                await self._release_siblings()
+                if self._siblings:
+                    await self._release_siblings()
                 if deltas:
                     yield deltas
         finally:

@@ -7,7 +7,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -44,6 +44,45 @@ def new_request(http_request: Request, prefix: str, streaming: bool) -> tuple[st
     wall, mono = getattr(http_request.state, "servelm_received", (time.time(), time.perf_counter()))
     timeline.stamp(ApiStamp.RECEIVED, wall, mono)
     return request_id, timeline
+
+
+class GenerationBody(Protocol):
+    """What both endpoints' request bodies offer the shared prologue."""
+
+    model: str | None
+    stream: bool
+
+    def check(self) -> None: ...
+
+    def to_sampling_params(self) -> SamplingParams: ...
+
+
+class GenerationView(Protocol):
+    """An endpoint's rendering of one Generation: as an SSE stream or as one JSON response."""
+
+    def stream(self) -> AsyncIterator[bytes]: ...
+
+    async def collect(self) -> Response: ...
+
+
+def begin_request(
+    ctx: ServerContext, http_request: Request, prefix: str, body: GenerationBody
+) -> tuple[str, RequestTimeline, SamplingParams]:
+    """The checks every generation request passes before its prompt is tokenized."""
+    request_id, timeline = new_request(http_request, prefix, body.stream)
+    check_model(ctx, body.model)
+    body.check()
+    return request_id, timeline, body.to_sampling_params()
+
+
+async def respond(http_request: Request, gen: Generation, view: GenerationView, streaming: bool) -> Response:
+    """Start the generation and answer with its stream, or with the whole response; a client
+    that leaves a non-streaming request early gets 499 (nginx's "client closed request")."""
+    await start_generation(gen)
+    if streaming:
+        return sse_response(view.stream())
+    response = await until_disconnect(http_request, view.collect(), gen)
+    return response if response is not None else Response(status_code=499)
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
