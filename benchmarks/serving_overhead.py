@@ -56,6 +56,7 @@ class Samples:
     tokens: int = 0
     breakdowns: list[dict[str, float]] = field(default_factory=list)  # TTFT split: the server's (http), from core events (direct)
     api_cpu_s: float = 0.0  # CPU time the API server process spent (http only)
+    streamed_tokens: int = 0  # every token the API streamed, ramp-up included (what api_cpu_s paid for)
     round_medians: list[tuple[float, float]] = field(default_factory=list)  # (TTFT p50, TBT p50) of each round
 
     def add_round(self, other: Samples) -> None:
@@ -64,6 +65,7 @@ class Samples:
         self.tokens += other.tokens
         self.breakdowns += other.breakdowns
         self.api_cpu_s += other.api_cpu_s
+        self.streamed_tokens += other.streamed_tokens
         self.round_medians.append((statistics.median(other.ttft_ms), statistics.median(other.tbt_ms)))
 
 
@@ -103,22 +105,33 @@ def _pin_engines(engine_pids: list[int], other_pids: list[int]) -> str:
     return f"engine cores pinned to CPU {cpus[0]}; API server and client to CPUs {sorted(rest)}"
 
 
-def _prompts(rng: random.Random, count: int, words: int) -> list[str]:
-    return [" ".join(f"w{rng.randrange(10**6)}" for _ in range(words)) for _ in range(count)]
+def _output_lengths(rng: random.Random, count: int, args) -> list[int]:
+    """max_tokens per request, uniform over max_tokens × [1 − spread, 1 + spread]. With spread 0 every
+    stream of a round ends in the same step and the next 32 requests arrive as one burst (a
+    synchronised closed loop); real streams end at different times."""
+    low = max(1, round(args.max_tokens * (1 - args.max_tokens_spread)))
+    high = max(low, round(args.max_tokens * (1 + args.max_tokens_spread)))
+    return [rng.randint(low, high) for _ in range(count)]
 
 
-async def _direct_round(client: AsyncEngineClient, text_api: PromptTokenizer | None, tokenizer, prompts: list[str],
-                        args, out: Samples) -> None:  # fmt: skip
+def _workload(rng: random.Random, lengths: list[int], words: int) -> list[tuple[str, int]]:
+    """Fresh random-word prompts (no prefix-cache hits) paired with the round's output lengths."""
+    return [(" ".join(f"w{rng.randrange(10**6)}" for _ in range(words)), n) for n in lengths]
+
+
+async def _direct_round(client: AsyncEngineClient, text_api: PromptTokenizer | None, tokenizer,
+                        work: list[tuple[str, int]], args, out: Samples) -> None:  # fmt: skip
     """One closed-loop round straight into the engine client. `text_api` None: token ids in and out,
     prompts tokenized before the clock starts (the engine alone). Otherwise text in and text out in
     this process, with the server's own tokenizer and detokenizer objects (the engine's Python API
     as a library user would call it): what HTTP adds on top of that is the HTTP path's difference."""
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     processor = OutputProcessor(text_api.decoder) if text_api is not None else None
-    pending = iter(prompts if text_api is not None else [tokenizer.encode(p, add_special_tokens=True) for p in prompts])
+    pending = iter(work if text_api is not None else [(tokenizer.encode(p, add_special_tokens=True), n) for p, n in work])
 
     async def worker() -> None:
-        for prompt in pending:
+        for index, (prompt, max_tokens) in enumerate(pending):
+            record = out if index >= args.ramp_requests else Samples()  # a worker's first requests: ramp-up
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
             started, started_wall = time.perf_counter(), time.time()
             request_id = uuid.uuid4().hex
             prompt_ids = prompt if text_api is None else (await text_api.encode_many([prompt]))[0]
@@ -133,12 +146,12 @@ async def _direct_round(client: AsyncEngineClient, text_api: PromptTokenizer | N
                 events.extend(output.events)
                 shown = output.new_token_ids if processor is None else [d.new_text for d in processor.process([output])[0] if d.new_text]
                 if shown:
-                    out.tokens += len(shown)
+                    record.tokens += len(shown)
                     if last is None:
-                        out.ttft_ms.append((now - started) * 1000)
-                        out.breakdowns.append(_direct_breakdown(started_wall, time.time(), now - started, events))
+                        record.ttft_ms.append((now - started) * 1000)
+                        record.breakdowns.append(_direct_breakdown(started_wall, time.time(), now - started, events))
                     else:
-                        out.tbt_ms.append((now - last) * 1000)
+                        record.tbt_ms.append((now - last) * 1000)
                     last = now
                 if output.finish_reason is not None:
                     break
@@ -204,8 +217,8 @@ class _SSEConnection:
             self.writer.close()
 
 
-async def _http_round(port: int, prompts: list[str], args, out: Samples) -> None:
-    pending = iter(prompts)
+async def _http_round(port: int, work: list[tuple[str, int]], args, out: Samples) -> None:
+    pending = iter(work)
     # Keep-alive connections opened before the clock starts, as a client's pool holds them: the
     # TCP handshake is not per request, and the direct path has no counterpart to it.
     connections = [_SSEConnection(port) for _ in range(args.concurrency)]
@@ -213,22 +226,24 @@ async def _http_round(port: int, prompts: list[str], args, out: Samples) -> None
 
     async def worker(connection: _SSEConnection) -> None:
         try:
-            for prompt in pending:
-                body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+            for index, (prompt, max_tokens) in enumerate(pending):
+                record = out if index >= args.ramp_requests else Samples()  # a worker's first requests: ramp-up
+                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                         "stream": True, "servelm": {"timeline": True}}  # fmt: skip
                 started, sent_wall = time.perf_counter(), time.time()
                 last, first_wall = None, None
                 async for chunk in connection.stream("/v1/completions", body):
                     now = time.perf_counter()
                     if "servelm" in chunk and first_wall is not None:
-                        out.breakdowns.append(_with_socket_legs(chunk["servelm"]["timeline"], sent_wall, first_wall))
+                        record.breakdowns.append(_with_socket_legs(chunk["servelm"]["timeline"], sent_wall, first_wall))
                     if chunk["choices"] and chunk["choices"][0]["text"]:
-                        out.tokens += 1
+                        record.tokens += 1
+                        out.streamed_tokens += 1
                         if last is None:
-                            out.ttft_ms.append((now - started) * 1000)
+                            record.ttft_ms.append((now - started) * 1000)
                             first_wall = time.time()
                         else:
-                            out.tbt_ms.append((now - last) * 1000)
+                            record.tbt_ms.append((now - last) * 1000)
                         last = now
         finally:
             connection.close()
@@ -267,14 +282,15 @@ async def _run(args, model: str) -> dict[str, Samples]:
         per_round = args.concurrency * args.requests_per_worker
         for round_index in range(args.rounds + 1):  # round 0 warms every path up and is dropped
             order = list(PATHS) if round_index % 2 == 0 else list(reversed(PATHS))  # drift hits all paths alike
+            lengths = _output_lengths(rng, per_round, args)  # the same for every path of the round
             for path in order:
-                samples, prompts = Samples(), _prompts(rng, per_round, args.prompt_words)
+                samples, work = Samples(), _workload(rng, lengths, args.prompt_words)
                 if path == "http":
                     cpu_before = _cpu_seconds(server.process.pid)
-                    await _http_round(server.port, prompts, args, samples)
+                    await _http_round(server.port, work, args, samples)
                     samples.api_cpu_s = _cpu_seconds(server.process.pid) - cpu_before
                 else:
-                    await _direct_round(client, text_api if path == "text" else None, tokenizer, prompts, args, samples)
+                    await _direct_round(client, text_api if path == "text" else None, tokenizer, work, args, samples)
                 if round_index > 0:
                     totals[path].add_round(samples)
     finally:
@@ -317,14 +333,14 @@ def _table(totals: dict[str, Samples], args) -> str:
         rows += lines
         verdicts.append(f"{name} {'PASS' if ok else 'FAIL'}")
     rows += ["", *_split_table(totals), ""]
-    if http.tokens:
-        rows.append(f"API process CPU per streamed token (all of its work, amortized): {http.api_cpu_s / http.tokens * 1e6:.0f} µs.")
+    if http.streamed_tokens:
+        rows.append(f"API process CPU per streamed token (all of its work, amortized): {http.api_cpu_s / http.streamed_tokens * 1e6:.0f} µs.")
         rows.append("")
     if getattr(args, "pinning", ""):
         rows.append(f"Pinning: {args.pinning}.")
     rows.append(f"{'; '.join(verdicts)}: {args.concurrency} concurrent streams, {args.rounds} rounds x "
                 f"{args.concurrency * args.requests_per_worker} requests per path, ~{args.prompt_words} random words per "
-                f"prompt, {args.max_tokens} output tokens.")  # fmt: skip
+                f"prompt, {args.max_tokens} output tokens (± {args.max_tokens_spread:.0%}).")  # fmt: skip
     return "\n".join(rows)
 
 
@@ -347,9 +363,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF dir or .gguf (default: a tiny random Llama written to a temp dir)")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--requests-per-worker", type=int, default=2)
+    parser.add_argument("--requests-per-worker", type=int, default=3)
+    parser.add_argument("--ramp-requests", type=int, default=1,
+                        help="each worker's first N requests are not measured: they start together, as one burst")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens-spread", type=float, default=0.5,
+                        help="output lengths uniform in max_tokens x [1-s, 1+s]; 0 = every stream the same length (bursty)")  # fmt: skip
     parser.add_argument("--prompt-words", type=int, default=60)
     parser.add_argument("--num-blocks", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
