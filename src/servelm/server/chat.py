@@ -16,18 +16,8 @@ from servelm.server.generation import ChoiceDelta, Generation
 from servelm.server.logprobs import chat_logprobs_content, ids_to_decode
 from servelm.server.protocol import ChatCompletionRequest
 from servelm.server.serving import (
-    DONE,
-    api_error_from_engine,
-    begin_request,
-    check_prompts,
-    engine_error,
-    final_chunk,
-    finish_request,
-    json_response,
-    respond,
-    sse,
-    stream_error_event,
-    usage,
+    api_error_from_engine, begin_request, check_prompts, engine_error, finish_request, json_response, respond, sse,
+    stream_tail, usage,
 )  # fmt: skip
 
 
@@ -106,15 +96,10 @@ class _ChatView:
                     yield sse({**header, "choices": entries})
                     if any(d.token_ids for d in deltas):
                         self.gen.timeline.stamp(ApiStamp.FIRST_BYTE_WRITTEN)
-            error = engine_error(self.gen)
-            if error is not None:
-                yield stream_error_event(error)
-            prompt_tokens = len(self.gen.prompts[0])
-            done = finish_request(self.ctx, self.gen, prompt_tokens, completion_tokens, self.body.wants_timeline)
-            final = final_chunk(header, self.body.include_usage, prompt_tokens, completion_tokens, done.timeline_dict)
-            if final is not None:
-                yield sse(final)
-            yield DONE
+            body = self.body
+            for event in stream_tail(self.ctx, self.gen, header, body.include_usage, body.wants_timeline,
+                                     len(self.gen.prompts[0]), completion_tokens):  # fmt: skip
+                yield event
         finally:
             self.gen.close()
 

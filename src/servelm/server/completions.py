@@ -18,25 +18,11 @@ from servelm.obs.timeline import ApiStamp
 from servelm.server.context import ServerContext
 from servelm.server.errors import bad_request
 from servelm.server.generation import Choice, ChoiceDelta, Generation
-from servelm.server.logprobs import (
-    empty_completion_logprobs,
-    extend_completion_logprobs,
-    ids_to_decode,
-)
+from servelm.server.logprobs import empty_completion_logprobs, extend_completion_logprobs, ids_to_decode
 from servelm.server.protocol import CompletionRequest
 from servelm.server.serving import (
-    DONE,
-    api_error_from_engine,
-    begin_request,
-    check_prompts,
-    engine_error,
-    final_chunk,
-    finish_request,
-    json_response,
-    respond,
-    sse,
-    stream_error_event,
-    usage,
+    api_error_from_engine, begin_request, check_prompts, engine_error, finish_request, json_response, respond, sse,
+    stream_tail, usage,
 )  # fmt: skip
 
 
@@ -172,14 +158,10 @@ class _CompletionView:
                     yield sse({**header, "choices": entries})
                     if any(d.token_ids for d in deltas):
                         self.gen.timeline.stamp(ApiStamp.FIRST_BYTE_WRITTEN)
-            error = engine_error(self.gen)
-            if error is not None:
-                yield stream_error_event(error)
-            done = finish_request(self.ctx, self.gen, self._prompt_tokens(), completion_tokens, self.body.wants_timeline)
-            final = final_chunk(header, self.body.include_usage, self._prompt_tokens(), completion_tokens, done.timeline_dict)
-            if final is not None:
-                yield sse(final)
-            yield DONE
+            body = self.body
+            for event in stream_tail(self.ctx, self.gen, header, body.include_usage, body.wants_timeline,
+                                     self._prompt_tokens(), completion_tokens):  # fmt: skip
+                yield event
         finally:
             self.gen.close()
 

@@ -193,7 +193,25 @@ def api_error_from_engine(message: str) -> APIError:
     return APIError(500, f"The engine failed: {message}", type="server_error")
 
 
-def final_chunk(
+def stream_tail(
+    ctx: ServerContext, gen: Generation, header: dict[str, Any], include_usage: bool, want_timeline: bool,
+    prompt_tokens: int, completion_tokens: int,
+) -> list[bytes]:  # fmt: skip
+    """A stream's last events once its generation ended: the engine's error (if it failed), the
+    usage/timeline chunk (if asked for), and `[DONE]`; the request's end is recorded here."""
+    events = []
+    error = engine_error(gen)
+    if error is not None:
+        events.append(stream_error_event(error))
+    done = finish_request(ctx, gen, prompt_tokens, completion_tokens, want_timeline)
+    final = _final_chunk(header, include_usage, prompt_tokens, completion_tokens, done.timeline_dict)
+    if final is not None:
+        events.append(sse(final))
+    events.append(DONE)
+    return events
+
+
+def _final_chunk(
     header: dict[str, Any], include_usage: bool, prompt_tokens: int, completion_tokens: int, timeline: dict | None
 ) -> dict[str, Any] | None:
     """The chunk after all content: usage (if asked) and the timeline (if asked), with no choices."""
