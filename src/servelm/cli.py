@@ -27,6 +27,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=None, help="requests per step at most")
+    group.add_argument(
+        "--max-step-ms", type=float, default=None,
+        help="inter-token latency target: while requests decode, prefill chunks shrink to keep steps under it (0 = off)",
+    )  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -43,6 +47,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "enable_prefix_caching",
             "max_num_batched_tokens",
             "max_num_seqs",
+            "max_step_ms",
             "kv_events_port",
         )
         if getattr(args, name, None) is not None

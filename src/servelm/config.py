@@ -57,8 +57,15 @@ class SchedulerConfig:
     # (and again after each further interval), so batch traffic is never starved. It is
     # also the wait after which no smaller request may skip past it. 0 disables both.
     aging_s: float = 10.0
+    # Inter-token latency target (ms) for steps that carry decodes; 0 = off. While any request
+    # is decoding, a step schedules only the tokens its learned cost model (step_cost.py) says
+    # fit in this time: a long prompt is then prefilled in smaller chunks and running streams
+    # keep their pace. Each step still takes every decode plus at least one block of prefill,
+    # so prompts always progress. Steps with no decode keep the full budget (TTFT first).
+    max_step_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        _require(self.max_step_ms >= 0, f"max_step_ms must be >= 0, got {self.max_step_ms}")
         _require(
             self.max_num_batched_tokens > 0,
             f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",

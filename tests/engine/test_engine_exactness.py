@@ -50,7 +50,8 @@ def _workload(seed: int, count: int, vocab: int):
 
 
 def _run(core, workload, max_steps: int = 20000):
-    """Feed requests in at their arrival steps; collect tokens and finish reasons per request."""
+    """Feed requests in at their arrival steps; collect tokens and finish reasons per request,
+    and count the steps it took."""
     tokens = {str(i): [] for i in range(len(workload))}
     finish = {}
     step = 0
@@ -66,7 +67,7 @@ def _run(core, workload, max_steps: int = 20000):
         core.kv_manager.check_invariants()
         step += 1
         assert step < max_steps, "engine did not finish the workload"
-    return tokens, finish
+    return tokens, finish, step
 
 
 def test_randomized_workload_matches_reference(tiny_dir, reference_model):
@@ -78,7 +79,7 @@ def test_randomized_workload_matches_reference(tiny_dir, reference_model):
         enable_prefix_caching=True,
     )
     built = build_engine(config)
-    tokens, finish = _run(built.core, workload)
+    tokens, finish, _ = _run(built.core, workload)
 
     stats = built.core.stats()
     assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
@@ -108,3 +109,23 @@ def test_prefix_cache_skips_work_not_results(tiny_dir):
     assert outputs["second"][1] == 64  # the four full blocks; the tail is recomputed
     stats = built.core.stats()
     assert stats.prefix_hits == 64
+
+
+def test_step_time_target_changes_chunking_not_results(tiny_dir, reference_model):
+    """max_step_ms learns the step cost from real steps and shrinks prefill chunks while
+    requests decode: many more, smaller chunks, and the same greedy tokens."""
+    vocab = reference_model.arch.vocab_size
+    workload = _workload(seed=5, count=12, vocab=vocab)
+    steps = {}
+    for max_step_ms in (0.0, 0.001):  # 1 µs: below any step, so every decode step takes the floor
+        config = EngineConfig.from_flat(
+            model=str(tiny_dir), num_blocks=256, block_size=16, max_num_batched_tokens=512, max_step_ms=max_step_ms,
+        )  # fmt: skip
+        built = build_engine(config)
+        tokens, _, steps[max_step_ms] = _run(built.core, workload)
+        for i, (prompt, max_tokens, _) in enumerate(workload):
+            assert tokens[str(i)] == greedy_decode(reference_model, prompt, max_tokens), f"request {i} diverged"
+        assert built.core.scheduler.step_cost.fit() is not None, "the cost model saw steps of different sizes"
+        assert built.core.stats().num_used_blocks == 0
+    # Same work in smaller steps: prompts that arrive while others decode go 16 tokens at a time.
+    assert steps[0.001] > 2 * steps[0.0], steps

@@ -441,3 +441,46 @@ def test_bad_requests_and_configs_raise() -> None:
         CacheConfig(num_blocks=10, kv_cache_memory_bytes=1 << 20)
     with pytest.raises(ValueError, match="block_size"):
         CacheConfig(block_size=0)
+
+
+# -- step-time target (max_step_ms) --------------------------------------------------------
+
+
+def _teach_cost(s: Scheduler, fixed_s: float, per_token_s: float) -> None:
+    for tokens in (1, 8, 32, 64, 128, 256):
+        s.observe_step(tokens, fixed_s + per_token_s * tokens)
+
+
+def test_max_step_ms_shrinks_prefill_chunks_while_a_request_decodes() -> None:
+    s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=256, max_model_len=512, max_step_ms=20.0)
+    _teach_cost(s, fixed_s=0.002, per_token_s=0.001)  # 20 ms fits 18 tokens
+    s.add_request(request("a", 6))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 6}  # nobody decodes yet: the full budget
+    s.add_request(request("b", 200))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 17}  # 18 tokens: one decode + 17 of prefill
+
+
+def test_max_step_ms_always_leaves_every_decode_and_a_block_of_prefill() -> None:
+    s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=256, max_model_len=512, max_step_ms=1.0)
+    _teach_cost(s, fixed_s=0.005, per_token_s=0.001)  # even the fixed part is over 1 ms
+    for name in ("a", "b", "c"):
+        s.add_request(request(name, 5))
+    step(s)
+    s.add_request(request("d", 100))
+    so, _ = step(s)
+    # Three decodes plus one block (4 tokens) of d's prompt: the prompt still progresses.
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 4}
+
+
+def test_max_step_ms_without_a_fit_or_when_off_keeps_the_static_budget() -> None:
+    for config in ({"max_step_ms": 20.0}, {"max_step_ms": 0.0}):
+        s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=64, max_model_len=512, **config)
+        if config["max_step_ms"] == 0.0:
+            _teach_cost(s, fixed_s=0.002, per_token_s=0.001)  # learned, but the feature is off
+        s.add_request(request("a", 6))
+        step(s)
+        s.add_request(request("b", 200))
+        so, _ = step(s)
+        assert so.num_scheduled_tokens == {"a": 1, "b": 63}

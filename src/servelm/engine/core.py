@@ -6,6 +6,8 @@ process behind ZMQ (the server). It never tokenizes or detokenizes.
 
 from __future__ import annotations
 
+import time
+
 from servelm.datatypes import EngineOutput, EngineRequest
 from servelm.engine.messages import CoreStats
 from servelm.kv.kv_cache_manager import KVCacheManager
@@ -31,7 +33,9 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         scheduler_output = self.scheduler.schedule()
+        started = time.perf_counter()
         model_output = self.runner.execute(scheduler_output)
+        self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
         return self.scheduler.update(scheduler_output, model_output)
 

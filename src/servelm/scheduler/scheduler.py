@@ -41,6 +41,7 @@ from servelm.datatypes import (
 from servelm.kv.block_pool import KVCacheEvent, PrefixCacheStats
 from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
 from servelm.scheduler.request import Request, RequestStatus
+from servelm.scheduler.step_cost import StepCostModel
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.waiting_queue import WaitingQueue
 
@@ -93,6 +94,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # the runner must forget these next step
         self._pending_outputs: list[EngineOutput] = []  # aborts, delivered by the next update()
         self._next_arrival_seq = 0
+        self.step_cost = StepCostModel()  # learned from observe_step(); used when max_step_ms > 0
 
     # -- queries -------------------------------------------------------------------
 
@@ -163,9 +165,27 @@ class Scheduler:
 
     # -- schedule -------------------------------------------------------------------
 
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """How long the runner took for a step of `num_tokens` (feeds the max_step_ms budget)."""
+        self.step_cost.observe(num_tokens, seconds)
+
+    def _step_budget(self) -> int:
+        """max_num_batched_tokens, or less while requests decode and max_step_ms is set."""
+        budget = self.config.max_num_batched_tokens
+        if self.config.max_step_ms <= 0:
+            return budget
+        num_decoding = sum(1 for r in self._running if r.num_tokens - r.num_computed_tokens == 1)
+        if not num_decoding:
+            return budget
+        fits = self.step_cost.tokens_within(self.config.max_step_ms / 1000.0)
+        if fits is None:
+            return budget
+        # Every decode, and at least one block of prefill so waiting prompts still move.
+        return min(budget, max(fits, num_decoding + self._kv.block_size))
+
     def schedule(self) -> SchedulerOutput:
         now = self._clock()
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = _StepPlan(budget=self._step_budget())
         self._schedule_running(plan, now)
         if not plan.preempted_request_ids:
             self._schedule_waiting(plan, now)

@@ -1,0 +1,26 @@
+"""Engine flags on the command line reach the config slice that owns them."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelm.cli import build_parser, engine_config_from_args
+
+
+def test_scheduler_flags_reach_the_scheduler_config() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--max-step-ms", "250", "--max-num-batched-tokens", "512", "--max-num-seqs", "8"]
+    )
+    config = engine_config_from_args(args)
+    assert config.scheduler.max_step_ms == 250.0
+    assert config.scheduler.max_num_batched_tokens == 512 and config.scheduler.max_num_seqs == 8
+
+
+def test_unset_flags_keep_the_defaults() -> None:
+    config = engine_config_from_args(build_parser().parse_args(["serve"]))
+    assert config.scheduler.max_step_ms == 0.0
+
+
+def test_a_negative_step_target_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_step_ms"):
+        engine_config_from_args(build_parser().parse_args(["serve", "--max-step-ms", "-1"]))
