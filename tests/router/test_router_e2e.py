@@ -12,6 +12,7 @@ import httpx
 from router_helpers import ROUTER_KEY
 
 from servelm.cluster.local import LocalCluster
+from servelm.server.launcher import launch_server
 
 AUTH = {"Authorization": f"Bearer {ROUTER_KEY}"}
 
@@ -119,6 +120,51 @@ def test_client_going_away_mid_stream_releases_the_replica(fleet: LocalCluster) 
     wait_until(lambda: all(r["in_flight"] == 0 and r["outstanding_tokens"] == 0 for r in admin(fleet).values()),
                what="in-flight counts back to 0")  # fmt: skip
     wait_until(lambda: metric(replica, "servelm:num_requests_running") == 0, what="the replica to abort the stream")
+
+
+def _set_rotation(fleet: LocalCluster, remove: list[str], add: list[dict]) -> None:
+    for url in remove:
+        response = httpx.request("DELETE", f"{router_url(fleet)}/admin/replicas", json={"url": url}, headers=AUTH)
+        assert response.status_code == 200, response.text
+    for body in add:
+        response = httpx.post(f"{router_url(fleet)}/admin/replicas", json=body, headers=AUTH, timeout=10)
+        assert response.status_code == 201, response.text
+    wait_until(lambda: all(admin(fleet)[b["url"]]["healthy"] for b in add), what="added replicas in rotation")
+
+
+def test_a_full_replica_answers_429_and_the_router_tries_another(fleet: LocalCluster) -> None:
+    # A third replica whose waiting queue admits nothing: every request it gets is a 429.
+    extra = ["--num-blocks", "256", "--num-threads", "1", "--max-waiting-requests", "0"]
+    with launch_server(fleet.config.model, extra) as full:
+        probe = httpx.post(f"{full.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
+        assert probe.status_code == 429
+        normal = [p.spec for p in fleet.processes if p.spec.role == "replica"]
+        # One normal replica and the full one: the full one is the idle one, so it is chosen often.
+        _set_rotation(fleet, remove=[normal[0].url], add=[{"url": full.base_url}])
+        try:
+            async def burst() -> list[httpx.Response]:
+                async with httpx.AsyncClient(timeout=120) as client:
+                    return await asyncio.gather(*(_fire(client, router_url(fleet), i) for i in range(8)))
+
+            responses = asyncio.run(burst())
+            assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses if r.status_code != 200]
+            assert {r.headers["x-servelm-replica"] for r in responses} == {normal[1].url}
+            series = f'servelm:router_requests_total{{replica="{full.base_url}"}} '
+            text = httpx.get(f"{router_url(fleet)}/metrics", timeout=10).text
+            sent_to_full = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series))
+            assert sent_to_full > 0, "the full replica was never tried: the test proves nothing"
+            # Only the full replica left: the fleet is full, so the client gets 429, not 503.
+            _set_rotation(fleet, remove=[normal[1].url], add=[])
+            response = httpx.post(f"{router_url(fleet)}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                                  headers=AUTH, timeout=30)  # fmt: skip
+            assert response.status_code == 429 and response.headers["retry-after"] == "1"
+            assert response.json()["error"]["type"] == "rate_limit_error"
+        finally:
+            _set_rotation(fleet, remove=[full.base_url], add=[])
+            for spec in normal:
+                if spec.url not in admin(fleet):
+                    _set_rotation(fleet, remove=[], add=[{"url": spec.url, "kv_events": spec.kv_events}])
+            wait_until(lambda: all(r["kv_synced"] for r in admin(fleet).values()), what="resync of re-added replicas")
 
 
 async def _fire(client: httpx.AsyncClient, url: str, i: int) -> httpx.Response:

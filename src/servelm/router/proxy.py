@@ -1,7 +1,7 @@
 """Forwarding one request to a replica: choose, send, retry once before the first byte, stream.
 
     body ─▶ RequestView ─▶ policy.choose ─▶ POST replica ─▶ first chunk? ──yes──▶ stream the rest as it comes
-                               ▲                              │ no (connect error, reset, 502/503/504)
+                               ▲                              │ no (connect error, reset, 429/502/503/504)
                                └──── another replica ◀────────┘ (once; the failed one is marked down)
 
 "Before the first byte" is literal: the upstream's first body chunk is awaited before the
@@ -31,16 +31,26 @@ from servelm.router.state import Router
 from servelm.server.tokenization import PromptTokenizer
 
 logger = logging.getLogger(__name__)
-RETRY_STATUSES = {502, 503, 504}  # the replica is going away or overloaded upstream: another may serve
+# The replica is going away (502/503/504) or its waiting queue is full (429): another may serve.
+RETRY_STATUSES = {429, 502, 503, 504}
 # Hop-by-hop (RFC 9110 §7.6.1) or recomputed by the HTTP stack: never forwarded.
 _DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"}
 _DROP_RESPONSE_HEADERS = {"connection", "keep-alive", "transfer-encoding", "upgrade", "date", "server"}
 REPLICA_HEADER = "x-servelm-replica"
 
 
-def error_response(status: int, message: str, code: str) -> Response:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+def error_response(status: int, message: str, code: str, error_type: str = "server_error") -> Response:
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
     return Response(json.dumps(body), status_code=status, media_type="application/json")
+
+
+@dataclass
+class _Failure:
+    """Why an attempt failed before the first byte; `status` when the replica answered at all."""
+
+    message: str
+    status: int | None = None
+    retry_after: str | None = None
 
 
 @dataclass
@@ -68,7 +78,7 @@ class Proxy:
         headers = request_headers(request)
         view = await build_view(self.tokenizer, self.router.options.block_size, request.url.path, body, headers)
         tried: set[str] = set()
-        last_error = "no healthy replica"
+        failures: list[_Failure] = []
         for attempt in range(self.router.options.max_attempts):
             candidates = [r for r in self.router.replicas.healthy() if r.url not in tried]
             if not candidates:
@@ -79,8 +89,8 @@ class Proxy:
             result = await self._try(decision.replica, view, request.url.path, raw, headers)
             if isinstance(result, _Attempt):
                 return self._stream(result, view)
-            last_error = result
-        return error_response(503, f"no replica could serve the request: {last_error}", "no_replica_available")
+            failures.append(result)
+        return _give_up(failures)
 
     def _record_decision(self, decision: Decision, view: RequestView, retry: bool) -> None:
         metrics = self.router.metrics
@@ -93,7 +103,7 @@ class Proxy:
 
     async def _try(
         self, replica: Replica, view: RequestView, path: str, raw: bytes, headers: dict[str, str]
-    ) -> _Attempt | str:
+    ) -> _Attempt | _Failure:
         """Send and wait for the first body chunk. Returns the live attempt, or why it failed."""
         tokens = view.num_prompt_tokens + view.num_output_tokens
         replica.in_flight += 1
@@ -104,22 +114,23 @@ class Proxy:
             upstream = self.client.build_request("POST", replica.url + path, content=raw, headers=headers)
             response = await self.client.send(upstream, stream=True)
             if response.status_code in RETRY_STATUSES:
-                error = f"{replica.url} answered {response.status_code}"
+                failure = _Failure(f"{replica.url} answered {response.status_code}", response.status_code,
+                                   response.headers.get("retry-after"))  # fmt: skip
             else:
                 chunks = response.aiter_raw()
                 first = await anext(chunks, b"")
                 return _Attempt(replica, response, first, chunks)
         except httpx.HTTPError as exc:
-            error = f"{replica.url}: {type(exc).__name__}: {exc}"
+            failure = _Failure(f"{replica.url}: {type(exc).__name__}: {exc}")
             self.router.metrics.failures.labels(replica.url).inc()
-            await self.router.mark_down(replica, error)
+            await self.router.mark_down(replica, failure.message)
         # Failed before any byte reached the client: release and let the caller retry.
         if response is not None:
             await response.aclose()
         replica.in_flight -= 1
         replica.outstanding_tokens -= tokens
-        logger.warning("attempt failed before the first byte: %s", error)
-        return error
+        logger.warning("attempt failed before the first byte: %s", failure.message)
+        return failure
 
     def _stream(self, attempt: _Attempt, view: RequestView) -> StreamingResponse:
         replica, response = attempt.replica, attempt.response
@@ -157,6 +168,19 @@ class Proxy:
             return Response(response.content, status_code=response.status_code,
                             media_type=response.headers.get("content-type"))  # fmt: skip
         return error_response(503, "no healthy replica", "no_replica_available")
+
+
+def _give_up(failures: list[_Failure]) -> Response:
+    """Every attempt failed. If every replica tried was merely full (429), so is the fleet: the
+    client gets 429 and the shortest Retry-After a replica asked for; anything else is a 503."""
+    if failures and all(f.status == 429 for f in failures):
+        waits = [int(f.retry_after) for f in failures if f.retry_after and f.retry_after.isdigit()]
+        response = error_response(429, "Every replica tried is at capacity; retry later.", "rate_limit_exceeded",
+                                  error_type="rate_limit_error")  # fmt: skip
+        response.headers["Retry-After"] = str(min(waits) if waits else 1)
+        return response
+    last = failures[-1].message if failures else "no healthy replica"
+    return error_response(503, f"no replica could serve the request: {last}", "no_replica_available")
 
 
 class _ReleasingStream(StreamingResponse):
