@@ -107,3 +107,25 @@ def test_kv_index_mirrors_any_event_stream_exactly(events: list[tuple[bool, int]
         (truth.add if stored else truth.discard)(H[i])
         assert not index.apply_batch("a", batch(seq, (STORED if stored else REMOVED, H[i]), epoch="e"))
     assert index.state("a").block_hashes == truth and index.num_hashes() == len(truth)
+
+
+def test_a_salted_request_hashes_into_the_replicas_salted_namespace() -> None:
+    import asyncio
+
+    from servelm.kv.block_hash import extra_key_from_salt, hash_block_tokens
+    from servelm.models.tokenizer import load_tokenizer
+    from servelm.router.request_view import build_view
+    from servelm.server.tokenization import PromptTokenizer
+
+    body = {"prompt": list(range(40)), "max_tokens": 4}
+    tokenizer = PromptTokenizer(load_tokenizer(None))
+
+    def view(extra: dict):
+        return asyncio.run(build_view(tokenizer, 16, "/v1/completions", {**body, **extra}, {}))
+
+    plain, salted = view({}), view({"cache_salt": "tenant-a"})
+    assert plain.block_hashes == hash_block_tokens(list(range(40)), 16)
+    # Exactly what the engine's scheduler hashes for a request with that salt (Request.extra_key).
+    assert salted.block_hashes == hash_block_tokens(list(range(40)), 16, extra_key_from_salt("tenant-a"))
+    assert len(salted.block_hashes) == 2 and set(salted.block_hashes).isdisjoint(plain.block_hashes)
+    tokenizer.shutdown()

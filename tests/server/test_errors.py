@@ -48,6 +48,8 @@ CASES = [
     ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p", None, "(0, 1]"),
     ("/v1/completions", {**GOOD, "top_k": -5}, 400, "top_k", None, "top_k"),
     ("/v1/completions", {**GOOD, "min_p": 2}, 400, "min_p", None, "min_p"),
+    ("/v1/completions", {**GOOD, "cache_salt": ""}, 400, "cache_salt", None, "non-empty"),
+    ("/v1/chat/completions", {**CHAT, "cache_salt": 7}, 400, "cache_salt", None, "valid string"),
     ("/v1/completions", {**GOOD, "presence_penalty": 3}, 400, "presence_penalty", None, "[-2, 2]"),
     ("/v1/completions", {**GOOD, "n": 0}, 400, "n", None, "n must be between"),
     ("/v1/completions", {**GOOD, "n": 1000}, 400, "n", None, "n must be between"),

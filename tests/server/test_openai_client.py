@@ -167,3 +167,21 @@ def test_prompt_forms_and_token_ids(client, model):
     assert result.choices[1].text == single.choices[0].text
     ids = client.completions.create(model=model, prompt=[[504, 2365, 6354]], max_tokens=3, **GREEDY)
     assert ids.usage.prompt_tokens == 3
+
+
+def test_cache_salt_keeps_prefix_caches_apart(client, model, server):
+    """Same prompt, other salt: no prefix hit (another tenant's KV is not reused); same salt: hits."""
+    prompt = "salted tenant prompt " + PROMPT + " " + PROMPT  # > 2 full blocks, unseen by other tests
+
+    def hits_for(salt: str | None) -> float:
+        wait_idle(server)
+        before = metric_value(scrape(server), "servelm:prefix_cache_hits_total")
+        extra = {"ignore_eos": True, **({"cache_salt": salt} if salt is not None else {})}
+        first = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+        assert first.choices[0].text
+        return metric_value(wait_idle(server), "servelm:prefix_cache_hits_total") - before
+
+    assert hits_for("tenant-a") == 0  # first time in tenant a's namespace
+    assert hits_for("tenant-b") == 0  # the same tokens, another namespace
+    assert hits_for(None) == 0  # unsalted is a namespace of its own
+    assert hits_for("tenant-a") >= 32  # tenant a's own blocks are reused

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from servelm.kv.block_hash import hash_block_tokens
+from servelm.kv.block_hash import extra_key_from_salt, hash_block_tokens
 from servelm.router.policies import RequestView
 from servelm.server.tokenization import PromptTokenizer
 
@@ -68,7 +68,9 @@ async def build_view(
             token_ids = await prompt_token_ids(tokenizer, path, body)
         except (ValueError, TypeError, KeyError):
             token_ids = []  # the replica will reject the request with a proper error
-    block_hashes = hash_block_tokens(token_ids, block_size)
+    salt = body.get("cache_salt")
+    # A salted request hashes into its own namespace on the replica: hash it the same way here.
+    block_hashes = hash_block_tokens(token_ids, block_size, extra_key_from_salt(salt if isinstance(salt, str) else None))
     routing_key = block_hashes[0] if block_hashes else hashlib.sha256(repr(token_ids or body).encode()).digest()
     user = body.get("user")
     session_id = headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)

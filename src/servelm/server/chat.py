@@ -30,7 +30,7 @@ async def create_chat_completion(ctx: ServerContext, http_request: Request, body
         raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
     check_prompts(ctx, [prompt], params, "messages")
     timeline.stamp(ApiStamp.TOKENIZED)
-    gen = Generation(ctx, request_id, [prompt], params, body.priority, timeline)
+    gen = Generation(ctx, request_id, [prompt], params, body.priority, timeline, cache_salt=body.cache_salt)
     return await respond(http_request, gen, _ChatView(ctx, body, gen), body.stream)
 
 

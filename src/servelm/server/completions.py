@@ -35,7 +35,7 @@ async def create_completion(ctx: ServerContext, http_request: Request, body: Com
     token_ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
     check_prompts(ctx, token_ids, params, "prompt", client_ids=len(texts) < len(prompts))
     timeline.stamp(ApiStamp.TOKENIZED)
-    gen = Generation(ctx, request_id, token_ids, params, body.priority, timeline)
+    gen = Generation(ctx, request_id, token_ids, params, body.priority, timeline, cache_salt=body.cache_salt)
     return await respond(http_request, gen, _CompletionView(ctx, body, gen, prompts), body.stream)
 
 

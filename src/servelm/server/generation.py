@@ -69,6 +69,7 @@ class Generation:
     params: SamplingParams
     priority: int
     timeline: RequestTimeline
+    cache_salt: str | None = None  # the prefix-cache namespace of every engine request here
     choices: list[Choice] = field(default_factory=list)
     _by_engine_id: dict[str, Choice] = field(default_factory=dict)
     _siblings: dict[int, list[Choice]] = field(default_factory=dict)  # prompt index → choices not yet sent
@@ -115,6 +116,7 @@ class Generation:
             sampling_params=choice.params,
             priority=self.priority,
             arrival_time=self.timeline.wall[ApiStamp.RECEIVED],
+            cache_salt=self.cache_salt,
         )
         # Stamped at the hand-off itself: the core may schedule it before this coroutine resumes.
         self.timeline.stamp(ApiStamp.SENT_TO_CORE)

@@ -60,6 +60,9 @@ class _GenerationRequest(_Strict):
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first; 0 interactive, larger = batch
     user: str | None = None
+    # Prefix-cache namespace (vLLM's name): requests share cached KV only with the same salt,
+    # so one tenant cannot learn from cache timing what another tenant's prompts were.
+    cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None  # accepted only empty: not supported
     servelm: ServelmOptions | None = None
 
@@ -78,6 +81,8 @@ class _GenerationRequest(_Strict):
             raise bad_request("logit_bias is not supported by this server", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise bad_request("cache_salt must be a non-empty string when given", param="cache_salt")
 
     def sampling_params(
         self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None, max_tokens_param: str
