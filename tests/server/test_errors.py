@@ -49,6 +49,10 @@ CASES = [
     ("/v1/completions", {**GOOD, "top_k": -5}, 400, "top_k", None, "top_k"),
     ("/v1/completions", {**GOOD, "min_p": 2}, 400, "min_p", None, "min_p"),
     ("/v1/completions", {**GOOD, "cache_salt": ""}, 400, "cache_salt", None, "non-empty"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", None, "not supported"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format.type", None, "input should be"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None, "not supported"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice", None, "none"),
     ("/v1/chat/completions", {**CHAT, "cache_salt": 7}, 400, "cache_salt", None, "valid string"),
     ("/v1/completions", {**GOOD, "presence_penalty": 3}, 400, "presence_penalty", None, "[-2, 2]"),
     ("/v1/completions", {**GOOD, "n": 0}, 400, "n", None, "n must be between"),
@@ -76,6 +80,26 @@ CASES = [
 @pytest.mark.parametrize("path, body, status, param, code, says", CASES, ids=[f"{c[3]}-{i}" for i, c in enumerate(CASES)])
 def test_bad_request(server, path, body, status, param, code, says):
     _assert_error(_post(server, path, body), status, param, code=code, says=says)
+
+
+def test_explicit_nulls_and_no_op_openai_fields_are_accepted(server):
+    """Several SDKs send every optional parameter, null when unset: null takes the default."""
+    nulls = {"n": None, "stream": None, "stop": None, "seed": None, "temperature": None, "top_p": None,
+             "presence_penalty": None, "frequency_penalty": None, "user": None, "logit_bias": None,
+             "stream_options": None}  # fmt: skip
+    completion = _post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": None, "logprobs": None,
+                                                   "echo": None, "ignore_eos": True, **nulls})  # fmt: skip
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens for completions
+    chat = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": None, "name": None},
+                     {"role": "user", "content": "hi"}],
+        "max_tokens": 3, "max_completion_tokens": None, "logprobs": None, "top_logprobs": None,
+        "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+        **nulls,
+    })  # fmt: skip
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 def test_unknown_route_and_method(server):

@@ -12,9 +12,9 @@ hot path, where constructing pydantic models would cost more than the JSON itsel
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servelm.sampling_params import SamplingParams, SamplingParamsError
 from servelm.server.errors import bad_request
@@ -25,6 +25,15 @@ MAX_TOP_LOGPROBS = 20
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_not_given(cls, data: Any) -> Any:
+        # OpenAI's optional parameters are nullable and several SDKs send explicit nulls
+        # ("n": null, "stop": null): null takes the default, as with OpenAI and vLLM.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -170,6 +179,11 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -177,9 +191,24 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Accepted so clients that always send them work; only their no-op values are served.
+    response_format: ResponseFormat | None = None  # "text" only: no guided decoding here
+    tools: list[dict[str, Any]] | None = None  # only empty: no tool calling here
+    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         self.check_common()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request(
+                f"response_format {self.response_format.type!r} is not supported by this server (no guided "
+                "decoding); use \"text\"",
+                param="response_format",
+            )
+        if self.tools:
+            raise bad_request("tools are not supported by this server (no tool calling)", param="tools")
+        if isinstance(self.tool_choice, dict):
+            raise bad_request("tool_choice may only be \"none\" or \"auto\": no tool calling here", param="tool_choice")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
