@@ -40,6 +40,9 @@ def test_completion_stream_equals_non_stream(client, model):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    # The streamed request repeated the prompt: its full blocks came from the prefix cache.
+    assert whole.usage.prompt_tokens_details.cached_tokens % 16 == 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // 16 * 16
 
 
 def test_chat_stream_equals_non_stream(client, model):
@@ -179,7 +182,10 @@ def test_cache_salt_keeps_prefix_caches_apart(client, model, server):
         extra = {"ignore_eos": True, **({"cache_salt": salt} if salt is not None else {})}
         first = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
         assert first.choices[0].text
-        return metric_value(wait_idle(server), "servelm:prefix_cache_hits_total") - before
+        hits = metric_value(wait_idle(server), "servelm:prefix_cache_hits_total") - before
+        # The response says the same as the server's counter (OpenAI's usage field).
+        assert first.usage.prompt_tokens_details.cached_tokens == hits
+        return hits
 
     assert hits_for("tenant-a") == 0  # first time in tenant a's namespace
     assert hits_for("tenant-b") == 0  # the same tokens, another namespace

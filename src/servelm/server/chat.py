@@ -77,7 +77,7 @@ class _ChatView:
             )
         prompt_tokens, completion_tokens = len(self.gen.prompts[0]), sum(len(t) for t in tokens.values())
         done = finish_request(self.ctx, self.gen, prompt_tokens, completion_tokens, self.body.wants_timeline)
-        payload = {**self._header("chat.completion"), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        payload = {**self._header("chat.completion"), "choices": choices, "usage": usage(prompt_tokens, completion_tokens, self.gen.num_cached_prompt_tokens)}
         if done.timeline_dict is not None:
             payload["servelm"] = {"timeline": done.timeline_dict}
         return json_response(payload, headers=done.ttft_header)

@@ -115,7 +115,7 @@ class _CompletionView:
         choices = [await self._final_choice(c, accumulated[c.index]) for c in self.gen.choices]
         completion_tokens = sum(len(a.token_ids) for a in accumulated.values()) if not self.drop_generated else 0
         done = finish_request(self.ctx, self.gen, self._prompt_tokens(), completion_tokens, self.body.wants_timeline)
-        payload = {**self._header(), "choices": choices, "usage": usage(self._prompt_tokens(), completion_tokens)}
+        payload = {**self._header(), "choices": choices, "usage": usage(self._prompt_tokens(), completion_tokens, self.gen.num_cached_prompt_tokens)}
         if done.timeline_dict is not None:
             payload["servelm"] = {"timeline": done.timeline_dict}
         return json_response(payload, headers=done.ttft_header)

@@ -91,6 +91,14 @@ class Generation:
             self._merged = asyncio.Queue()
 
     @property
+    def num_cached_prompt_tokens(self) -> int:
+        """Prompt tokens the prefix cache served, once per prompt (its first choice's count,
+        as usage counts each prompt once however many choices share it)."""
+        n = self.params.n
+        leaders = (self.choices[p * n].state for p in range(len(self.prompts)))
+        return sum(state.num_cached_tokens for state in leaders if state is not None)
+
+    @property
     def unfinished(self) -> int:
         return sum(1 for c in self.choices if not c.finished)
 

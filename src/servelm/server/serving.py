@@ -115,8 +115,15 @@ def check_prompts(
                 )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` says how much of the prompt
+    the prefix cache served (what makes a repeated long prompt fast)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 @dataclass
@@ -204,7 +211,8 @@ def stream_tail(
     if error is not None:
         events.append(stream_error_event(error))
     done = finish_request(ctx, gen, prompt_tokens, completion_tokens, want_timeline)
-    final = _final_chunk(header, include_usage, prompt_tokens, completion_tokens, done.timeline_dict)
+    final = _final_chunk(header, include_usage, usage(prompt_tokens, completion_tokens, gen.num_cached_prompt_tokens),
+                         done.timeline_dict)  # fmt: skip
     if final is not None:
         events.append(sse(final))
     events.append(DONE)
@@ -212,14 +220,14 @@ def stream_tail(
 
 
 def _final_chunk(
-    header: dict[str, Any], include_usage: bool, prompt_tokens: int, completion_tokens: int, timeline: dict | None
+    header: dict[str, Any], include_usage: bool, usage_object: dict[str, Any], timeline: dict | None
 ) -> dict[str, Any] | None:
     """The chunk after all content: usage (if asked) and the timeline (if asked), with no choices."""
     if not include_usage and timeline is None:
         return None
     chunk: dict[str, Any] = {**header, "choices": []}
     if include_usage:
-        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        chunk["usage"] = usage_object
     if timeline is not None:
         chunk["servelm"] = {"timeline": timeline}
     return chunk
