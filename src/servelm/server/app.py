@@ -48,9 +48,10 @@ from servelm.server.errors import (
     unauthorized,
     unavailable,
 )
-from servelm.server.protocol import ChatCompletionRequest, CompletionRequest
+from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
 from servelm.server.tokenization import PromptTokenizer
+from servelm.server.tokenize_api import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 API_KEY_ENV = "SERVELM_API_KEY"
@@ -192,6 +193,14 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(_ctx(request), request, await _parse(request, ChatCompletionRequest))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(_ctx(request), await _parse(request, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(_ctx(request), await _parse(request, DetokenizeRequest))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -178,6 +178,13 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_entry(self) -> dict[str, str]:
+        """The message as the chat template expects it."""
+        entry = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            entry["name"] = self.name
+        return entry
+
 
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
@@ -230,10 +237,27 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them."""
-        out = []
-        for message in self.messages:
-            entry = {"role": message.role, "content": message.text()}
-            if message.name is not None:
-                entry["name"] = message.name
-            out.append(entry)
-        return out
+        return [message.template_entry() for message in self.messages]
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: the chat template writes its own
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's shape): token ids → text."""
+
+    model: str | None = None
+    tokens: list[int]
+

@@ -100,10 +100,10 @@ class PromptTokenizer:
         finally:
             self.num_pending -= 1
 
-    async def encode_many(self, texts: list[str]) -> list[list[int]]:
+    async def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         if sum(len(t) for t in texts) <= INLINE_MAX_CHARS:
-            return [self._encode(t) for t in texts]
-        return await self._run(lambda: [self._encode(t) for t in texts])
+            return [self._encode(t, add_special_tokens) for t in texts]
+        return await self._run(lambda: [self._encode(t, add_special_tokens) for t in texts])
 
     async def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         if sum(len(m["content"]) for m in messages) <= INLINE_MAX_CHARS:
@@ -116,8 +116,8 @@ class PromptTokenizer:
     async def token_strings(self, token_ids: list[int]) -> list[str]:
         return await self._run(self.decoder.token_strings, token_ids)
 
-    def _encode(self, text: str) -> list[int]:
-        return self.encoder.encode(text, add_special_tokens=True)
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.encoder.encode(text, add_special_tokens=add_special_tokens)
 
     def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):

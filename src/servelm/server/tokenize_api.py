@@ -1,0 +1,41 @@
+"""POST /tokenize and /detokenize: the server's own tokenizer, as vLLM exposes it.
+
+Clients count tokens against `max_model_len`, or check what a chat template produces,
+with exactly the tokenizer and template the engine sees; the work runs where the
+completion endpoints run it (inline when short, the tokenizer pool when long).
+"""
+
+from __future__ import annotations
+
+from starlette.responses import Response
+
+from servelm.server.context import ServerContext
+from servelm.server.errors import bad_request
+from servelm.server.protocol import DetokenizeRequest, TokenizeRequest
+from servelm.server.serving import check_model, json_response
+
+
+async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> Response:
+    check_model(ctx, body.model)
+    body.check()
+    if body.messages is not None:
+        messages = [m.template_entry() for m in body.messages]
+        try:
+            tokens = await ctx.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+        except Exception as exc:  # a template may reject a conversation
+            raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
+    else:
+        assert body.prompt is not None
+        [tokens] = await ctx.tokenizer.encode_many([body.prompt], add_special_tokens=body.add_special_tokens)
+    payload: dict = {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
+    if body.return_token_strs:
+        payload["token_strs"] = await ctx.tokenizer.token_strings(tokens)
+    return json_response(payload)
+
+
+async def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> Response:
+    check_model(ctx, body.model)
+    bad = next((t for t in body.tokens if not 0 <= t < ctx.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"Token id {bad} is out of range: the vocabulary has {ctx.vocab_size} tokens.", param="tokens")
+    return json_response({"prompt": await ctx.tokenizer.decode(body.tokens)})

@@ -1,0 +1,52 @@
+"""POST /tokenize and /detokenize against the shared tiny-model server: the ids the engine
+would see, the chat template's rendering, round trips, and the error cases."""
+
+from __future__ import annotations
+
+import httpx
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
+
+
+def test_tokenize_gives_the_completion_endpoints_prompt_ids(server):
+    text = "The quick brown fox jumps over the lazy dog."
+    result = _post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert result["count"] == len(result["tokens"]) > 5
+    assert len(result["token_strs"]) == result["count"] and "".join(result["token_strs"]).endswith("dog.")
+    # The same count the completion endpoint charges for the same prompt.
+    completion = _post(server, "/v1/completions", {"prompt": text, "max_tokens": 1}).json()
+    assert completion["usage"]["prompt_tokens"] == result["count"]
+    models = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]
+    assert result["max_model_len"] == models["max_model_len"]
+
+
+def test_tokenize_messages_renders_the_chat_template(server):
+    messages = [{"role": "user", "content": "hi there"}]
+    result = _post(server, "/tokenize", {"messages": messages}).json()
+    chat = _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == result["count"]
+    text = _post(server, "/detokenize", {"tokens": result["tokens"]}).json()["prompt"]
+    assert "hi there" in text and text != "hi there"  # the template wrapped it
+
+
+def test_detokenize_inverts_tokenize(server):
+    text = "Ünïcödé, numbers 12345 and spaces   too"
+    tokens = _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert _post(server, "/detokenize", {"tokens": tokens}).json()["prompt"] == text
+
+
+def test_tokenize_and_detokenize_errors(server):
+    cases = [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/tokenize", {"prompt": "a", "model": "no-such-model"}, "model"),
+    ]
+    for path, body, param in cases:
+        response = _post(server, path, body)
+        assert 400 <= response.status_code < 500, (path, body, response.text)
+        assert response.json()["error"]["param"] == param, (path, body, response.text)
