@@ -17,6 +17,7 @@ from servelm.engine.core import EngineCore
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.models.arch import ModelArchConfig
 from servelm.models.factory import build_model, resolve_device, resolve_dtype
+from servelm.models.llama import LlamaForCausalLM
 from servelm.models.loader import load_checkpoint
 from servelm.scheduler.scheduler import Scheduler
 from servelm.worker.kv_cache import allocate_kv_caches, free_device_memory, num_blocks_for_budget
@@ -51,7 +52,14 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     dtype = resolve_dtype(config.model.dtype, device)
     model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend)
     del checkpoint.weights  # the model holds its own copies now
-    arch = checkpoint.arch
+    return assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, checkpoint.source)
+
+
+def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelArchConfig, tokenizer: Any,
+                    source: str) -> BuiltEngine:  # fmt: skip
+    """KV pool, runner, scheduler and core around a built model (a checkpoint's, or random
+    weights of a shape no file exists for, as benchmarks/gpu_checks.py builds)."""
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
     num_blocks = _num_kv_blocks(config, arch, dtype, device)
@@ -64,18 +72,18 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         )
         max_model_len = num_blocks * block_size
     kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
-    eos_ids = eos_token_ids(arch, checkpoint.tokenizer)
+    eos_ids = eos_token_ids(arch, tokenizer)
     runner = ModelRunner(model, kv_caches, block_size, eos_ids, device)
     enable_kv_events = config.cache.enable_kv_events or config.kv_events.enabled
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, enable_kv_events)
     scheduler = Scheduler(config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids)
     return BuiltEngine(
         core=EngineCore(scheduler, runner, kv_manager),
-        tokenizer=checkpoint.tokenizer,
+        tokenizer=tokenizer,
         arch=arch,
         max_model_len=max_model_len,
         num_blocks=num_blocks,
-        source=checkpoint.source,
+        source=source,
     )
 
 
