@@ -40,7 +40,8 @@ def test_200_concurrent_streams_complete_and_free_every_block(server):
         async with httpx.AsyncClient(base_url=server.base_url, timeout=180, limits=limits) as client:
             return await asyncio.gather(*(_stream(client, i) for i in range(NUM_STREAMS)))
 
-    finished_before = _finished(scrape(server), "length")
+    before = scrape(server)
+    finished_before = _finished(before, "length")
     results = asyncio.run(main())
     wrong = [(i, r) for i, r in enumerate(results) if r != (r[0], r[0], r[0], "length")]
     assert not wrong, wrong[:5]
@@ -48,6 +49,12 @@ def test_200_concurrent_streams_complete_and_free_every_block(server):
     assert metric_value(text, "servelm:kv_cache_used_blocks") == 0
     assert _finished(text, "length") - finished_before == NUM_STREAMS
     assert metric_value(text, "servelm:generation_tokens_total") >= sum(r[0] for r in results)
+    # Every step reached the step histograms, mid-prefill steps (which send no outputs) included.
+    steps = metric_value(text, "servelm:engine_step_seconds_count") - metric_value(before, "servelm:engine_step_seconds_count")
+    assert steps == metric_value(text, "servelm:iteration_tokens_count") - metric_value(before, "servelm:iteration_tokens_count")
+    assert steps >= max(r[0] for r in results)  # at least one step per token of the longest stream
+    scheduled = metric_value(text, "servelm:iteration_tokens_sum") - metric_value(before, "servelm:iteration_tokens_sum")
+    assert scheduled >= sum(r[0] - 1 for r in results)  # each stream's decode steps, prompts on top
 
 
 def test_clients_that_disconnect_leave_no_request_and_no_block(server):

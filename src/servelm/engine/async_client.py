@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -65,6 +66,7 @@ class AsyncEngineClient:
         self.startup_timeout_s = startup_timeout_s
         self.ready: CoreReady | None = None
         self.stats = CoreStats()
+        self.on_stats: Callable[[CoreStats], None] | None = None  # called with every batch's stats
         self.last_batch_timestamp = 0.0
         self.dead_error: str | None = None
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
@@ -137,6 +139,8 @@ class AsyncEngineClient:
                 continue
             self.stats = message.stats
             self.last_batch_timestamp = message.timestamp
+            if self.on_stats is not None:
+                self.on_stats(message.stats)
             # Waiters run in the order their queues are filled, and a step's batch takes the API a
             # while to write out (~0.1 ms per stream): first tokens go first, as TTFT is the
             # latency users feel most; a decode token waits at most that one batch longer.

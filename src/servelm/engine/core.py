@@ -7,6 +7,7 @@ process behind ZMQ (the server). It never tokenizes or detokenizes.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from servelm.datatypes import EngineOutput, EngineRequest
 from servelm.engine.messages import CoreStats
@@ -15,12 +16,17 @@ from servelm.scheduler.scheduler import Scheduler
 from servelm.worker.model_runner import ModelRunner
 
 
+MAX_STEP_RECORDS = 4096
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv_manager: KVCacheManager) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv_manager = kv_manager  # read-only here: for stats and invariant checks
         self.num_preemptions = 0  # cumulative, read off each step's SchedulerOutput
+        # Steps not yet reported (see take_step_records); bounded for callers that never take them.
+        self._step_records: deque[tuple[int, float]] = deque(maxlen=MAX_STEP_RECORDS)
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(request)
@@ -35,9 +41,18 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         started = time.perf_counter()
         model_output = self.runner.execute(scheduler_output)
-        self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
+        if scheduler_output.total_num_scheduled_tokens:
+            self._step_records.append((scheduler_output.total_num_scheduled_tokens, seconds))
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
         return self.scheduler.update(scheduler_output, model_output)
+
+    def take_step_records(self) -> list[tuple[int, float]]:
+        """(scheduled tokens, runner seconds) of the steps since the last call."""
+        records = list(self._step_records)
+        self._step_records.clear()
+        return records
 
     def stats(self) -> CoreStats:
         kv = self.kv_manager

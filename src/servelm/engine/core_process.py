@@ -112,7 +112,9 @@ def _serve(
         if kv_events is not None:
             kv_events.publish()  # this step's stored / removed blocks, or an idle heartbeat
         if step_outputs:
-            batch = OutputBatch(outputs=step_outputs, stats=core.stats(), timestamp=time.time())
+            stats = core.stats()
+            stats.recent_steps = core.take_step_records()
+            batch = OutputBatch(outputs=step_outputs, stats=stats, timestamp=time.time())
             outputs.send(from_core_encoder.encode(batch))
 
 

@@ -33,6 +33,9 @@ class CoreStats(msgspec.Struct, kw_only=True):
     prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # cumulative tokens found there
     num_preemptions: int = 0  # cumulative
+    # (scheduled tokens, runner seconds) of every step since the previous batch, mid-prefill
+    # steps included (they send no outputs), for the step histograms.
+    recent_steps: list[tuple[int, float]] = []
 
 
 class CoreReady(msgspec.Struct, tag="ready", kw_only=True):

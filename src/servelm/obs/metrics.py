@@ -99,6 +99,17 @@ class ServerMetrics:
         self.request_success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
         self.registry.register(_CoreCollector(model_name, core_stats, num_blocks, num_in_api))
         self._itl_children: dict[str, object] = {}
+        # Per engine step (no priority: a step serves every class at once). A long TBT is a long
+        # step; these say how long steps run and how many tokens they carry (vLLM: iteration_tokens).
+        self.step_seconds = Histogram(PREFIX + "engine_step_seconds", "Model runner time per engine step.",
+                                      ["model_name"], buckets=_TOKEN_GAP_BUCKETS, registry=self.registry).labels(model_name)  # fmt: skip
+        self.step_tokens = Histogram(PREFIX + "iteration_tokens", "Tokens scheduled per engine step (prefill + decode).",
+                                     ["model_name"], buckets=length_buckets(max_model_len), registry=self.registry).labels(model_name)  # fmt: skip
+
+    def observe_steps(self, stats: CoreStats) -> None:
+        for num_tokens, seconds in stats.recent_steps:
+            self.step_tokens.observe(num_tokens)
+            self.step_seconds.observe(seconds)
 
     def observe_token_gap(self, priority: int, gap_s: float) -> None:
         """Hot path (every output of every stream): the labelled child is cached."""

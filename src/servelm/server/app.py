@@ -129,6 +129,7 @@ async def _start_context(engine_config: EngineConfig, options: ServerOptions) ->
     prompt_tokenizer = PromptTokenizer(tokenizer, max_workers=options.tokenizer_threads)
     name = model_name_for(engine_config, options)
     metrics = ServerMetrics(name, ready.max_model_len, lambda: client.stats, ready.num_blocks, lambda: client.num_in_flight)
+    client.on_stats = metrics.observe_steps
     admission = Admission(
         max_waiting=options.max_waiting_requests,
         num_tokenizing=lambda: prompt_tokenizer.num_pending,
