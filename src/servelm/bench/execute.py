@@ -148,8 +148,13 @@ def run_once(target: Target, config: BenchConfig, load: Load, out_dir: Path, sal
     requests = build_requests(target, config, load, salt)
     concurrency = int(load.value or 1) if load.kind == "concurrency" else None
     limits = RunLimits(duration_s=config.duration_s, concurrency=concurrency, progress=config.progress)
-    before = scrape_counters(config.base_url, config.api_key) if target.server.has_metrics else None
-    result: RunResult = asyncio.run(run_workload(requests, target.client, limits, target.tokens))
+    before: dict[str, float] | None = None
+
+    def snapshot() -> None:  # after the runner's warm-up request: the delta counts the workload alone
+        nonlocal before
+        before = scrape_counters(config.base_url, config.api_key) if target.server.has_metrics else None
+
+    result: RunResult = asyncio.run(run_workload(requests, target.client, limits, target.tokens, after_warm_up=snapshot))
     after = scrape_counters(config.base_url, config.api_key) if target.server.has_metrics else None
     summary = summarize(result.records, config.slos, result.duration_s)
     described = {"load": load.describe(config), "load_kind": load.kind, "load_value": load.value, "salt": salt}
