@@ -175,10 +175,10 @@ def decode_roofline(built: BuiltEngine, weight_bytes: int, device: str, hbm_tbps
         while core.has_work():
             _sync(device)
             started = time.perf_counter()
-            so_tokens = core.scheduler.num_running
+            running_before = core.scheduler.num_running
             outputs = core.step()
             _sync(device)
-            if so_tokens == batch and all(o.new_token_ids for o in outputs) and len(outputs) == batch:
+            if running_before == batch and all(o.new_token_ids for o in outputs) and len(outputs) == batch:
                 times.append(time.perf_counter() - started)
         step_s = statistics.median(times[2:]) if len(times) > 4 else float("nan")
         context = prompt_len + steps / 2

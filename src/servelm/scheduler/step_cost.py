@@ -26,15 +26,15 @@ MIN_TOKEN_SPREAD = 8  # the window's step sizes must differ by this much for a s
 @dataclass
 class StepCostModel:
     window: int = 64  # most recent steps kept
-    _steps: deque[tuple[int, float]] = field(default_factory=deque)  # (tokens, seconds)
+    _steps: deque[tuple[int, float]] = field(init=False)  # (tokens, seconds), the last `window`
     _last_fit: tuple[float, float] | None = None
 
+    def __post_init__(self) -> None:
+        self._steps = deque(maxlen=self.window)
+
     def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        self._steps.append((num_tokens, seconds))
-        while len(self._steps) > self.window:
-            self._steps.popleft()
+        if num_tokens > 0 and seconds > 0:
+            self._steps.append((num_tokens, seconds))
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), both >= 0; None while the window cannot tell them apart."""

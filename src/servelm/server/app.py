@@ -42,12 +42,7 @@ from servelm.server.admission import Admission
 from servelm.server.chat import create_chat_completion
 from servelm.server.completions import create_completion
 from servelm.server.context import ServerContext
-from servelm.server.errors import (
-    from_validation_errors,
-    install_error_handlers,
-    unauthorized,
-    unavailable,
-)
+from servelm.server.errors import from_validation_errors, install_error_handlers, unauthorized, unavailable
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
 from servelm.server.tokenization import PromptTokenizer

@@ -11,23 +11,19 @@ from starlette.responses import Response
 
 from servelm.obs.timeline import ApiStamp
 from servelm.server.context import ServerContext
-from servelm.server.errors import bad_request
 from servelm.server.generation import ChoiceDelta, Generation
 from servelm.server.logprobs import chat_logprobs_content, ids_to_decode
 from servelm.server.protocol import ChatCompletionRequest
 from servelm.server.serving import (
-    api_error_from_engine, begin_request, check_prompts, engine_error, finish_request, json_response, respond, sse,
-    stream_tail, usage,
+    api_error_from_engine, begin_request, check_prompts, engine_error, finish_request, json_response, render_chat, respond,
+    sse, stream_tail, usage,
 )  # fmt: skip
 
 
 async def create_chat_completion(ctx: ServerContext, http_request: Request, body: ChatCompletionRequest) -> Response:
     request_id, timeline, params = begin_request(ctx, http_request, "chatcmpl", body)
     ctx.admission.admit(body.n)
-    try:
-        prompt = await ctx.tokenizer.apply_chat_template(body.chat_messages(), body.add_generation_prompt)
-    except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
-        raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
+    prompt = await render_chat(ctx, body.chat_messages(), body.add_generation_prompt)
     check_prompts(ctx, [prompt], params, "messages")
     timeline.stamp(ApiStamp.TOKENIZED)
     gen = Generation(ctx, request_id, [prompt], params, body.priority, timeline, cache_salt=body.cache_salt)

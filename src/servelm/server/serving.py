@@ -108,11 +108,23 @@ def check_prompts(
             )
         # After the length check, so a huge prompt is rejected without a scan on the event loop.
         if client_ids:
-            bad = next((t for t in prompt if not 0 <= t < ctx.vocab_size), None)
-            if bad is not None:
-                raise bad_request(
-                    f"Token id {bad} is out of range: the vocabulary has {ctx.vocab_size} tokens.", param=param
-                )
+            check_token_ids(ctx, prompt, param)
+
+
+def check_token_ids(ctx: ServerContext, token_ids: list[int], param: str) -> None:
+    """Ids the client sent must exist in the vocabulary."""
+    bad = next((t for t in token_ids if not 0 <= t < ctx.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"Token id {bad} is out of range: the vocabulary has {ctx.vocab_size} tokens.", param=param)
+
+
+async def render_chat(ctx: ServerContext, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    """Token ids of `messages` through the model's chat template; a conversation the template
+    rejects (roles out of order, ...) is the client's error."""
+    try:
+        return await ctx.tokenizer.apply_chat_template(messages, add_generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - templates raise whatever they like
+        raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

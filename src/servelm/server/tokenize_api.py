@@ -10,20 +10,15 @@ from __future__ import annotations
 from starlette.responses import Response
 
 from servelm.server.context import ServerContext
-from servelm.server.errors import bad_request
 from servelm.server.protocol import DetokenizeRequest, TokenizeRequest
-from servelm.server.serving import check_model, json_response
+from servelm.server.serving import check_model, check_token_ids, json_response, render_chat
 
 
 async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> Response:
     check_model(ctx, body.model)
     body.check()
     if body.messages is not None:
-        messages = [m.template_entry() for m in body.messages]
-        try:
-            tokens = await ctx.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
-        except Exception as exc:  # a template may reject a conversation
-            raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
+        tokens = await render_chat(ctx, [m.template_entry() for m in body.messages], body.add_generation_prompt)
     else:
         assert body.prompt is not None
         [tokens] = await ctx.tokenizer.encode_many([body.prompt], add_special_tokens=body.add_special_tokens)
@@ -35,7 +30,5 @@ async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> Response:
 
 async def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> Response:
     check_model(ctx, body.model)
-    bad = next((t for t in body.tokens if not 0 <= t < ctx.vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"Token id {bad} is out of range: the vocabulary has {ctx.vocab_size} tokens.", param="tokens")
+    check_token_ids(ctx, body.tokens, "tokens")
     return json_response({"prompt": await ctx.tokenizer.decode(body.tokens)})
