@@ -40,7 +40,7 @@ import msgspec
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
 from servelm.engine.async_client import AsyncEngineClient
-from servelm.engine.output_processor import OutputProcessor
+from servelm.engine.output_state import RequestState
 from servelm.obs.attribution import attribute_ttft
 from servelm.sampling_params import SamplingParams
 from servelm.server.launcher import launch_server
@@ -125,7 +125,6 @@ async def _direct_round(client: AsyncEngineClient, text_api: PromptTokenizer | N
     prompts tokenized before the clock starts (the engine alone). Otherwise text in and text out in
     this process, with the server's own tokenizer and detokenizer objects (the engine's Python API
     as a library user would call it): what HTTP adds on top of that is the HTTP path's difference."""
-    processor = OutputProcessor(text_api.decoder) if text_api is not None else None
     pending = iter(work if text_api is not None else [(tokenizer.encode(p, add_special_tokens=True), n) for p, n in work])
 
     async def worker() -> None:
@@ -135,8 +134,7 @@ async def _direct_round(client: AsyncEngineClient, text_api: PromptTokenizer | N
             started, started_wall = time.perf_counter(), time.time()
             request_id = uuid.uuid4().hex
             prompt_ids = prompt if text_api is None else (await text_api.encode_many([prompt]))[0]
-            if processor is not None:
-                processor.add_request(request_id, prompt_ids, params)
+            state = RequestState.create(request_id, prompt_ids, params, text_api.decoder) if text_api is not None else None
             queue = await client.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params))
             last = None
             events: list = []
@@ -144,7 +142,7 @@ async def _direct_round(client: AsyncEngineClient, text_api: PromptTokenizer | N
                 output = await queue.get()
                 now = time.perf_counter()
                 events.extend(output.events)
-                shown = output.new_token_ids if processor is None else [d.new_text for d in processor.process([output])[0] if d.new_text]
+                shown = output.new_token_ids if state is None else [t for t in [state.apply(output).new_text] if t]
                 if shown:
                     record.tokens += len(shown)
                     if last is None:

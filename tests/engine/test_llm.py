@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import msgspec
+
 import pytest
 import torch
 
@@ -108,3 +110,22 @@ def test_text_prompts_and_chat_template(llm):
     assert out.prompt == "Hello there" and out.prompt_token_ids == llm.encode("Hello there")
     with pytest.raises(ValueError, match="context window"):
         llm.generate([[1] * 5000], SamplingParams(max_tokens=1))
+
+
+def test_n_seeded_choices_differ_and_share_blocks_at_the_default_budget(tmp_path):
+    """n=4 with a seed: four different samples, the same four again for the same seed, and the
+    siblings hit the first choice's prompt blocks with the default token budget (all four fit one
+    step, so sharing comes from the fan-out's order, not from a budget that splits them)."""
+    model_dir = write_tiny_checkpoint(tmp_path / "model", seed=3)
+    llm = LLM(str(model_dir), num_blocks=256, block_size=16)  # scheduler defaults
+    [prompt] = _prompts(llm, 1, length=70, seed=11)
+    params = SamplingParams(n=4, temperature=1.0, seed=42, max_tokens=10, ignore_eos=True)
+    before = llm.engine.core.stats().prefix_hits
+    first = [o.token_ids for o in llm.generate([prompt], params)[0].outputs]
+    hits = llm.engine.core.stats().prefix_hits - before
+    assert len({tuple(t) for t in first}) == 4, "each choice must sample with its own seed"
+    assert hits == 3 * 64, "each sibling finds the 4 full prompt blocks the first choice computed"
+    again = [o.token_ids for o in llm.generate([prompt], params)[0].outputs]
+    assert again == first
+    other_seed = [o.token_ids for o in llm.generate([prompt], msgspec.structs.replace(params, seed=43))[0].outputs]
+    assert other_seed != first

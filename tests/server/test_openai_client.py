@@ -79,6 +79,24 @@ def test_n_choices_share_the_prompt_blocks(client, model, server):
     assert [c.text for c in again.choices] == [c.text for c in result.choices]
 
 
+def test_n4_seeded_choices_differ_repeat_and_share_blocks(client, model, server):
+    """n=4 with a seed at the default token budget: four different samples, the same four for the
+    same seed, and each of the three siblings served the prompt's full blocks by the prefix cache."""
+    prompt = "A fresh prompt for the n=4 test, long enough to fill a few KV blocks of sixteen tokens each. " * 3
+    wait_idle(server)
+    hits_before = metric_value(scrape(server), "servelm:prefix_cache_hits_total")
+    request = dict(model=model, prompt=prompt, max_tokens=8, n=4, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    result = client.completions.create(**request)
+    hits = metric_value(wait_idle(server), "servelm:prefix_cache_hits_total") - hits_before
+    texts = [c.text for c in sorted(result.choices, key=lambda c: c.index)]
+    assert len(set(texts)) == 4, texts
+    full_block_tokens = (result.usage.prompt_tokens - 1) // 16 * 16  # the last prompt token is never served cached
+    assert full_block_tokens >= 32
+    assert hits == 3 * full_block_tokens
+    again = client.completions.create(**request)
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+
+
 def test_chat_n_streaming(client, model):
     stream = client.chat.completions.create(
         model=model, messages=MESSAGES, n=2, max_tokens=5, stream=True, temperature=0.8, seed=1,

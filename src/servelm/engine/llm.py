@@ -1,20 +1,22 @@
 """Offline API: `LLM(model).generate(prompts, SamplingParams(...))`, the same engine in-process.
 
 All prompts are added at once and stepped to completion, so they batch exactly as
-concurrent server traffic would. `n > 1` becomes n engine requests with the same
-prompt; after the first computes it, the others find its full blocks in the prefix cache.
+concurrent server traffic would. `n > 1` goes through the same fan-out as the server
+(engine/fan_out.py): per-choice seeds, and siblings sent once the first choice has
+computed the prompt, so they find its full blocks in the prefix cache.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from servelm.config import EngineConfig
-from servelm.datatypes import EngineRequest, PositionLogprobs
+from servelm.datatypes import EngineOutput, PositionLogprobs, RequestEvent
 from servelm.engine.builder import BuiltEngine, build_engine
-from servelm.engine.output_processor import OutputProcessor, RequestState
+from servelm.engine.fan_out import FanOut
 from servelm.sampling_params import SamplingParams
 
 
@@ -36,7 +38,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
-    events: list = field(default_factory=list)
+    events: list[RequestEvent] = field(default_factory=list)
 
 
 class LLM:
@@ -57,27 +59,22 @@ class LLM:
         """Run every prompt to completion; results in the order of `prompts`."""
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        processor = OutputProcessor(self.tokenizer)
-        states: dict[str, RequestState] = {}  # every sub-request's state; it stays filled in after finishing
-        order: list[tuple[str, str | None, list[int], list[str]]] = []
+        fan_outs: list[tuple[str | None, FanOut]] = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             text, token_ids = (prompt, self.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
             self._check_length(token_ids)
-            request_id = f"offline-{next(self._ids)}"
-            sub_ids = [request_id if params.n == 1 else f"{request_id}-{k}" for k in range(params.n)]
-            for sub_id in sub_ids:
-                states[sub_id] = processor.add_request(sub_id, token_ids, params)
-                self.engine.core.add_request(
-                    EngineRequest(
-                        request_id=sub_id,
-                        prompt_token_ids=token_ids,
-                        sampling_params=params,
-                        priority=priority[i] if priority else 0,
-                    )
-                )
-            order.append((request_id, text, token_ids, sub_ids))
-        self._run_to_completion(processor)
-        return [self._to_output(rid, text, ids, [states[s] for s in subs]) for rid, text, ids, subs in order]
+            fan_out = FanOut(
+                request_id=f"offline-{next(self._ids)}",
+                prompts=[token_ids],
+                params=params,
+                decoder=self.tokenizer,
+                block_size=self.config.cache.block_size,
+                priority=priority[i] if priority else 0,
+                arrival_time=time.time(),
+            )
+            fan_outs.append((text, fan_out))
+        self._run_to_completion([fan_out for _, fan_out in fan_outs])
+        return [_to_output(text, fan_out) for text, fan_out in fan_outs]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
@@ -86,13 +83,26 @@ class LLM:
         """Token ids of a conversation rendered with the model's chat template, ready for a reply."""
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
-    def _run_to_completion(self, processor: OutputProcessor) -> None:
-        """Step until the core is idle; each RequestState accumulates its own request's output."""
+    def _run_to_completion(self, fan_outs: list[FanOut]) -> None:
+        """Send every fan-out's first requests, then step until the core is idle, feeding each
+        fan-out its own outputs and sending the siblings it releases (the server's rules exactly)."""
         core = self.engine.core
+        owner = {engine_id: fan_out for fan_out in fan_outs for engine_id in fan_out.engine_ids}
+        for fan_out in fan_outs:
+            for request in fan_out.first_requests():
+                core.add_request(request)
         while core.has_work():
-            _, stopped = processor.process(core.step())
-            if stopped:
-                core.abort_requests(stopped)
+            by_owner: dict[str, list[EngineOutput]] = {}
+            for output in core.step():
+                by_owner.setdefault(owner[output.request_id].request_id, []).append(output)
+            for fan_out in fan_outs:
+                if fan_out.request_id not in by_owner:
+                    continue
+                step = fan_out.process(by_owner[fan_out.request_id])
+                if step.to_abort:
+                    core.abort_requests(step.to_abort)
+                for request in step.to_submit:
+                    core.add_request(request)
 
     def _check_length(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -103,7 +113,7 @@ class LLM:
             )
 
     @staticmethod
-    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int):
+    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams()] * count
         if isinstance(params, SamplingParams):
@@ -112,24 +122,27 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {count} prompts")
         return list(params)
 
-    @staticmethod
-    def _to_output(request_id: str, text: str | None, token_ids: list[int], states: list[RequestState]) -> RequestOutput:
-        return RequestOutput(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=token_ids,
-            outputs=[
-                CompletionOutput(
-                    index=k,
-                    text=s.text,
-                    token_ids=s.output_token_ids,
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                    logprobs=s.logprobs if s.params.logprobs is not None else None,
-                )
-                for k, s in enumerate(states)
-            ],
-            prompt_logprobs=states[0].prompt_logprobs if states[0].params.prompt_logprobs is not None else None,
-            num_cached_tokens=states[0].num_cached_tokens,
-            events=states[0].events,
-        )
+
+def _to_output(text: str | None, fan_out: FanOut) -> RequestOutput:
+    leader = fan_out.choices[0].state
+    assert leader is not None, "the first choice is always sent"
+    return RequestOutput(
+        request_id=fan_out.request_id,
+        prompt=text,
+        prompt_token_ids=fan_out.prompts[0],
+        outputs=[
+            CompletionOutput(
+                index=choice.index,
+                text=choice.state.text,
+                token_ids=choice.state.output_token_ids,
+                finish_reason=choice.state.finish_reason,
+                stop_reason=choice.state.stop_reason,
+                logprobs=choice.state.logprobs if choice.state.params.logprobs is not None else None,
+            )
+            for choice in fan_out.choices
+            if choice.state is not None
+        ],
+        prompt_logprobs=leader.prompt_logprobs if leader.params.prompt_logprobs is not None else None,
+        num_cached_tokens=leader.num_cached_tokens,
+        events=leader.events,
+    )

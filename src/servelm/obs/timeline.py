@@ -42,7 +42,7 @@ class RequestTimeline:
     streaming: bool
     wall: dict[ApiStamp, float] = field(default_factory=dict)
     mono: dict[ApiStamp, float] = field(default_factory=dict)
-    # choice index → that engine request's core events; the lists are the OutputProcessor's own
+    # choice index → that engine request's core events; the lists are the fan-out's own
     # RequestState.events, which it extends in place as outputs arrive.
     choice_events: dict[int, list[RequestEvent]] = field(default_factory=dict)
 

@@ -12,7 +12,6 @@ process exits with code 0.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import hmac
@@ -34,8 +33,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm.config import EngineConfig
-from servelm.engine.async_client import AsyncEngineClient
-from servelm.engine.output_processor import OutputProcessor
+from servelm.engine.async_llm import AsyncLLM
 from servelm.obs.metrics import ServerMetrics
 from servelm.obs.request_log import RequestLogger
 from servelm.server.admission import Admission
@@ -45,7 +43,6 @@ from servelm.server.context import ServerContext
 from servelm.server.errors import from_validation_errors, install_error_handlers, unauthorized, unavailable
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
-from servelm.server.tokenization import PromptTokenizer
 from servelm.server.tokenize_api import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
@@ -102,48 +99,27 @@ class _EdgeMiddleware:
         await self.app(scope, receive, send)
 
 
-def _load_tokenizer(model: str | None) -> Any:
-    # Imported here: the models package pulls in torch, which the API process should only
-    # pay for after the core process has been spawned (they then load concurrently).
-    from servelm.models.tokenizer import load_tokenizer
-
-    return load_tokenizer(model)
-
-
 async def _start_context(engine_config: EngineConfig, options: ServerOptions) -> ServerContext:
-    client = AsyncEngineClient(engine_config)
-    # The core loads the model in its own process while this one loads the tokenizer.
-    tokenizer_load = asyncio.create_task(asyncio.to_thread(_load_tokenizer, engine_config.model.model))
-    try:
-        ready = await client.start()
-    except BaseException:
-        tokenizer_load.cancel()
-        await client.shutdown()
-        raise
-    tokenizer = await tokenizer_load
-    prompt_tokenizer = PromptTokenizer(tokenizer, max_workers=options.tokenizer_threads)
+    engine = await AsyncLLM.start(engine_config, tokenizer_threads=options.tokenizer_threads)
+    client, ready = engine.client, engine.client.ready
+    assert ready is not None
     name = model_name_for(engine_config, options)
     metrics = ServerMetrics(name, ready.max_model_len, lambda: client.stats, ready.num_blocks, lambda: client.num_in_flight)
     client.on_stats = metrics.observe_steps
     admission = Admission(
         max_waiting=options.max_waiting_requests,
-        num_tokenizing=lambda: prompt_tokenizer.num_pending,
+        num_tokenizing=lambda: engine.tokenizer.num_pending,
         num_engine_in_flight=lambda: client.num_in_flight,
         num_running=lambda: client.stats.num_running,
         engine_error=lambda: client.dead_error,
     )
     logger.info("serving %s (%s): context %d tokens, %d KV blocks", name, ready.source, ready.max_model_len, ready.num_blocks)
     return ServerContext(
-        client=client,
-        tokenizer=prompt_tokenizer,
-        processor=OutputProcessor(prompt_tokenizer.decoder),
+        engine=engine,
         metrics=metrics,
         admission=admission,
         request_logger=RequestLogger(options.log_requests),
         model_name=name,
-        max_model_len=ready.max_model_len,
-        vocab_size=ready.vocab_size,
-        block_size=ready.block_size,
     )
 
 
@@ -160,8 +136,7 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
             yield
         finally:
             ctx.admission.draining = True
-            await ctx.client.shutdown()
-            ctx.tokenizer.shutdown()
+            await ctx.engine.shutdown()
 
     app = FastAPI(title="servelm", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -210,8 +185,8 @@ def _add_routes(app: FastAPI) -> None:
         ctx = _ctx(request)
         if ctx.admission.draining:
             return unavailable("shutting down").response()
-        if ctx.client.dead_error is not None:
-            return unavailable(f"The engine is not running: {ctx.client.dead_error}").response()
+        if ctx.engine.dead_error is not None:
+            return unavailable(f"The engine is not running: {ctx.engine.dead_error}").response()
         return json_response({"status": "ok"})
 
     @app.get("/metrics")

@@ -9,9 +9,10 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from servelm.engine.async_llm import GenerationRequest, GenerationStream
+from servelm.engine.fan_out import ChoiceDelta
 from servelm.obs.timeline import ApiStamp
 from servelm.server.context import ServerContext
-from servelm.server.generation import ChoiceDelta, Generation
 from servelm.server.logprobs import chat_logprobs_content, ids_to_decode
 from servelm.server.protocol import ChatCompletionRequest
 from servelm.server.serving import (
@@ -26,7 +27,8 @@ async def create_chat_completion(ctx: ServerContext, http_request: Request, body
     prompt = await render_chat(ctx, body.chat_messages(), body.add_generation_prompt)
     check_prompts(ctx, [prompt], params, "messages")
     timeline.stamp(ApiStamp.TOKENIZED)
-    gen = Generation(ctx, request_id, [prompt], params, body.priority, timeline, cache_salt=body.cache_salt)
+    request = GenerationRequest(request_id, [prompt], params, timeline, body.priority, body.cache_salt)
+    gen = ctx.engine.generate(request, observer=ctx.metrics)
     return await respond(http_request, gen, _ChatView(ctx, body, gen), body.stream)
 
 
@@ -34,7 +36,7 @@ async def create_chat_completion(ctx: ServerContext, http_request: Request, body
 class _ChatView:
     ctx: ServerContext
     body: ChatCompletionRequest
-    gen: Generation
+    gen: GenerationStream
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _header(self, obj: str) -> dict[str, Any]:

@@ -14,10 +14,11 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from servelm.engine.async_llm import GenerationRequest, GenerationStream
+from servelm.engine.fan_out import Choice, ChoiceDelta
 from servelm.obs.timeline import ApiStamp
 from servelm.server.context import ServerContext
 from servelm.server.errors import bad_request
-from servelm.server.generation import Choice, ChoiceDelta, Generation
 from servelm.server.logprobs import empty_completion_logprobs, extend_completion_logprobs, ids_to_decode
 from servelm.server.protocol import CompletionRequest
 from servelm.server.serving import (
@@ -30,12 +31,11 @@ async def create_completion(ctx: ServerContext, http_request: Request, body: Com
     request_id, timeline, params = begin_request(ctx, http_request, "cmpl", body)
     prompts = _prompt_list(body.prompt)
     ctx.admission.admit(len(prompts) * body.n)
-    texts = [p for p in prompts if isinstance(p, str)]
-    encoded = iter(await ctx.tokenizer.encode_many(texts)) if texts else iter(())
-    token_ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
-    check_prompts(ctx, token_ids, params, "prompt", client_ids=len(texts) < len(prompts))
+    token_ids = await ctx.engine.encode_prompts(prompts)
+    check_prompts(ctx, token_ids, params, "prompt", client_ids=not all(isinstance(p, str) for p in prompts))
     timeline.stamp(ApiStamp.TOKENIZED)
-    gen = Generation(ctx, request_id, token_ids, params, body.priority, timeline, cache_salt=body.cache_salt)
+    request = GenerationRequest(request_id, token_ids, params, timeline, body.priority, body.cache_salt)
+    gen = ctx.engine.generate(request, observer=ctx.metrics)
     return await respond(http_request, gen, _CompletionView(ctx, body, gen, prompts), body.stream)
 
 
@@ -67,7 +67,7 @@ class _Accumulated:
 class _CompletionView:
     ctx: ServerContext
     body: CompletionRequest
-    gen: Generation
+    gen: GenerationStream
     prompts: list[str | list[int]]
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -92,7 +92,7 @@ class _CompletionView:
         return text, logprobs
 
     def _prompt_logprobs(self, choice: Choice) -> list:
-        # Only each prompt's first choice scores the prompt (generation._child_params).
+        # Only each prompt's first choice scores the prompt (fan_out.child_params).
         leader = self.gen.choices[choice.prompt_index * self.body.n]
         return list(leader.state.prompt_logprobs) if leader.state is not None else []
 

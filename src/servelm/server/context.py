@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
-from typing import Any, Coroutine
+from dataclasses import dataclass
 
-from servelm.engine.async_client import AsyncEngineClient
-from servelm.engine.output_processor import OutputProcessor
+from servelm.engine.async_llm import AsyncLLM
 from servelm.obs.metrics import ServerMetrics
 from servelm.obs.request_log import RequestLogger
 from servelm.server.admission import Admission
@@ -16,20 +13,16 @@ from servelm.server.tokenization import PromptTokenizer
 
 @dataclass
 class ServerContext:
-    client: AsyncEngineClient
-    tokenizer: PromptTokenizer
-    processor: OutputProcessor  # one for the server: request ids are unique, its states are per request
+    engine: AsyncLLM  # input processing, fan-out, detokenization, abort: the server only validates and renders
     metrics: ServerMetrics
     admission: Admission
     request_logger: RequestLogger
     model_name: str
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    # Fire-and-forget tasks (aborts from a cancelled stream), referenced until done so they are not GC'd.
-    background: set[asyncio.Task] = field(default_factory=set)
 
-    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len

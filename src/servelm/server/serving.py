@@ -13,11 +13,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from servelm.engine.async_client import EngineDeadError
+from servelm.engine.async_llm import GenerationStream, PromptError
 from servelm.obs.timeline import ApiStamp, RequestTimeline
 from servelm.sampling_params import SamplingParams
 from servelm.server.context import ServerContext
-from servelm.server.errors import APIError, bad_request, error_body, model_not_found
-from servelm.server.generation import Generation
+from servelm.server.errors import APIError, bad_request, error_body, model_not_found, unavailable
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
@@ -58,7 +59,7 @@ class GenerationBody(Protocol):
 
 
 class GenerationView(Protocol):
-    """An endpoint's rendering of one Generation: as an SSE stream or as one JSON response."""
+    """An endpoint's rendering of one GenerationStream: as an SSE stream or as one JSON response."""
 
     def stream(self) -> AsyncIterator[bytes]: ...
 
@@ -75,7 +76,7 @@ def begin_request(
     return request_id, timeline, body.to_sampling_params()
 
 
-async def respond(http_request: Request, gen: Generation, view: GenerationView, streaming: bool) -> Response:
+async def respond(http_request: Request, gen: GenerationStream, view: GenerationView, streaming: bool) -> Response:
     """Start the generation and answer with its stream, or with the whole response; a client
     that leaves a non-streaming request early gets 499 (nginx's "client closed request")."""
     await start_generation(gen)
@@ -94,37 +95,27 @@ def check_prompts(
     ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, param: str, client_ids: bool = False
 ) -> None:
     """Empty, too-long and (for ids the client sent) out-of-vocabulary prompts are the client's error."""
-    for prompt in prompts:
-        if not prompt:
-            raise bad_request("The prompt is empty: at least one token is needed.", param=param)
-        wanted = len(prompt) + (params.max_tokens or 1)
-        if len(prompt) >= ctx.max_model_len or wanted > ctx.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
-                f"{wanted} tokens ({len(prompt)} in the prompt, {params.max_tokens or 1} for the completion). "
-                "Please reduce the length of the prompt or of the completion.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        # After the length check, so a huge prompt is rejected without a scan on the event loop.
-        if client_ids:
-            check_token_ids(ctx, prompt, param)
+    try:
+        ctx.engine.check_prompts(prompts, params, check_ids=client_ids)
+    except PromptError as exc:
+        raise bad_request(str(exc), param=param, code=exc.code) from exc
 
 
 def check_token_ids(ctx: ServerContext, token_ids: list[int], param: str) -> None:
     """Ids the client sent must exist in the vocabulary."""
-    bad = next((t for t in token_ids if not 0 <= t < ctx.vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"Token id {bad} is out of range: the vocabulary has {ctx.vocab_size} tokens.", param=param)
+    try:
+        ctx.engine.check_token_ids(token_ids)
+    except PromptError as exc:
+        raise bad_request(str(exc), param=param) from exc
 
 
 async def render_chat(ctx: ServerContext, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     """Token ids of `messages` through the model's chat template; a conversation the template
     rejects (roles out of order, ...) is the client's error."""
     try:
-        return await ctx.tokenizer.apply_chat_template(messages, add_generation_prompt)
-    except Exception as exc:  # noqa: BLE001 - templates raise whatever they like
-        raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
+        return await ctx.engine.render_chat(messages, add_generation_prompt)
+    except PromptError as exc:
+        raise bad_request(str(exc), param="messages") from exc
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -146,7 +137,7 @@ class Finished:
     ttft_header: dict[str, str]
 
 
-def finish_request(ctx: ServerContext, gen: Generation, prompt_tokens: int, completion_tokens: int, want_timeline: bool) -> Finished:
+def finish_request(ctx: ServerContext, gen: GenerationStream, prompt_tokens: int, completion_tokens: int, want_timeline: bool) -> Finished:
     timeline = gen.timeline
     timeline.stamp(ApiStamp.FINISHED)
     breakdown = timeline.breakdown()
@@ -164,18 +155,15 @@ def finish_request(ctx: ServerContext, gen: Generation, prompt_tokens: int, comp
     return Finished(timeline.to_dict() if want_timeline else None, header)
 
 
-def engine_error(gen: Generation) -> str | None:
-    for choice in gen.choices:
-        if choice.state is not None and choice.state.error:
-            return choice.state.error
-    return None
+def engine_error(gen: GenerationStream) -> str | None:
+    return gen.error
 
 
 def stream_error_event(message: str) -> bytes:
     return sse(error_body(f"The engine failed: {message}", "server_error"))
 
 
-async def until_disconnect(http_request: Request, work: Awaitable[T], gen: Generation) -> T | None:
+async def until_disconnect(http_request: Request, work: Awaitable[T], gen: GenerationStream) -> T | None:
     """Run a non-streaming request's work; if the client goes away first, abort it and return None."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(http_request.receive))
@@ -199,13 +187,12 @@ async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> 
         pass
 
 
-async def start_generation(gen: Generation) -> None:
-    """Start; on any failure close() so nothing half-submitted stays in the core."""
+async def start_generation(gen: GenerationStream) -> None:
+    """Start (a failed start leaves nothing in the core); a dead engine is a 503."""
     try:
         await gen.start()
-    except BaseException:
-        gen.close()
-        raise
+    except EngineDeadError as exc:
+        raise unavailable(f"The engine is not running: {exc}", retry_after_s=30) from exc
 
 
 def api_error_from_engine(message: str) -> APIError:
@@ -213,7 +200,7 @@ def api_error_from_engine(message: str) -> APIError:
 
 
 def stream_tail(
-    ctx: ServerContext, gen: Generation, header: dict[str, Any], include_usage: bool, want_timeline: bool,
+    ctx: ServerContext, gen: GenerationStream, header: dict[str, Any], include_usage: bool, want_timeline: bool,
     prompt_tokens: int, completion_tokens: int,
 ) -> list[bytes]:  # fmt: skip
     """A stream's last events once its generation ended: the engine's error (if it failed), the

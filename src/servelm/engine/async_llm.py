@@ -1,0 +1,312 @@
+"""AsyncLLM: the API process's engine front. It owns everything between a validated request and
+the engine core: input processing, the n fan-out, detokenization, stop strings and abort.
+
+    server ──prompts / chat messages──▶ AsyncLLM.encode_prompts / render_chat   (thread pool)
+           ──token ids + params──────▶ AsyncLLM.check_prompts                  (PromptError → 400)
+           ──GenerationRequest───────▶ AsyncLLM.generate() → GenerationStream
+                                          start():  FanOut.first_requests() ──▶ AsyncEngineClient ──▶ core
+                                          deltas(): core outputs ──▶ FanOut.process() ──▶ ChoiceDelta batches
+                                                    (and releases siblings, aborts stop-string finishes)
+                                          close():  abort whatever is unfinished
+
+The server only validates HTTP bodies and renders deltas as JSON or SSE. The offline `LLM`
+runs the same FanOut over an in-process core.
+
+Contract: everything is called from the API process's event loop. `GenerationStream.close()`
+is the one exit path and is synchronous, so it is safe inside a cancelled task (a client that
+disconnected mid-stream) where a further await could be cancelled again; calling it twice is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from servelm.config import EngineConfig
+from servelm.datatypes import EngineOutput, EngineRequest
+from servelm.engine.async_client import AsyncEngineClient, EngineDeadError
+from servelm.engine.fan_out import Choice, ChoiceDelta, FanOut
+from servelm.obs.metrics import FinishedRequest
+from servelm.obs.timeline import ApiStamp, RequestTimeline
+from servelm.sampling_params import SamplingParams
+from servelm.server.tokenization import PromptTokenizer
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot run (empty, too long, unknown token ids): the client's error."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class GenerationObserver(Protocol):
+    """Receives per-choice measurements as a stream runs (the server's metrics)."""
+
+    def observe_token_gap(self, priority: int, gap_s: float) -> None: ...
+
+    def observe_finished(self, request: FinishedRequest) -> None: ...
+
+
+@dataclass
+class GenerationRequest:
+    """One caller request, tokenized and validated: prompts × params.n choices."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    timeline: RequestTimeline  # stamped as the request moves; RECEIVED must be stamped already
+    priority: int = 0
+    cache_salt: str | None = None  # the prefix-cache namespace of every engine request here
+
+
+def _load_tokenizer(model: str | None) -> Any:
+    # Imported here: the models package pulls in torch, which the API process should only
+    # pay for after the core process has been spawned (they then load concurrently).
+    from servelm.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(model)
+
+
+class AsyncLLM:
+    def __init__(self, client: AsyncEngineClient, tokenizer: PromptTokenizer) -> None:
+        """Use `AsyncLLM.start()`; this wraps an already started client."""
+        assert client.ready is not None, "the engine client must be started"
+        self.client = client
+        self.tokenizer = tokenizer
+        self.max_model_len = client.ready.max_model_len
+        self.vocab_size = client.ready.vocab_size
+        self.block_size = client.ready.block_size
+        # Fire-and-forget aborts from close(), referenced until done so they are not GC'd.
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    async def start(cls, config: EngineConfig, tokenizer_threads: int = 2) -> AsyncLLM:
+        """Spawn the engine core; the core loads the model in its own process while this one loads the tokenizer."""
+        client = AsyncEngineClient(config)
+        tokenizer_load = asyncio.create_task(asyncio.to_thread(_load_tokenizer, config.model.model))
+        try:
+            await client.start()
+        except BaseException:
+            tokenizer_load.cancel()
+            await client.shutdown()
+            raise
+        return cls(client, PromptTokenizer(await tokenizer_load, max_workers=tokenizer_threads))
+
+    @property
+    def dead_error(self) -> str | None:
+        """Why the engine core is not running, or None while it is."""
+        return self.client.dead_error
+
+    async def shutdown(self) -> None:
+        await self.client.shutdown()
+        self.tokenizer.shutdown()
+
+    # -- input processing ------------------------------------------------------------
+
+    async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt: text is tokenized (off the event loop when long), ids pass through."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await self.tokenizer.encode_many(texts)) if texts else iter(())
+        return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+
+    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a conversation through the model's chat template; PromptError when it refuses."""
+        try:
+            return await self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - templates raise whatever they like
+            raise PromptError(f"The chat template could not render these messages: {exc}") from exc
+
+    def check_prompts(self, prompts: list[list[int]], params: SamplingParams, check_ids: bool = False) -> None:
+        """PromptError for an empty or too-long prompt, or (check_ids: ids the caller sent) an id
+        outside the vocabulary."""
+        for prompt in prompts:
+            if not prompt:
+                raise PromptError("The prompt is empty: at least one token is needed.")
+            wanted = len(prompt) + (params.max_tokens or 1)
+            if len(prompt) >= self.max_model_len or wanted > self.max_model_len:
+                raise PromptError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{wanted} tokens ({len(prompt)} in the prompt, {params.max_tokens or 1} for the completion). "
+                    "Please reduce the length of the prompt or of the completion.",
+                    code="context_length_exceeded",
+                )
+            # After the length check, so a huge prompt is rejected without a scan on the event loop.
+            if check_ids:
+                self.check_token_ids(prompt)
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"Token id {bad} is out of range: the vocabulary has {self.vocab_size} tokens.")
+
+    # -- generation ------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest, observer: GenerationObserver | None = None) -> GenerationStream:
+        """A stream for `request`; nothing reaches the core before its `start()`."""
+        fan_out = FanOut(
+            request_id=request.request_id,
+            prompts=request.prompts,
+            params=request.params,
+            decoder=self.tokenizer.decoder,
+            block_size=self.block_size,
+            priority=request.priority,
+            arrival_time=request.timeline.wall[ApiStamp.RECEIVED],
+            cache_salt=request.cache_salt,
+        )
+        return GenerationStream(self, fan_out, request.timeline, observer)
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+@dataclass
+class GenerationStream:
+    """One request's choices running in the core, as batches of deltas (see the module docstring)."""
+
+    engine: AsyncLLM
+    fan_out: FanOut
+    timeline: RequestTimeline
+    observer: GenerationObserver | None = None
+    # Every choice's outputs, in arrival order (with one choice: that engine request's own queue).
+    _queue: asyncio.Queue[EngineOutput] = field(default_factory=asyncio.Queue)
+    _forwarders: list[asyncio.Task[None]] = field(default_factory=list)
+    _last_output_mono: dict[int, float] = field(default_factory=dict)  # choice index → its last token's arrival
+    _closed: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.fan_out.request_id
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.fan_out.prompts
+
+    @property
+    def choices(self) -> list[Choice]:
+        return self.fan_out.choices
+
+    @property
+    def priority(self) -> int:
+        return self.fan_out.priority
+
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        return self.fan_out.num_cached_prompt_tokens
+
+    @property
+    def error(self) -> str | None:
+        return self.fan_out.error
+
+    async def start(self) -> None:
+        """Send the first engine requests; on any failure close() so nothing half-sent stays in the core.
+        EngineDeadError when the core is not running."""
+        try:
+            await self._submit_all(self.fan_out.first_requests())
+        except BaseException:
+            self.close()
+            raise
+
+    async def _submit_all(self, requests: list[EngineRequest]) -> None:
+        for request in requests:
+            choice = self.fan_out.choice_for(request.request_id)
+            assert choice.state is not None
+            self.timeline.choice_events[choice.index] = choice.state.events
+            # Stamped at the hand-off itself: the core may schedule it before this coroutine resumes.
+            self.timeline.stamp(ApiStamp.SENT_TO_CORE)
+            queue = await self.engine.client.add_request(request)
+            if len(self.fan_out.choices) == 1:
+                self._queue = queue  # one choice: read its queue directly, no forwarding task per token
+            else:
+                self._forwarders.append(asyncio.get_running_loop().create_task(_forward(queue, self._queue)))
+
+    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+        """Batches of deltas in arrival order until every choice finished (then close() is done)."""
+        try:
+            while self.fan_out.num_unfinished:
+                step = self.fan_out.process(await self._next_outputs())
+                if step.to_abort:
+                    self.engine._spawn(self.engine.client.abort(step.to_abort))
+                self._observe(step.deltas)
+                if step.to_submit:
+                    await self._submit_released(step.to_submit)
+                if step.deltas:
+                    yield step.deltas
+        finally:
+            self.close()
+
+    async def _submit_released(self, requests: list[EngineRequest]) -> None:
+        try:
+            await self._submit_all(requests)
+        except EngineDeadError as exc:  # the core died between the first choice and its siblings
+            for request in requests:
+                choice = self.fan_out.choice_for(request.request_id)
+                assert choice.state is not None
+                choice.state.finish_reason, choice.state.error, choice.finished = "error", str(exc), True
+
+    async def _next_outputs(self) -> list[EngineOutput]:
+        outputs = [await self._queue.get()]
+        while not self._queue.empty():  # coalesce whatever else is already here: one chunk, not several
+            outputs.append(self._queue.get_nowait())
+        wall, mono = time.time(), time.perf_counter()
+        if any(o.new_token_ids for o in outputs):
+            self.timeline.stamp(ApiStamp.FIRST_OUTPUT_RECEIVED, wall, mono)
+        return outputs
+
+    def _observe(self, deltas: list[ChoiceDelta]) -> None:
+        mono = time.perf_counter()
+        if any(d.token_ids for d in deltas):
+            self.timeline.stamp(ApiStamp.FIRST_TOKEN_DETOKENIZED)
+        for delta in deltas:
+            index = delta.choice.index
+            if delta.token_ids:
+                last = self._last_output_mono.get(index)
+                if last is not None and self.observer is not None:
+                    self.observer.observe_token_gap(self.priority, mono - last)
+                self._last_output_mono[index] = mono
+            if delta.finish_reason is not None:
+                self._finished(delta.choice, delta.finish_reason, mono)
+        if not self.fan_out.num_unfinished:
+            self.timeline.stamp(ApiStamp.FINISHED)
+
+    def _finished(self, choice: Choice, finish_reason: str, mono: float) -> None:
+        state = choice.state
+        if self.observer is None or state is None:
+            return
+        self.observer.observe_finished(
+            FinishedRequest(
+                priority=self.priority,
+                finish_reason=finish_reason,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_generation_tokens=len(state.output_token_ids),
+                events=state.events,
+                e2e_s=mono - self.timeline.mono[ApiStamp.RECEIVED],
+            )
+        )
+
+    def close(self) -> None:
+        """Abort what is unfinished in the core and here; idempotent, never awaits."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._forwarders:
+            task.cancel()
+        live = self.fan_out.close()
+        mono = time.perf_counter()
+        for choice in live:
+            self._finished(choice, "abort", mono)  # its own ABORT output will never reach us: count it here
+        if live:
+            self.engine._spawn(self.engine.client.abort([c.engine_id for c in live]))
+
+
+async def _forward(source: asyncio.Queue[EngineOutput], target: asyncio.Queue[EngineOutput]) -> None:
+    while True:
+        output = await source.get()
+        target.put_nowait(output)
+        if output.finish_reason is not None:
+            return
