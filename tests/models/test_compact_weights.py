@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from servelm.attention import cpu_kernels
+from servelm.kernels import cpu as cpu_kernels
 from servelm.models.arch import ModelArchConfig
 from servelm.models.compact_weights import MAX_ROWS, find_codes
 from servelm.models.factory import build_model

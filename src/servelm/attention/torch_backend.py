@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servelm.attention import cpu_kernels
 from servelm.attention.backend import AttentionMetadata, register_backend
+from servelm.kernels import cpu as cpu_kernels
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

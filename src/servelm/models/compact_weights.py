@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm.attention import cpu_kernels
+from servelm.kernels import cpu as cpu_kernels
 
 BLOCK = 32
 # Above this many rows a matmul is compute-bound and MKL's blocked float32 GEMM wins.

@@ -1,0 +1,12 @@
+"""Compiled kernels, kept as real source files and built like the ecosystem builds them.
+
+- `csrc/`: the C sources of the CPU kernels (paged decode attention, the int8 block matmul) and
+  the SIMD header they share; shipped as package data.
+- `build`: compiles them with the system C compiler for this CPU into a per-user cache
+  (`python -m servelm.kernels.build` does it ahead of time).
+- `cpu`: `load()` and the checked, typed wrappers the attention backend and the models call.
+- `arguments`: the checks every wrapper runs before a pointer reaches C.
+
+`SERVELM_KERNELS=torch` (see `servelm.envs`) switches them all off: the pure-torch paths run.
+Importing this package imports nothing (no torch), so the build runs without it.
+"""

@@ -1,0 +1,161 @@
+"""servelm's compiled CPU kernels behind typed, checked wrappers; None where they are off.
+
+Callers, on every layer of every step in the engine core process:
+- `attention/torch_backend.py`: `decode_attention`, paged decode attention for float32 on CPU
+  (source: `csrc/paged_decode_attention.c`);
+- `models/compact_weights.py`: `qgemm_small`, a few rows times int8-coded weights
+  (source: `csrc/int8_block_matmul.c`).
+Both treat `load()` returning None as "take the pure-torch path", which gives the same results
+within float32 rounding. `load()` decides once per process (until `reset()`):
+
+    SERVELM_KERNELS=torch          -> None; said once in the log (INFO)
+    no compiler / the build fails  -> None; said once in the log (WARNING), with the reason
+    otherwise                      -> CpuKernels over the library `kernels.build` built
+
+Every argument is checked (dtype, device, contiguity, shapes against each other, and the block
+tables' entries against the pool) before a pointer reaches C: bad input raises
+`KernelArgumentError` naming the argument, never reads memory outside the tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import torch
+
+from servelm import envs
+from servelm.kernels.arguments import KernelArgumentError, check_int, check_shape, check_tensor
+from servelm.kernels.build import BuiltLibrary, KernelBuildError, build
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32  # weights per scale in the int8 block matmul
+
+_lock = threading.Lock()
+_decided: list[CpuKernels | None] = []  # empty: load() has not decided yet; else its one answer
+
+
+def load() -> CpuKernels | None:
+    """The kernels (built on the first call of the process), or None where they are off or cannot
+    be built. Cheap after the first call; thread-safe; every call returns the same answer until
+    `reset()`. Raises ValueError for an invalid SERVELM_KERNELS value."""
+    if not _decided:
+        with _lock:
+            if not _decided:
+                _decided.append(_decide())
+    return _decided[0]
+
+
+def reset() -> None:
+    """Forget `load()`'s answer, so the next call reads SERVELM_KERNELS again (tests, tools).
+
+    Safe to call twice. A CpuKernels already handed out keeps working (its library stays loaded).
+    """
+    with _lock:
+        _decided.clear()
+
+
+def _decide() -> CpuKernels | None:
+    if envs.kernels_mode() is envs.KernelsMode.TORCH:
+        logger.info("%s=torch: compiled CPU kernels off, using the pure-torch paths", envs.KERNELS)
+        return None
+    try:
+        return CpuKernels(build())
+    except (KernelBuildError, OSError) as exc:  # OSError: the built library does not load
+        logger.warning("compiled CPU kernels unavailable, using the pure-torch paths: %s", exc)
+        return None
+
+
+class CpuKernels:
+    """ctypes bindings of one built library. Holds no state besides the library; thread-safe."""
+
+    def __init__(self, library: BuiltLibrary) -> None:
+        lib = ctypes.CDLL(str(library.path))
+        ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.decode_scores.argtypes = [ptr] * 5 + [i64] * 8 + [ctypes.c_float, c_int]
+        lib.decode_scores.restype = i64
+        lib.decode_pv.argtypes = [ptr] * 5 + [i64] * 7 + [c_int]
+        lib.decode_pv.restype = None
+        lib.qgemm_small.argtypes = [ptr] * 5 + [i64] * 3 + [c_int, c_int]
+        lib.qgemm_small.restype = None
+        self._lib = lib
+        self.library = library
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,  # [B, H, D] float32, one new token per request
+        k_pool: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32, one layer's K
+        v_pool: torch.Tensor,  # same shape, the layer's V
+        block_tables: torch.Tensor,  # [B, max_blocks] int32; only the blocks seq_lens reach are read
+        seq_lens: torch.Tensor,  # [B] int32, keys per request (cached + the new one)
+        max_len: int,  # >= every seq_len: the width of the scores
+        scale: float,
+    ) -> torch.Tensor:  # [B, H, D] float32
+        """softmax(scale * q . K) . V over each request's own K/V rows, read from its blocks."""
+        check_tensor("query", query, torch.float32, 3)
+        check_tensor("k_pool", k_pool, torch.float32, 4)
+        check_tensor("v_pool", v_pool, torch.float32, 4)
+        check_tensor("block_tables", block_tables, torch.int32, 2)
+        check_tensor("seq_lens", seq_lens, torch.int32, 1)
+        max_len = check_int("max_len", max_len, minimum=1)
+        batch, heads, head_dim = query.shape
+        num_blocks, block_size, kv_heads, pool_head_dim = k_pool.shape
+        if pool_head_dim != head_dim or block_size < 1 or kv_heads < 1 or heads % kv_heads:
+            raise KernelArgumentError(
+                f"k_pool: expected [num_blocks, block_size >= 1, kv_heads dividing query's {heads} heads, "
+                f"head_dim {head_dim} as in query], found {tuple(k_pool.shape)}"
+            )
+        check_shape("v_pool", v_pool, tuple(k_pool.shape), "k_pool's")
+        max_blocks = block_tables.shape[1]
+        check_shape("block_tables", block_tables, (batch, max_blocks), "[batch, max_blocks], batch as in query")
+        check_shape("seq_lens", seq_lens, (batch,), "[batch], batch as in query")
+        threads = torch.get_num_threads()
+        scores = torch.empty(batch, heads, max_len, dtype=torch.float32)
+        bad = self._lib.decode_scores(  # checks seq_lens and the used table entries before any read
+            query.data_ptr(), k_pool.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), scores.data_ptr(),
+            batch, heads, kv_heads, head_dim, block_size, max_blocks, max_len, num_blocks, float(scale), threads,
+        )
+        if bad >= 0:
+            raise KernelArgumentError(
+                f"request {bad}: seq_len {int(seq_lens[bad])} must lie in [1, min(max_len={max_len}, "
+                f"max_blocks * block_size={max_blocks * block_size})] and the block ids it reads in "
+                f"[0, {num_blocks}); its block table row is {block_tables[bad].tolist()}"
+            )
+        probs = torch.softmax(scores, dim=-1)  # [B, H, max_len]; positions past a seq_len hold -inf -> 0
+        out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
+        self._lib.decode_pv(
+            probs.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+            batch, heads, kv_heads, head_dim, block_size, max_blocks, max_len, threads,
+        )
+        return out
+
+    def qgemm_small(
+        self,
+        x: torch.Tensor,  # [M, K] float32, M small (a decode step's rows)
+        codes: torch.Tensor,  # [N, K] int8, K a multiple of 32
+        scales: torch.Tensor,  # [N, K / 32] float32
+        mins: torch.Tensor | None,  # [N, K / 32] float32, or None (no offset)
+    ) -> torch.Tensor:  # [M, N] float32
+        """x @ W^T with W[n, k] = scales[n, k / 32] * codes[n, k] (+ mins[n, k / 32])."""
+        check_tensor("x", x, torch.float32, 2)
+        check_tensor("codes", codes, torch.int8, 2)
+        check_tensor("scales", scales, torch.float32, 2)
+        rows, k = x.shape
+        n, codes_k = codes.shape
+        if k % BLOCK or codes_k != k:
+            raise KernelArgumentError(
+                f"codes: expected [N, K] with K as in x {tuple(x.shape)} and a multiple of {BLOCK}, "
+                f"found {tuple(codes.shape)}"
+            )
+        check_shape("scales", scales, (n, k // BLOCK), f"[N, K / {BLOCK}], N and K as in codes")
+        if mins is not None:
+            check_tensor("mins", mins, torch.float32, 2)
+            check_shape("mins", mins, (n, k // BLOCK), "scales' shape")
+        out = torch.empty(rows, n, dtype=torch.float32)
+        self._lib.qgemm_small(
+            x.data_ptr(), codes.data_ptr(), scales.data_ptr(), (scales if mins is None else mins).data_ptr(),
+            out.data_ptr(), rows, n, k, int(mins is not None), torch.get_num_threads(),
+        )
+        return out

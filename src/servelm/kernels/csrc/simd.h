@@ -1,0 +1,23 @@
+/* What the CPU kernels share: whether this build may use AVX2 + FMA, and a fixed-order lane sum.
+
+   servelm/kernels/build.py passes -mavx2 -mfma only when the CPU running the build reports both
+   (and puts those flags in the cache key), so SERVELM_HAVE_AVX2 is set exactly for builds made for
+   such CPUs; without it every kernel takes its scalar loop. No -march=native: a cache entry must
+   run on any CPU with the features in its key. */
+#ifndef SERVELM_SIMD_H
+#define SERVELM_SIMD_H
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SERVELM_HAVE_AVX2 1
+
+/* The eight lanes of v summed pairwise in a fixed order, so a result never depends on anything
+   but its inputs (not the thread count, not the batch it came in). */
+static inline float sum_lanes8(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+#endif
+
+#endif /* SERVELM_SIMD_H */

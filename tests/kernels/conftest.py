@@ -1,0 +1,36 @@
+"""Fixtures for the kernel tests: switch SERVELM_KERNELS for one test and forget load()'s answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from servelm import envs
+from servelm.kernels import cpu
+
+
+@pytest.fixture
+def kernel_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], None]]:
+    """set(name, value): set an environment variable the kernels read, so the next load() sees it.
+
+    On teardown load()'s answer is forgotten again (before monkeypatch restores the environment),
+    so later tests decide afresh and get the kernels back."""
+
+    def set_variable(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
+        cpu.reset()
+
+    cpu.reset()
+    yield set_variable
+    cpu.reset()
+
+
+@pytest.fixture
+def compiled_kernels(kernel_env: Callable[[str, str], None]) -> cpu.CpuKernels:
+    """The real compiled kernels (SERVELM_KERNELS=auto); the test is skipped where they cannot be built."""
+    kernel_env(envs.KERNELS, "auto")
+    kernels = cpu.load()
+    if kernels is None:
+        pytest.skip("no C compiler, or the build failed: the compiled kernels cannot be tested here")
+    return kernels

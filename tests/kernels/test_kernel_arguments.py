@@ -1,0 +1,112 @@
+"""Bad arguments to the compiled kernels raise KernelArgumentError naming the argument, before any
+pointer reaches C: wrong dtypes, a device other than the CPU, non-contiguous views, shapes that
+disagree with each other, and lengths or block ids that would read outside the pool."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from servelm.kernels.arguments import KernelArgumentError
+
+Args = dict[str, Any]
+
+
+def _decode_args() -> Args:
+    """A valid decode batch: 2 requests, 6 heads over 2 KV heads, head_dim 16, 8 blocks of 4."""
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(2, 8, 4, 2, 16, generator=gen)
+    return {
+        "query": torch.randn(2, 6, 16, generator=gen),
+        "k_pool": pool[0],
+        "v_pool": pool[1],
+        "block_tables": torch.tensor([[3, 1, 0], [7, 0, 0]], dtype=torch.int32),
+        "seq_lens": torch.tensor([10, 2], dtype=torch.int32),
+        "max_len": 10,
+        "scale": 0.25,
+    }
+
+
+def _set(name: str, make: Callable[[Args], Any]) -> Callable[[Args], Args]:
+    return lambda args: {**args, name: make(args)}
+
+
+DECODE_CASES = {
+    "float64 query": ("query", _set("query", lambda a: a["query"].double())),
+    "int64 block tables": ("block_tables", _set("block_tables", lambda a: a["block_tables"].long())),
+    "float16 pool": ("k_pool", _set("k_pool", lambda a: a["k_pool"].half())),
+    "query on another device": ("query", _set("query", lambda a: a["query"].to("meta"))),
+    "non-contiguous query": ("query", _set("query", lambda a: a["query"].transpose(0, 1).contiguous().transpose(0, 1))),
+    "non-contiguous v_pool": ("v_pool", _set("v_pool", lambda a: torch.randn(8, 2, 4, 16).transpose(1, 2))),
+    "a list for seq_lens": ("seq_lens", _set("seq_lens", lambda a: [10, 2])),
+    "block table rows != batch": ("block_tables", _set("block_tables", lambda a: a["block_tables"][:1].contiguous())),
+    "seq_lens length != batch": ("seq_lens", _set("seq_lens", lambda a: torch.tensor([10], dtype=torch.int32))),
+    "heads not a multiple of kv heads": ("k_pool", _set("query", lambda a: torch.randn(2, 5, 16))),
+    "pool head_dim != query's": ("k_pool", _set("query", lambda a: torch.randn(2, 6, 8))),
+    "v_pool shape != k_pool's": ("v_pool", _set("v_pool", lambda a: torch.randn(8, 4, 1, 16))),
+    "seq_len past max_len": ("request 0", _set("max_len", lambda a: 9)),
+    "seq_len past the table": ("request 1", _set("seq_lens", lambda a: torch.tensor([10, 13], dtype=torch.int32))),
+    "seq_len 0": ("request 1", _set("seq_lens", lambda a: torch.tensor([10, 0], dtype=torch.int32))),
+    "block id past the pool": ("request 0", _set("block_tables", lambda a: torch.tensor([[3, 8, 0], [7, 0, 0]], dtype=torch.int32))),
+    "negative block id": ("request 1", _set("block_tables", lambda a: torch.tensor([[3, 1, 0], [-1, 0, 0]], dtype=torch.int32))),
+    "max_len a bool": ("max_len", _set("max_len", lambda a: True)),
+}
+
+
+def test_the_valid_decode_batch_runs(compiled_kernels):
+    out = compiled_kernels.decode_attention(**_decode_args())
+    assert out.shape == (2, 6, 16) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_a_bad_decode_argument_is_named(compiled_kernels, case):
+    named, spoil = DECODE_CASES[case]
+    with pytest.raises(KernelArgumentError, match=named):
+        compiled_kernels.decode_attention(**spoil(_decode_args()))
+
+
+def test_padding_past_a_seq_len_is_never_checked_nor_read(compiled_kernels):
+    """Table entries beyond the blocks a seq_len reaches are padding: any value there is fine."""
+    args = _decode_args()
+    padded = {**args, "block_tables": torch.tensor([[3, 1, 0], [7, -5, 99]], dtype=torch.int32)}
+    torch.testing.assert_close(compiled_kernels.decode_attention(**padded), compiled_kernels.decode_attention(**args))
+
+
+def _matmul_args() -> Args:
+    """A valid int8 block matmul: 3 rows of 64 inputs against 5 outputs with offsets."""
+    gen = torch.Generator().manual_seed(1)
+    return {
+        "x": torch.randn(3, 64, generator=gen),
+        "codes": torch.randint(0, 16, (5, 64), dtype=torch.int8, generator=gen),
+        "scales": torch.rand(5, 2, generator=gen),
+        "mins": torch.rand(5, 2, generator=gen),
+    }
+
+
+MATMUL_CASES = {
+    "float64 x": ("x", _set("x", lambda a: a["x"].double())),
+    "int32 codes": ("codes", _set("codes", lambda a: a["codes"].int())),
+    "float16 scales": ("scales", _set("scales", lambda a: a["scales"].half())),
+    "non-contiguous codes": ("codes", _set("codes", lambda a: torch.zeros(64, 5, dtype=torch.int8).T)),
+    "K not a multiple of 32": ("codes", lambda a: {**a, "x": torch.randn(3, 40), "codes": torch.zeros(5, 40, dtype=torch.int8)}),
+    "codes K != x's K": ("codes", _set("codes", lambda a: torch.zeros(5, 96, dtype=torch.int8))),
+    "scales rows != codes rows": ("scales", _set("scales", lambda a: torch.rand(4, 2))),
+    "scales columns != K / 32": ("scales", _set("scales", lambda a: torch.rand(5, 3))),
+    "mins shape != scales'": ("mins", _set("mins", lambda a: torch.rand(5, 1))),
+    "x with 3 dimensions": ("x", _set("x", lambda a: a["x"].unsqueeze(0))),
+}
+
+
+def test_the_valid_matmul_matches_its_definition(compiled_kernels):
+    args = _matmul_args()
+    weight = args["scales"].repeat_interleave(32, 1) * args["codes"].float() + args["mins"].repeat_interleave(32, 1)
+    torch.testing.assert_close(compiled_kernels.qgemm_small(**args), args["x"] @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(MATMUL_CASES))
+def test_a_bad_matmul_argument_is_named(compiled_kernels, case):
+    named, spoil = MATMUL_CASES[case]
+    with pytest.raises(KernelArgumentError, match=named):
+        compiled_kernels.qgemm_small(**spoil(_matmul_args()))

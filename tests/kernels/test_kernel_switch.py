@@ -1,0 +1,107 @@
+"""SERVELM_KERNELS=torch turns the compiled kernels off, and the pure-torch paths it leaves give the
+kernels' results: paged decode attention through the attention backend, and a compact Linear."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelm import envs
+from servelm.attention.backend import AttentionMetadata
+from servelm.attention.torch_backend import TorchAttentionBackend
+from servelm.kernels import cpu
+from servelm.models.compact_weights import find_codes
+from servelm.models.llama import Linear
+
+
+def test_torch_switch_turns_the_kernels_off_and_says_so_once(kernel_env, caplog):
+    caplog.set_level(logging.INFO, logger=cpu.__name__)
+    kernel_env(envs.KERNELS, "torch")
+    assert cpu.load() is None
+    assert cpu.load() is None
+    said = [r for r in caplog.records if r.name == cpu.__name__]
+    assert len(said) == 1 and "pure-torch" in said[0].getMessage()
+
+
+def test_an_unknown_switch_value_names_the_valid_ones(kernel_env):
+    kernel_env(envs.KERNELS, "fast")
+    with pytest.raises(ValueError, match="SERVELM_KERNELS='fast'.*valid values: auto, torch"):
+        cpu.load()
+
+
+def _paged_decode_batch(seed: int):
+    """Decodes of 5 requests (one new token each) over K/V scattered through a pool."""
+    heads, kv_heads, head_dim, block_size = 6, 2, 16, 4
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(1, 40) for _ in range(5)]
+    ids = list(range(64))
+    rng.shuffle(ids)  # blocks scattered through the pool, as after churn
+    tables, used = [], 0
+    for n in seq_lens:
+        count = (n + block_size - 1) // block_size
+        tables.append(ids[used : used + count])
+        used += count
+    slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, seq_lens)]
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(2, 64, block_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(5, heads, head_dim, generator=gen)
+    k = torch.randn(5, kv_heads, head_dim, generator=gen)
+    v = torch.randn(5, kv_heads, head_dim, generator=gen)
+
+    def metadata() -> AttentionMetadata:  # fresh per forward: backends cache derived tensors in it
+        return AttentionMetadata(
+            query_start_loc=list(range(6)), seq_lens=seq_lens, slot_mapping=torch.tensor(slots),
+            block_tables=tables, block_size=block_size,
+        )
+
+    return q, k, v, pool, metadata
+
+
+def test_decode_attention_is_the_same_with_the_kernel_and_with_pure_torch(kernel_env, compiled_kernels):
+    q, k, v, pool, metadata = _paged_decode_batch(seed=11)
+    backend = TorchAttentionBackend()
+    pool_kernel, pool_torch = pool.clone(), pool.clone()
+    with_kernel = backend.forward(q, k, v, pool_kernel, metadata(), 0.25)
+    kernel_env(envs.KERNELS, "torch")
+    with_torch = backend.forward(q, k, v, pool_torch, metadata(), 0.25)
+    torch.testing.assert_close(with_kernel, with_torch, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool_kernel, pool_torch)  # both wrote the new K/V at the same slots
+
+
+def _q4_1(w: torch.Tensor) -> torch.Tensor:
+    """A Q4_1 round trip (per 32 inputs: d = (max - min) / 15, m = min, both fp16), as GGUF files hold."""
+    blocks = w.reshape(w.shape[0], -1, 32)
+    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15).half().float()
+    m = lo.half().float()
+    q = ((blocks - m) / torch.where(d == 0, 1, d)).round().clamp(0, 15)
+    return (d * q + m).reshape(w.shape)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_compact_linear_is_the_same_with_the_kernel_and_with_pure_torch(kernel_env, compiled_kernels, rows):
+    gen = torch.Generator().manual_seed(rows)
+    linear = Linear(256, 48, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(_q4_1(torch.randn(48, 256, generator=gen)))
+        linear.bias.copy_(torch.randn(48, generator=gen))
+    compact = find_codes(linear.weight)
+    assert compact is not None
+    linear.compact = compact
+    x = torch.randn(rows, 256, generator=gen)
+    reference = x @ compact.dequantize().T  # [rows, 48]: the same float32 weights, multiplied by torch
+
+    kernel_product = compact.matmul(x)  # SERVELM_KERNELS=auto (the compiled_kernels fixture)
+    assert kernel_product is not None
+    torch.testing.assert_close(kernel_product, reference, rtol=1e-5, atol=1e-5)
+    with_kernel = linear(x)
+
+    kernel_env(envs.KERNELS, "torch")
+    assert compact.matmul(x) is None  # the caller's cue to take the float32 path
+    with_torch = linear(x)
+    torch.testing.assert_close(with_kernel, with_torch, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(with_torch, F.linear(x, linear.weight, linear.bias), rtol=0, atol=0)
