@@ -4,7 +4,7 @@ Prefill chunks are attended one request at a time (their shapes differ); a chunk
 nothing cached before it (a whole new prompt) attends to its own fresh K/V with SDPA's
 causal flag, skipping the pool and the mask. Decodes (one new token per request) are
 attended together in one call: on CPU in float32 by the paged kernel of
-`servelm.attention.cpu_kernels`, which reads K/V straight from the blocks; elsewhere
+`servelm.kernels.cpu`, which reads K/V straight from the blocks; elsewhere
 (or without a compiler) gathered into one padded batch for SDPA.
 """
 
