@@ -84,9 +84,13 @@ class CommonAttentionInputs:
         q_lens = torch.as_tensor(query_lens, dtype=torch.int32).cpu()
         s_lens = torch.as_tensor(seq_lens, dtype=torch.int32).cpu()
         if q_lens.dim() != 1 or q_lens.shape != s_lens.shape or q_lens.numel() == 0:
-            raise ValueError(f"query_lens {tuple(q_lens.shape)} and seq_lens {tuple(s_lens.shape)} must be equal, non-empty 1-D")
+            raise ValueError(
+                f"query_lens {tuple(q_lens.shape)} and seq_lens {tuple(s_lens.shape)} must be equal, non-empty 1-D"
+            )
         if bool((q_lens < 1).any()) or bool((s_lens < q_lens).any()):
-            raise ValueError(f"every query_len must be >= 1 and <= its seq_len; got {q_lens.tolist()} / {s_lens.tolist()}")
+            raise ValueError(
+                f"every query_len must be >= 1 and <= its seq_len; got {q_lens.tolist()} / {s_lens.tolist()}"
+            )
         if (slot_mapping is None) != (block_table is None):
             raise ValueError("slot_mapping and block_table go together: give both (a KV pool) or neither")
         query_start_loc = torch.zeros(q_lens.numel() + 1, dtype=torch.int32)
@@ -94,9 +98,13 @@ class CommonAttentionInputs:
         num_tokens = int(query_start_loc[-1])
         if slot_mapping is not None and block_table is not None:
             if slot_mapping.shape != (num_tokens,):
-                raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, want ({num_tokens},): one slot per new token")
+                raise ValueError(
+                    f"slot_mapping has shape {tuple(slot_mapping.shape)}, want ({num_tokens},): one slot per new token"
+                )
             if block_table.dim() != 2 or block_table.shape[0] != q_lens.numel():
-                raise ValueError(f"block_table has shape {tuple(block_table.shape)}, want ({q_lens.numel()}, max_blocks)")
+                raise ValueError(
+                    f"block_table has shape {tuple(block_table.shape)}, want ({q_lens.numel()}, max_blocks)"
+                )
             if block_size < 1:
                 raise ValueError(f"block_size must be >= 1 with a KV pool, got {block_size}")
         num_decodes = int((q_lens == 1).sum())
