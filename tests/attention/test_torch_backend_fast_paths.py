@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.attention import torch_backend
-from servelm.attention.backend import AttentionMetadata
+from servelm.attention.backend import CommonAttentionInputs
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.kernels import cpu as cpu_kernels
 
@@ -83,37 +83,37 @@ def _mixed_step(seed: int):
     q = torch.randn(tokens, heads, head_dim, generator=gen)
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen)
     v = torch.randn(tokens, kv_heads, head_dim, generator=gen)
-    metadata = AttentionMetadata(
-        query_start_loc=starts,
-        seq_lens=[r[1] for r in requests],
+    width = max(len(r[2]) for r in requests)
+    common = CommonAttentionInputs.from_lens(
+        [r[0] for r in requests],
+        [r[1] for r in requests],
         slot_mapping=torch.tensor(slots),
-        block_tables=[r[2] for r in requests],
+        block_table=torch.tensor([r[2] + [0] * (width - len(r[2])) for r in requests], dtype=torch.int32),
         block_size=block_size,
     )
-    return q, k, v, pool, metadata
+    return q, k, v, pool, common
 
 
 @needs_kernel
 @pytest.mark.parametrize("all_decodes", [False, True])
 def test_backend_with_kernel_matches_backend_without(monkeypatch, all_decodes):
-    q, k, v, pool, metadata = _mixed_step(seed=3)
+    q, k, v, pool, common = _mixed_step(seed=3)
     if all_decodes:  # keep only the decodes: the kernel's output is returned as is
         keep = [0, 2, 4]
-        rows = [metadata.query_start_loc[i] for i in keep]
+        rows = [int(common.query_start_loc[i]) for i in keep]
         q, k, v = q[rows], k[rows], v[rows]
-        metadata = AttentionMetadata(
-            query_start_loc=list(range(len(keep) + 1)),
-            seq_lens=[metadata.seq_lens[i] for i in keep],
-            slot_mapping=metadata.slot_mapping[rows],
-            block_tables=[metadata.block_tables[i] for i in keep],
-            block_size=metadata.block_size,
+        common = CommonAttentionInputs.from_lens(
+            [1] * len(keep),
+            common.seq_lens[keep],
+            slot_mapping=common.slot_mapping[rows],
+            block_table=common.block_table[keep],
+            block_size=common.block_size,
         )
     backend = TorchAttentionBackend()
     pool_fast, pool_ref = pool.clone(), pool.clone()
-    fast = backend.forward(q, k, v, pool_fast, metadata, 0.25)
+    fast = backend.forward(q, k, v, pool_fast, backend.build_metadata(common), 0.25)
     monkeypatch.setattr(torch_backend, "_paged_kernel", lambda query, kv_cache: None)
-    metadata.derived.clear()
-    reference = backend.forward(q, k, v, pool_ref, metadata, 0.25)
+    reference = backend.forward(q, k, v, pool_ref, backend.build_metadata(common), 0.25)
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(pool_fast, pool_ref)  # both wrote the same K/V
 

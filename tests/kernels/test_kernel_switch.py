@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm import envs
-from servelm.attention.backend import AttentionMetadata
+from servelm.attention.backend import CommonAttentionInputs
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.kernels import cpu
 from servelm.models.compact_weights import find_codes
@@ -52,22 +52,23 @@ def _paged_decode_batch(seed: int):
     k = torch.randn(5, kv_heads, head_dim, generator=gen)
     v = torch.randn(5, kv_heads, head_dim, generator=gen)
 
-    def metadata() -> AttentionMetadata:  # fresh per forward: backends cache derived tensors in it
-        return AttentionMetadata(
-            query_start_loc=list(range(6)), seq_lens=seq_lens, slot_mapping=torch.tensor(slots),
-            block_tables=tables, block_size=block_size,
-        )
-
-    return q, k, v, pool, metadata
+    width = max(len(t) for t in tables)
+    common = CommonAttentionInputs.from_lens(
+        [1] * 5, seq_lens, slot_mapping=torch.tensor(slots),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        block_size=block_size,
+    )  # fmt: skip
+    return q, k, v, pool, common
 
 
 def test_decode_attention_is_the_same_with_the_kernel_and_with_pure_torch(kernel_env, compiled_kernels):
-    q, k, v, pool, metadata = _paged_decode_batch(seed=11)
+    q, k, v, pool, common = _paged_decode_batch(seed=11)
     backend = TorchAttentionBackend()
     pool_kernel, pool_torch = pool.clone(), pool.clone()
-    with_kernel = backend.forward(q, k, v, pool_kernel, metadata(), 0.25)
+    # The backend picks the decode kernel when it builds a step's metadata: build it under each switch.
+    with_kernel = backend.forward(q, k, v, pool_kernel, backend.build_metadata(common), 0.25)
     kernel_env(envs.KERNELS, "torch")
-    with_torch = backend.forward(q, k, v, pool_torch, metadata(), 0.25)
+    with_torch = backend.forward(q, k, v, pool_torch, backend.build_metadata(common), 0.25)
     torch.testing.assert_close(with_kernel, with_torch, rtol=1e-5, atol=1e-5)
     assert torch.equal(pool_kernel, pool_torch)  # both wrote the new K/V at the same slots
 

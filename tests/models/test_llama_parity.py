@@ -111,10 +111,11 @@ def test_flattened_batch_equals_each_alone(pair):
 def test_logits_depend_on_position(pair):
     """Guard against a rotary embedding that silently does nothing (RoPE is relative: change a gap)."""
     _, ours = pair
-    from servelm.attention.backend import AttentionMetadata
+    from servelm.attention.backend import CommonAttentionInputs
+    from servelm.worker.model_runner import attention_backend_of
 
     ids = torch.tensor([5, 9, 13])
-    metadata = AttentionMetadata.for_prompts([3])
+    metadata = attention_backend_of(ours).build_metadata(CommonAttentionInputs.for_prompts([3]))
     at_zero = ours.compute_logits(ours(ids, torch.arange(3), metadata))
     spread = ours.compute_logits(ours(ids, torch.tensor([0, 50, 51]), metadata))
     torch.testing.assert_close(at_zero[0], spread[0])  # the first token sees only itself

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from servelm.attention.backend import AttentionMetadata
+from servelm.attention.backend import CommonAttentionInputs
 from servelm.models.llama import LlamaForCausalLM
 from servelm.worker.kv_cache import allocate_kv_caches
+from servelm.worker.model_runner import attention_backend_of
 
 
 @torch.inference_mode()
@@ -29,20 +30,24 @@ def greedy_decode(
     total = len(prompt_token_ids) + max_new_tokens
     num_blocks = (total + block_size - 1) // block_size
     kv_caches = allocate_kv_caches(model.arch, num_blocks, block_size, dtype, device)
-    block_table = list(range(num_blocks))  # identity: slot == position
+    block_table = torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0)  # [1, num_blocks] identity: slot == position
+    backend = attention_backend_of(model)
 
     tokens = list(prompt_token_ids)
     output: list[int] = []
     start = 0
     while len(output) < max_new_tokens:
         end = len(tokens)
-        metadata = AttentionMetadata(
-            query_start_loc=[0, end - start],
-            seq_lens=[end],
+        common = CommonAttentionInputs.from_lens(
+            [end - start],
+            [end],
             slot_mapping=torch.arange(start, end, device=device),
-            block_tables=[block_table],
+            block_table=block_table,
             block_size=block_size,
+            device=device,
+            dtype=dtype,
         )
+        metadata = backend.build_metadata(common)
         ids = torch.tensor(tokens[start:end], device=device)
         hidden = model(ids, torch.arange(start, end, device=device), metadata, kv_caches)
         next_token = int(model.compute_logits(hidden[-1:]).argmax(dim=-1))
@@ -60,7 +65,7 @@ def prompt_logits(model: LlamaForCausalLM, prompts: list[list[int]]) -> list[tor
     device = model.embed_tokens.weight.device
     flat = torch.tensor([t for p in prompts for t in p], device=device)
     positions = torch.tensor([i for p in prompts for i in range(len(p))], device=device)
-    metadata = AttentionMetadata.for_prompts([len(p) for p in prompts])
-    logits = model.compute_logits(model(flat, positions, metadata))
-    starts = metadata.query_start_loc
+    common = CommonAttentionInputs.for_prompts([len(p) for p in prompts], device)
+    logits = model.compute_logits(model(flat, positions, attention_backend_of(model).build_metadata(common)))
+    starts = common.query_start_loc.tolist()
     return [logits[starts[i] : starts[i + 1]] for i in range(len(prompts))]

@@ -1,12 +1,13 @@
 """ModelRunner: executes one SchedulerOutput as a single forward over flattened tokens.
 
-    SchedulerOutput ──▶ update mirrors ──▶ build inputs (ids, positions, slots, metadata)
-                    ──▶ model.forward ──▶ logits of rows that sample (+ prompt-logprob rows)
-                    ──▶ Sampler ──▶ ModelOutput
+    SchedulerOutput ──▶ update mirrors (request states + block table rows)
+                    ──▶ build inputs (ids, positions, slots: vectorised over the persistent table)
+                    ──▶ backend.build_metadata (once) ──▶ model.forward
+                    ──▶ logits of rows that sample (+ prompt-logprob rows) ──▶ Sampler ──▶ ModelOutput
 
-The runner owns tensors (model, KV pool) and decides nothing: which tokens to run
-came from the scheduler; whether a request samples follows from the arithmetic (its
-computed tokens catch up with all its tokens this step).
+The runner owns tensors (model, KV pool, block table) and decides nothing: which tokens
+to run came from the scheduler; whether a request samples follows from the arithmetic
+(its computed tokens catch up with all its tokens this step).
 """
 
 from __future__ import annotations
@@ -15,13 +16,19 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm.attention.backend import AttentionMetadata
+from servelm.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionInputs, slots_of
 from servelm.datatypes import ModelOutput, PositionLogprobs, SchedulerOutput
 from servelm.models.llama import LlamaForCausalLM
+from servelm.worker.block_table import BlockTable
 from servelm.worker.prompt_logprobs import chunk_prompt_logprobs
 from servelm.worker.request_state import RunnerRequestState
 from servelm.worker.sampler import Sampler
 from servelm.worker.sampling_metadata import SamplingMetadata
+
+
+def attention_backend_of(model: LlamaForCausalLM) -> AttentionBackend:
+    """The backend the model's attention layers call (one instance, shared by every layer)."""
+    return model.layers[0].self_attn.backend
 
 
 @dataclass
@@ -29,11 +36,24 @@ class StepInputs:
     """The flattened batch of one step, in scheduler order."""
 
     request_ids: list[str]
-    input_ids: torch.Tensor  # [T] long
-    positions: torch.Tensor  # [T] long
-    metadata: AttentionMetadata
+    input_ids: torch.Tensor  # [T] long, on device
+    positions: torch.Tensor  # [T] long, on device
+    common: CommonAttentionInputs  # what the backend built `metadata` from
+    metadata: AttentionMetadata  # the backend's own, built once for every layer
     sample_request_ids: list[str]  # requests whose last scheduled token is their last token
     sample_rows: list[int]  # flattened row of each one's last token
+
+
+def token_positions(num_computed: torch.Tensor, query_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position of every new token and the batch index of its request, both [T] long.
+
+    num_computed, query_lens: [R] long. Request i's tokens are positions
+    num_computed[i] .. num_computed[i] + query_lens[i] - 1, laid end to end.
+    """
+    request_of_token = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens)  # [T]
+    first_row = torch.cumsum(query_lens, 0) - query_lens  # [R] row of each request's first token
+    offset_in_request = torch.arange(request_of_token.numel()) - first_row[request_of_token]
+    return num_computed[request_of_token] + offset_in_request, request_of_token
 
 
 class ModelRunner:
@@ -44,15 +64,20 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
+        max_num_seqs: int,  # most requests the scheduler runs at once: rows of the block table
+        max_model_len: int,  # longest request: bounds the block table's width
     ) -> None:
         self.model = model
+        self.attention_backend = attention_backend_of(model)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.dtype = model.embed_tokens.weight.dtype
         self.vocab_size = model.arch.vocab_size
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
+        self.block_table = BlockTable(max_num_seqs, (max_model_len + block_size - 1) // block_size)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         self._update_mirrors(scheduler_output)
@@ -69,58 +94,59 @@ class ModelRunner:
     # -- mirrors -----------------------------------------------------------------------
 
     def _update_mirrors(self, so: SchedulerOutput) -> None:
+        """The one place SchedulerOutput is applied: request states and their block table rows."""
         for request_id in so.finished_request_ids | so.preempted_request_ids:
-            self.requests.pop(request_id, None)
+            if self.requests.pop(request_id, None) is not None:
+                self.block_table.remove(request_id)
         for new in so.new_requests:
             self.requests[new.request_id] = RunnerRequestState.from_new(new, self.device, self.vocab_size)
+            self.block_table.add(new.request_id, new.block_ids)
         for diff in so.cached_requests:
             self.requests[diff.request_id].apply(diff)
+            self.block_table.append(diff.request_id, diff.new_block_ids)
 
     # -- inputs ------------------------------------------------------------------------
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         request_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[rid] for rid in request_ids]
+        num_computed = torch.tensor([s.num_computed_tokens for s in states], dtype=torch.long)  # [R]
+        query_lens = torch.tensor([so.num_scheduled_tokens[rid] for rid in request_ids], dtype=torch.long)  # [R]
+        seq_lens = num_computed + query_lens  # [R]
+        ends_in_request = seq_lens.tolist()
         token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        sample_request_ids: list[str] = []
-        sample_rows: list[int] = []
-        for request_id in request_ids:
-            state = self.requests[request_id]
-            start = state.num_computed_tokens
-            end = start + so.num_scheduled_tokens[request_id]
+        for state, start, end in zip(states, num_computed.tolist(), ends_in_request):
             token_ids.extend(state.token_ids(start, end))
-            positions.extend(range(start, end))
-            slots.extend(self._slots(state.block_ids, start, end))
-            query_start_loc.append(len(token_ids))
-            seq_lens.append(end)
-            block_tables.append(state.block_ids)
-            if end == state.num_tokens:  # caught up: this step's last logits give a new token
-                sample_request_ids.append(request_id)
-                sample_rows.append(len(token_ids) - 1)
-        metadata = AttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=block_tables,
-            block_size=self.block_size,
+        positions, request_of_token = token_positions(num_computed, query_lens)  # [T] each
+        rows = torch.tensor([self.block_table.row(rid) for rid in request_ids], dtype=torch.long)  # [R]
+        bs = self.block_size
+        slot_mapping = slots_of(self.block_table.table, rows[request_of_token], positions, bs)  # [T] long
+        max_blocks = (int(seq_lens.max()) + bs - 1) // bs  # the columns any request reaches this step
+        common = CommonAttentionInputs.from_lens(
+            query_lens,
+            seq_lens,
+            slot_mapping=slot_mapping.to(self.device, non_blocking=True),
+            block_table=self.block_table.table[rows, :max_blocks],  # [R, max_blocks] int32, CPU
+            block_size=bs,
+            device=self.device,
+            dtype=self.dtype,
         )
+        ends_in_batch = common.query_start_loc[1:].tolist()
+        # Caught up (this step's last logits give a new token): sample from the request's last row.
+        samples = [
+            (rid, ends_in_batch[i] - 1)
+            for i, (rid, state) in enumerate(zip(request_ids, states))
+            if ends_in_request[i] == state.num_tokens
+        ]
         return StepInputs(
             request_ids=request_ids,
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            metadata=metadata,
-            sample_request_ids=sample_request_ids,
-            sample_rows=sample_rows,
+            input_ids=torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True),
+            positions=positions.to(self.device, non_blocking=True),
+            common=common,
+            metadata=self.attention_backend.build_metadata(common),
+            sample_request_ids=[rid for rid, _ in samples],
+            sample_rows=[row for _, row in samples],
         )
-
-    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
-        # slot = block_ids[pos // block_size] * block_size + pos % block_size
-        bs = self.block_size
-        return [block_ids[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
     # -- sampling ----------------------------------------------------------------------
 
@@ -159,13 +185,14 @@ class ModelRunner:
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, list[PositionLogprobs | None]]:
         result: dict[str, list[PositionLogprobs | None]] = {}
-        starts = inputs.metadata.query_start_loc
+        starts = inputs.common.query_start_loc.tolist()
+        seq_lens = inputs.common.seq_lens.tolist()
         for i, request_id in enumerate(inputs.request_ids):
             state = self.requests[request_id]
             num_top = state.sampling_params.prompt_logprobs
             if num_top is None:
                 continue
-            chunk_start = inputs.metadata.seq_lens[i] - (starts[i + 1] - starts[i])
+            chunk_start = seq_lens[i] - (starts[i + 1] - starts[i])
             result[request_id] = chunk_prompt_logprobs(
                 self.model, hidden[starts[i] : starts[i + 1]], state.prompt_token_ids, chunk_start, num_top
             )

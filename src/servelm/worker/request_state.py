@@ -2,7 +2,8 @@
 
 Updated from SchedulerOutput alone (new requests in full, running ones as diffs), never
 from anything the runner samples itself. That keeps the scheduler the one writer of
-request state and lets the runner live in another process later.
+request state and lets the runner live in another process later. A request's blocks
+live in the runner's `BlockTable` (one row per request), updated in the same place.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ class RunnerRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None  # seeded requests only
 
@@ -41,14 +41,12 @@ class RunnerRequestState:
             prompt_token_ids=list(data.prompt_token_ids),
             output_token_ids=list(data.output_token_ids),
             sampling_params=data.sampling_params,
-            block_ids=list(data.block_ids),
             num_computed_tokens=data.num_computed_tokens,
             generator=generator,
         )
 
     def apply(self, diff: CachedRequestData) -> None:
         self.output_token_ids.extend(diff.new_token_ids)
-        self.block_ids.extend(diff.new_block_ids)
         self.num_computed_tokens = diff.num_computed_tokens
 
     @property
