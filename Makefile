@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.servelm-installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup serve test test-fast clean
+.PHONY: setup serve lint test test-fast clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,12 +27,20 @@ setup: $(STAMP)
 serve: setup
 	$(VENV)/bin/servelm serve $(ARGS)
 
-test: setup
+# The quality gates (configured in pyproject.toml), one tool a line so a failure names it:
+# lint rules, types (strict for kv/, scheduler/, datatypes.py), import contracts (DESIGN.md's layering).
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+# What CI runs (.ci/run): the gates first, then every test.
+test: setup lint
 	$(PY) -m pytest -q $(ARGS)
 
-# Everything but the tests marked slow (real default model, long runs).
+# The quick loop: everything but the tests marked slow (real default model, long runs); no gates.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache .import_linter_cache

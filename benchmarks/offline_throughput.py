@@ -307,7 +307,7 @@ class Worker:
                 self.proc.stdin.write("quit\n")
                 self.proc.stdin.flush()
             self.proc.wait(timeout=60)
-        except Exception:
+        except (OSError, ValueError, subprocess.TimeoutExpired):  # a dead pipe, a closed stdin, a hung worker
             self.proc.kill()
 
 
@@ -348,7 +348,7 @@ def parent_main(args: argparse.Namespace) -> None:
             workers[name].wait_ready()
             workers[name].ask("warmup")
             print(f"{name}: loaded in {workers[name].info['load_s']:.1f}s", flush=True)
-        except Exception as exc:  # a system that cannot run here is reported, not fatal
+        except Exception as exc:  # noqa: BLE001 - a system that cannot run here (any error) is reported, not fatal
             skipped[name] = f"{type(exc).__name__}: {exc}"
             print(f"{name}: skipped ({skipped[name]})", flush=True)
             workers.pop(name).close()

@@ -115,7 +115,7 @@ def test_compare_prints_ratios_of_two_runs(mixed_run, tmp_path: Path):
     done = subprocess.run(_bench("compare", str(out / "run.json"), str(tmp_path / "b.json")), capture_output=True,
                           text=True, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    line = next(l for l in done.stdout.splitlines() if l.startswith("| overall | TTFT p50 (ms)"))
+    line = next(row for row in done.stdout.splitlines() if row.startswith("| overall | TTFT p50 (ms)"))
     assert line.endswith("| 2.000 | A |")
     assert "| voice | SLO attainment |" in done.stdout
 

@@ -16,8 +16,8 @@ import torch
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest, FinishReason
 from servelm.engine.builder import build_engine
-from servelm.models.loader import load_checkpoint
 from servelm.models.factory import build_model
+from servelm.models.loader import load_checkpoint
 from servelm.sampling_params import SamplingParams
 from servelm.testing.reference_decode import greedy_decode
 from servelm.testing.tiny_model import write_tiny_checkpoint

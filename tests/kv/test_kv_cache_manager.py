@@ -2,7 +2,7 @@
 
 import pytest
 
-from servelm.kv import KVCacheManager, KVCacheInvariantError, KVEventType, hash_block_tokens
+from servelm.kv import KVCacheInvariantError, KVCacheManager, KVEventType, hash_block_tokens
 
 
 def queue_ids(kv: KVCacheManager) -> list[int]:

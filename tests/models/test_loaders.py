@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from servelm.models import default_model  # noqa: E402
-from servelm.models.arch import ModelArchConfig, UnsupportedModelError  # noqa: E402
-from servelm.models.default_model import default_model_path  # noqa: E402
-from servelm.models.gguf_loader import (  # noqa: E402
+from servelm.models import default_model
+from servelm.models.arch import ModelArchConfig, UnsupportedModelError
+from servelm.models.default_model import default_model_path
+from servelm.models.gguf_loader import (
     UnsupportedQuantizationError,
     gguf_hf_config,
     llama3_scaling_from_rope_freqs,
@@ -32,9 +32,9 @@ from servelm.models.gguf_loader import (  # noqa: E402
     open_gguf,
     tokenizer_cache_path,
 )
-from servelm.models.loader import LoadedCheckpoint, export_hf_directory, load_checkpoint  # noqa: E402
-from servelm.models.weights import WeightShapeError, expected_weight_shapes, validate_weights  # noqa: E402
-from servelm.testing.tiny_model import llama_cpp_permute, write_tiny_checkpoint, write_tiny_gguf  # noqa: E402
+from servelm.models.loader import LoadedCheckpoint, export_hf_directory, load_checkpoint
+from servelm.models.weights import WeightShapeError, expected_weight_shapes, validate_weights
+from servelm.testing.tiny_model import llama_cpp_permute, write_tiny_checkpoint, write_tiny_gguf
 
 EXPECTED_PATH_HINT = "a Hugging Face model directory with config.json or a .gguf file"
 

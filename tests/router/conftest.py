@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from router_helpers import ROUTER_KEY
 
+from router_helpers import ROUTER_KEY
 from servelm.cluster.local import LocalCluster
 from servelm.cluster.ports import free_port_range
 from servelm.cluster.spec import ClusterConfig, ReplicasConfig, RouterConfig

@@ -9,8 +9,8 @@ import json
 import time
 
 import httpx
-from router_helpers import ROUTER_KEY
 
+from router_helpers import ROUTER_KEY
 from servelm.cluster.local import LocalCluster
 from servelm.server.launcher import launch_server
 

@@ -37,4 +37,4 @@ def wait_idle(server: ServerProcess, timeout_s: float = 20.0) -> str:
         ):
             return text
         time.sleep(0.1)
-    pytest.fail("server did not go idle:\n" + "\n".join(l for l in text.splitlines() if re.match(r"servelm:(num_req|kv_)", l)))
+    pytest.fail("server did not go idle:\n" + "\n".join(line for line in text.splitlines() if re.match(r"servelm:(num_req|kv_)", line)))

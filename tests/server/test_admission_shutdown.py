@@ -16,6 +16,7 @@ from helpers_http import KEY, wait_idle
 from servelm.server.app import ServerOptions
 from servelm.server.launcher import launch_server
 
+
 def test_api_key_from_flag_or_environment(monkeypatch):
     monkeypatch.setenv("SERVELM_API_KEY", "from-env")
     assert ServerOptions.from_args(argparse.Namespace(api_key=None, port=1)).api_key == "from-env"

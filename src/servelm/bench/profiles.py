@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -40,7 +41,7 @@ class Profile(Protocol):
 
 
 @dataclass
-class _Base:
+class _Base(ABC):
     tokens: TokenSource
     limits: LengthLimits
     seed: int
@@ -53,6 +54,10 @@ class _Base:
         self.rng = random.Random(f"{self.seed}:{self.name}")
         self.text_rng = random.Random(f"{self.seed}:{self.name}:text:{self.salt}")
 
+    @abstractmethod
+    def next(self, index: int) -> WorkloadRequest:
+        """See `Profile.next`; every profile below implements it."""
+
     def prompt_budget(self, max_tokens: int) -> int:
         """Most prompt ids (excluding the server's BOS) that fit the context with `max_tokens` more."""
         return self.limits.max_context - self.tokens.num_special_tokens - max_tokens
@@ -61,7 +66,15 @@ class _Base:
         # At most half the context: a prompt must still fit next to it.
         return min(self.limits.output(self.rng.randint(low, high)), self.limits.max_context // 2)
 
-    def request(self, index: int, prompt_ids: list[int], max_tokens: int, **fields: object) -> WorkloadRequest:
+    def request(
+        self,
+        index: int,
+        prompt_ids: list[int],
+        max_tokens: int,
+        session_id: str | None = None,
+        after: int | None = None,
+        shared_prefix_tokens: int = 0,
+    ) -> WorkloadRequest:
         # Truncating the tail keeps whatever prefix the prompt shares with earlier ones.
         prompt_ids = prompt_ids[: self.prompt_budget(max_tokens)]
         return WorkloadRequest(
@@ -72,7 +85,9 @@ class _Base:
             max_tokens=max_tokens,
             priority=DEFAULT_PRIORITIES.get(self.name, 0),
             prompt_text=self.tokens.exact_text(prompt_ids),
-            **fields,  # type: ignore[arg-type]
+            session_id=session_id,
+            after=after,
+            shared_prefix_tokens=shared_prefix_tokens,
         )
 
 

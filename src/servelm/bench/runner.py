@@ -85,9 +85,9 @@ class _Run:
             self.records[request.index] = record
             await send_request(http, self.client, request, record, self.clock, self.tokens)
         except asyncio.CancelledError:
-            record = self.records.get(request.index)
-            if record is not None and record.status == "pending":
-                record.status, record.error, record.end_s = (
+            started = self.records.get(request.index)  # None: cancelled before it was sent
+            if started is not None and started.status == "pending":
+                started.status, started.error, started.end_s = (
                     "cancelled",
                     "cut by the wall-clock limit or Ctrl-C",
                     self.clock(),
@@ -184,10 +184,10 @@ async def _warm_up(http: httpx.AsyncClient, client: ClientConfig, tokens: TokenS
 
 
 @contextlib.contextmanager
-def _sigint(loop: asyncio.AbstractEventLoop, handler: object) -> Iterator[None]:
+def _sigint(loop: asyncio.AbstractEventLoop, handler: Callable[[], object]) -> Iterator[None]:
     """Ctrl-C stops the run (and keeps what was measured) instead of killing it; one run at a time."""
     try:
-        loop.add_signal_handler(signal.SIGINT, handler)  # type: ignore[arg-type]
+        loop.add_signal_handler(signal.SIGINT, handler)
         installed = True
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
         installed = False

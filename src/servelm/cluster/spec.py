@@ -24,11 +24,11 @@ machines, changing only hosts. The router never sees any of this: it gets URLs.
 from __future__ import annotations
 
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
 
 _SECTIONS = {"model", "host", "api_key", "placement", "replicas", "router"}
@@ -132,7 +132,7 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
     text = path.read_text()
     data = tomllib.loads(text) if path.suffix.lower() == ".toml" else yaml.safe_load(text)
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")  # noqa: TRY004 - a config error, like the rest
+        raise ValueError(f"{path}: expected a mapping at the top level")  # not TypeError: a config error, like the rest
     return ClusterConfig.from_dict(data)
 
 

@@ -81,10 +81,10 @@ class FreeBlockQueue:
         return in_queue
 
     def append(self, block: KVBlock) -> None:
-        self._link(block, self._tail.prev_free, self._tail)  # type: ignore[arg-type]
+        self._link(block, self._tail.prev_free, self._tail)
 
     def appendleft(self, block: KVBlock) -> None:
-        self._link(block, self._head, self._head.next_free)  # type: ignore[arg-type]
+        self._link(block, self._head, self._head.next_free)
 
     def popleft(self) -> KVBlock:
         block = self._head.next_free
@@ -102,7 +102,10 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self._len -= 1
 
-    def _link(self, block: KVBlock, prev: KVBlock, nxt: KVBlock) -> None:
+    def _link(self, block: KVBlock, prev: KVBlock | None, nxt: KVBlock | None) -> None:
+        # prev/nxt are a sentinel's inner link, never None while the queue is intact.
+        if prev is None or nxt is None:
+            raise KVCacheInvariantError("free queue: a sentinel lost its link")
         if block.prev_free is not None or block.next_free is not None:
             raise KVCacheInvariantError(f"block {block.block_id} is already in the free queue")
         block.prev_free, block.next_free = prev, nxt

@@ -13,8 +13,8 @@ Each server owns its own CollectorRegistry: two servers in one process (tests) n
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,7 +40,8 @@ def priority_class(priority: int) -> str:
 
 def length_buckets(max_value: int) -> tuple[float, ...]:
     """1, 2, 5, 10, 20, 50, … up to max_value (vLLM's build_1_2_5_buckets)."""
-    buckets, exponent = [], 0
+    buckets: list[float] = []
+    exponent = 0
     while True:
         for mantissa in (1, 2, 5):
             value = mantissa * 10**exponent
@@ -98,7 +99,7 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.request_success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
         self.registry.register(_CoreCollector(model_name, core_stats, num_blocks, num_in_api))
-        self._itl_children: dict[str, object] = {}
+        self._itl_children: dict[str, Histogram] = {}
         # Per engine step (no priority: a step serves every class at once). A long TBT is a long
         # step; these say how long steps run and how many tokens they carry (vLLM: iteration_tokens).
         self.step_seconds = Histogram(PREFIX + "engine_step_seconds", "Model runner time per engine step.",
@@ -117,7 +118,7 @@ class ServerMetrics:
         child = self._itl_children.get(label)
         if child is None:
             child = self._itl_children[label] = self.itl.labels(self.model_name, label)
-        child.observe(gap_s)  # type: ignore[attr-defined]
+        child.observe(gap_s)
 
     def observe_ttft(self, priority: int, breakdown: TTFTBreakdown) -> None:
         label = priority_class(priority)
@@ -179,15 +180,15 @@ class _CoreCollector(Collector):
             ("num_requests_in_api", "Engine requests the API process has in flight.", self.num_in_api()),
         )
         for name, doc, value in gauges:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(value))
-            yield family
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], float(value))
+            yield gauge
         counters = (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
             ("num_preemptions", "Preemptions (a running request lost its blocks).", stats.num_preemptions),
         )
         for name, doc, value in counters:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(value))
-            yield family
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], float(value))
+            yield counter
