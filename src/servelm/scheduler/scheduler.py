@@ -77,6 +77,11 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         clock: Callable[[], float] = time.time,  # wall clock for events and aging
     ) -> None:
+        if scheduler_config.max_model_len is None:
+            raise ValueError(
+                "SchedulerConfig.max_model_len is unresolved: pass the context window the model and "
+                "KV pool allow (EngineConfig.scheduler_for)"
+            )
         capacity = kv_cache_manager.num_blocks * kv_cache_manager.block_size
         if capacity < scheduler_config.max_model_len:
             # One request alone could then outgrow the cache and preempt itself forever.
@@ -85,6 +90,7 @@ class Scheduler:
                 f"({scheduler_config.max_model_len}): add blocks or lower max_model_len"
             )
         self.config = scheduler_config
+        self.max_model_len: int = scheduler_config.max_model_len
         self._kv = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self._clock = clock
@@ -135,10 +141,10 @@ class Scheduler:
         num_prompt = len(engine_request.prompt_token_ids)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running or waiting")
-        if not 0 < num_prompt < self.config.max_model_len:
+        if not 0 < num_prompt < self.max_model_len:
             raise ValueError(
-                f"prompt of {num_prompt} tokens: need 1 to {self.config.max_model_len - 1} "
-                f"(max_model_len {self.config.max_model_len} leaves room for one output token)"
+                f"prompt of {num_prompt} tokens: need 1 to {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len} leaves room for one output token)"
             )
         now = self._clock()
         request = Request.from_engine_request(engine_request, self._next_arrival_seq, now)
@@ -362,7 +368,7 @@ class Scheduler:
             accepted.append(token_id)
             if request.num_output_tokens == 1:
                 request.record(EventType.FIRST_TOKEN, now)
-            stop = check_stop(request, self.eos_token_ids, self.config.max_model_len)
+            stop = check_stop(request, self.eos_token_ids, self.max_model_len)
             if stop is not None:
                 request.stop_reason = stop[1]
                 self._finish(request, stop[0], now)
