@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelm.engine.kv_events import (
+from servelm.schemas.kv_events import (
     CLEARED,
     REMOVED,
     STORED,

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from servelm.engine.kv_events import KVSnapshot
+from servelm.schemas.kv_events import KVSnapshot
 from servelm.kv.block_hash import hash_block_tokens
 from servelm.router.policies import (
     POLICIES,

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from servelm.datatypes import EventType, RequestEvent
-from servelm.engine.messages import CoreStats
+from servelm.schemas.core_stats import CoreStats
 from servelm.obs.attribution import TTFTBreakdown
 
 PREFIX = "servelm:"

@@ -17,7 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from servelm.engine.kv_events import KVEventBatch, KVSnapshot
+from servelm.schemas.kv_events import KVEventBatch, KVSnapshot
 from servelm.router.kv_index import KVIndex
 from servelm.router.background import BackgroundTask
 

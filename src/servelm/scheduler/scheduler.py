@@ -14,7 +14,9 @@ Each step hands out a token budget (max_num_batched_tokens):
        aging_s: admission stops there until it fits, so it cannot starve.
 
 update() then advances num_computed_tokens by what was scheduled, caches newly full
-blocks, appends sampled tokens, checks stop conditions and frees finished requests.
+blocks, appends sampled tokens, checks stop conditions and frees finished requests; it
+also feeds the runner's timing of the step to the step-cost model (max_step_ms) and the
+step log (metrics).
 
 Calling protocol (one thread, the engine core's): schedule() → the runner executes the
 SchedulerOutput → update() with that output, before the next schedule(). add_request()
@@ -42,6 +44,7 @@ from servelm.kv.block_pool import KVCacheEvent, PrefixCacheStats
 from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.step_cost import StepCostModel
+from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.waiting_queue import WaitingQueue
 
@@ -100,7 +103,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # the runner must forget these next step
         self._pending_outputs: list[EngineOutput] = []  # aborts, delivered by the next update()
         self._next_arrival_seq = 0
-        self.step_cost = StepCostModel()  # learned from observe_step(); used when max_step_ms > 0
+        self.step_cost = StepCostModel()  # learned in update() from the runner's timings; used when max_step_ms > 0
+        self.step_log = StepLog()  # what the executed steps were, for metrics
 
     # -- queries -------------------------------------------------------------------
 
@@ -170,10 +174,6 @@ class Scheduler:
             self._pending_outputs.append(self._make_output(request, [], None))
 
     # -- schedule -------------------------------------------------------------------
-
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """How long the runner took for a step of `num_tokens` (feeds the max_step_ms budget)."""
-        self.step_cost.observe(num_tokens, seconds)
 
     def _step_budget(self) -> int:
         """max_num_batched_tokens, or less while requests decode and max_step_ms is set."""
@@ -321,6 +321,8 @@ class Scheduler:
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[EngineOutput]:
         """Apply one executed step. Returns one output per request that got tokens or finished."""
         now = self._clock()
+        self.step_cost.observe(scheduler_output.total_num_scheduled_tokens, model_output.execute_seconds)
+        self.step_log.record(scheduler_output, model_output)
         outputs, self._pending_outputs = self._pending_outputs, []
         any_finished = False
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():

@@ -11,6 +11,7 @@ computed tokens catch up with all its tokens this step).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,13 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        """Run one step; the output carries how long that took (the runner is the one that knows)."""
+        started = time.perf_counter()
+        output = self._execute(scheduler_output)
+        output.execute_seconds = time.perf_counter() - started
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         self._update_mirrors(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelOutput(sampled_token_ids={})
