@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from servelm.schemas.kv_events import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot
 from servelm.kv.block_hash import BlockHash
+from servelm.schemas.kv_events import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot
 
 
 @dataclass
