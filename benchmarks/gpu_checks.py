@@ -38,10 +38,10 @@ from servelm.engine.builder import BuiltEngine, assemble_engine
 from servelm.engine.llm import LLM
 from servelm.models.arch import ModelArchConfig
 from servelm.models.factory import build_model
-from servelm.models.tokenizer import load_tokenizer
 from servelm.models.weights import expected_weight_shapes
 from servelm.sampling_params import SamplingParams
 from servelm.testing.tiny_model import write_tiny_checkpoint
+from servelm.tokenization.loading import load_tokenizer
 
 SHAPES = {
     "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,

@@ -44,7 +44,7 @@ from servelm.engine.output_state import RequestState
 from servelm.obs.attribution import attribute_ttft
 from servelm.sampling_params import SamplingParams
 from servelm.server.launcher import launch_server
-from servelm.server.tokenization import PromptTokenizer
+from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 TTFT_BUDGET_MS, TBT_BUDGET_MS = 5.0, 1.0
 
@@ -261,7 +261,7 @@ PATHS = {  # key → what the table calls it
 
 
 async def _run(args, model: str) -> dict[str, Samples]:
-    from servelm.models.tokenizer import load_tokenizer
+    from servelm.tokenization.loading import load_tokenizer
 
     flags = _engine_flags(args)
     cli = [item for key, value in flags.items() for item in (f"--{key.replace('_', '-')}", str(value))]

@@ -25,9 +25,6 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
-    # Record block stored / removed events for a router to drain. Off by default:
-    # nobody draining them would let them pile up.
-    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
@@ -48,7 +45,10 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = 2048  # token budget per step, prefill and decode together
     max_num_seqs: int = 128  # requests running at once
-    max_model_len: int = 8192  # prompt + output tokens of one request
+    # The context window (prompt + output tokens of one request). ModelConfig owns the user's
+    # wish; the engine builder resolves it against the model and the KV pool and hands it in
+    # through EngineConfig.scheduler_for. None until then: a Scheduler refuses an unresolved slice.
+    max_model_len: int | None = None
     # Most tokens one request may compute in one step (0 = no cap). Caps a long prompt's
     # chunk so several prompts progress at once and decodes keep their latency.
     long_prefill_token_threshold: int = 0
@@ -71,7 +71,10 @@ class SchedulerConfig:
             f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",
         )
         _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        _require(self.max_model_len > 1, f"max_model_len must be at least 2, got {self.max_model_len}")
+        _require(
+            self.max_model_len is None or self.max_model_len > 1,
+            f"max_model_len must be at least 2, got {self.max_model_len}",
+        )
         _require(
             self.long_prefill_token_threshold >= 0,
             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
@@ -81,10 +84,13 @@ class SchedulerConfig:
             "long_prefill_token_threshold needs enable_chunked_prefill (a prompt cannot be capped unchunked)",
         )
         # Unchunked, the longest allowed prompt must fit one step's budget or it waits forever.
+        # Checked only against the resolved window. Like vLLM (SchedulerConfig.verify_max_model_len),
+        # refused rather than silently raised: the budget is a memory and latency decision.
         _require(
-            self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
-            f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
-            f"must be >= max_model_len ({self.max_model_len})",
+            self.enable_chunked_prefill or self.max_model_len is None or self.max_num_batched_tokens >= self.max_model_len,
+            f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= the "
+            f"context window max_model_len ({self.max_model_len}), or a longest prompt could never be scheduled: "
+            "raise max_num_batched_tokens or lower max_model_len",
         )
         _require(self.aging_s >= 0, f"aging_s must be >= 0, got {self.aging_s}")
 
@@ -111,10 +117,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """Where the engine core publishes KV-cache events for a router (servelm.engine.kv_events).
+    """KV-cache events for a router: whether the cache records them and where the core publishes them.
 
-    Set `kv_events_port` P: PUB on tcp://HOST:P, snapshot REP on tcp://HOST:P+1. Setting it
-    turns on the cache's event recording (CacheConfig.enable_kv_events) too.
+    The one switch is `kv_events_port` P: set, the KV cache records block stored / removed events
+    and the core process publishes them (servelm.engine.kv_events) with PUB on tcp://HOST:P and
+    snapshot REP on tcp://HOST:P+1. Unset, nothing is recorded (nobody would drain them).
     """
 
     kv_events_port: int | None = None
@@ -131,6 +138,9 @@ class KVEventsConfig:
         return self.kv_events_port is not None
 
 
+# Fields the engine builder fills in from other slices: never a user setting of their own.
+_RESOLVED_BY_BUILDER: dict[type, set[str]] = {SchedulerConfig: {"max_model_len"}}
+
 # KV budget when neither num_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of the memory free after the weights are loaded
@@ -146,15 +156,16 @@ class EngineConfig:
     kv_events: KVEventsConfig = KVEventsConfig()
 
     def scheduler_for(self, max_model_len: int) -> SchedulerConfig:
-        """The scheduler slice with the context window the loaded model and KV pool allow."""
+        """The scheduler slice with the context window the engine builder resolved from
+        ModelConfig.max_model_len, the model and the KV pool; validated (again) with it."""
         return replace(self.scheduler, max_model_len=max_model_len)
 
     @classmethod
     def from_flat(cls, model: str | None = None, **overrides: Any) -> "EngineConfig":
         """Build from flat keyword settings (CLI flags, LLM(**kwargs)); each goes to the slice owning it.
 
-        `max_model_len` goes to ModelConfig (the first owner): the scheduler's is derived by
-        `scheduler_for` once the model and the KV pool are known.
+        `max_model_len` goes to ModelConfig, its one owner: the scheduler receives the resolved
+        window through `scheduler_for` once the model and the KV pool are known.
 
         `kv_cache_memory_gib` is accepted as a convenience for `kv_cache_memory_bytes`.
         """
@@ -164,10 +175,11 @@ class EngineConfig:
         slices: dict[type, dict[str, Any]] = {
             ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}, KVEventsConfig: {},
         }  # fmt: skip
+        settable = {c: {f.name for f in fields(c)} - _RESOLVED_BY_BUILDER.get(c, set()) for c in slices}
         for key, value in overrides.items():
-            owner = next((c for c in slices if key in {f.name for f in fields(c)}), None)
+            owner = next((c for c in slices if key in settable[c]), None)
             if owner is None:
-                valid = sorted({f.name for c in slices for f in fields(c)} | {"kv_cache_memory_gib"})
+                valid = sorted(set().union(*settable.values()) | {"kv_cache_memory_gib"})
                 raise ValueError(f"unknown engine setting {key!r}; valid: {', '.join(valid)}")
             slices[owner][key] = value
         return cls(

@@ -134,3 +134,6 @@ class ModelOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    # Wall seconds the runner spent on this step (inputs, forward, sampling, the copy back):
+    # feeds the scheduler's step-cost model (max_step_ms) and the step histograms.
+    execute_seconds: float = 0.0

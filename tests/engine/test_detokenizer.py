@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from servelm.engine.detokenizer import IncrementalDetokenizer
-from servelm.models.tokenizer import load_tokenizer
+from servelm.tokenization.loading import load_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

@@ -27,14 +27,13 @@ from servelm.models.gguf_loader import (
     UnsupportedQuantizationError,
     gguf_hf_config,
     llama3_scaling_from_rope_freqs,
-    load_gguf_tokenizer,
     load_gguf_weights,
     open_gguf,
-    tokenizer_cache_path,
 )
 from servelm.models.loader import LoadedCheckpoint, export_hf_directory, load_checkpoint
 from servelm.models.weights import WeightShapeError, expected_weight_shapes, validate_weights
 from servelm.testing.tiny_model import llama_cpp_permute, write_tiny_checkpoint, write_tiny_gguf
+from servelm.tokenization.loading import load_gguf_tokenizer, tokenizer_cache_path
 
 EXPECTED_PATH_HINT = "a Hugging Face model directory with config.json or a .gguf file"
 

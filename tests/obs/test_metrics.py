@@ -7,9 +7,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from servelm.datatypes import EventType as E
 from servelm.datatypes import RequestEvent
-from servelm.engine.messages import CoreStats
 from servelm.obs.attribution import TTFTBreakdown
 from servelm.obs.metrics import FinishedRequest, ServerMetrics, length_buckets, priority_class
+from servelm.schemas.core_stats import CoreStats
 
 
 def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelm.engine.kv_events import (
+from servelm.kv.block_hash import hash_block_tokens
+from servelm.router.kv_index import KVIndex
+from servelm.router.prefix_index import PrefixIndex
+from servelm.schemas.kv_events import (
     CLEARED,
     REMOVED,
     STORED,
@@ -13,9 +16,6 @@ from servelm.engine.kv_events import (
     KVEventRecord,
     KVSnapshot,
 )
-from servelm.kv.block_hash import hash_block_tokens
-from servelm.router.kv_index import KVIndex
-from servelm.router.prefix_index import PrefixIndex
 
 H = hash_block_tokens(list(range(16 * 40)), 16)  # 40 chained block hashes
 
@@ -113,9 +113,9 @@ def test_a_salted_request_hashes_into_the_replicas_salted_namespace() -> None:
     import asyncio
 
     from servelm.kv.block_hash import extra_key_from_salt, hash_block_tokens
-    from servelm.models.tokenizer import load_tokenizer
     from servelm.router.request_view import build_view
-    from servelm.server.tokenization import PromptTokenizer
+    from servelm.tokenization.loading import load_tokenizer
+    from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
     body = {"prompt": list(range(40)), "max_tokens": 4}
     tokenizer = PromptTokenizer(load_tokenizer(None))

@@ -16,11 +16,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from servelm.engine.kv_events import KVEventPublisher, event_addresses
+from servelm.engine.kv_events import KVEventPublisher
 from servelm.kv.block_hash import hash_block_tokens
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.router.kv_index import KVIndex
 from servelm.router.kv_subscriber import KVSubscriber
+from servelm.schemas.kv_events import event_addresses
 from servelm.server.launcher import free_port
 
 BLOCK = 4

@@ -6,7 +6,6 @@ from collections import Counter
 
 import pytest
 
-from servelm.engine.kv_events import KVSnapshot
 from servelm.kv.block_hash import hash_block_tokens
 from servelm.router.policies import (
     POLICIES,
@@ -17,6 +16,7 @@ from servelm.router.policies import (
     make_policy,
 )
 from servelm.router.replicas import Replica, ReplicaSpec
+from servelm.schemas.kv_events import KVSnapshot
 
 BLOCK = 16
 

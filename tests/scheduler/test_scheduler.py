@@ -448,7 +448,7 @@ def test_bad_requests_and_configs_raise() -> None:
 
 def _teach_cost(s: Scheduler, fixed_s: float, per_token_s: float) -> None:
     for tokens in (1, 8, 32, 64, 128, 256):
-        s.observe_step(tokens, fixed_s + per_token_s * tokens)
+        s.step_cost.observe(tokens, fixed_s + per_token_s * tokens)
 
 
 def test_max_step_ms_shrinks_prefill_chunks_while_a_request_decodes() -> None:

@@ -101,8 +101,8 @@ def _clean_word_ids(tokenizer: Any) -> list[int]:
 
 def load_token_source(path: str | Path | None) -> TokenSource:
     """A tokenizer from a Hugging Face directory or a .gguf file; None: servelm's default model."""
-    from servelm.models.tokenizer import (
-        load_tokenizer,  # imports torch: only when a tokenizer is needed
+    from servelm.tokenization.loading import (
+        load_tokenizer,  # imports transformers: only when a tokenizer is needed
     )
 
     tokenizer = load_tokenizer(path)

@@ -33,12 +33,12 @@ from servelm.engine.messages import (
     AddRequest,
     CoreFailed,
     CoreReady,
-    CoreStats,
     OutputBatch,
     Shutdown,
     from_core_decoder,
     to_core_encoder,
 )
+from servelm.schemas.core_stats import CoreStats
 
 logger = logging.getLogger(__name__)
 

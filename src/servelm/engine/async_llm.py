@@ -32,7 +32,8 @@ from servelm.engine.fan_out import Choice, ChoiceDelta, FanOut
 from servelm.obs.metrics import FinishedRequest
 from servelm.obs.timeline import ApiStamp, RequestTimeline
 from servelm.sampling_params import SamplingParams
-from servelm.server.tokenization import PromptTokenizer
+from servelm.tokenization.loading import load_tokenizer
+from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 
 class PromptError(ValueError):
@@ -63,14 +64,6 @@ class GenerationRequest:
     cache_salt: str | None = None  # the prefix-cache namespace of every engine request here
 
 
-def _load_tokenizer(model: str | None) -> Any:
-    # Imported here: the models package pulls in torch, which the API process should only
-    # pay for after the core process has been spawned (they then load concurrently).
-    from servelm.models.tokenizer import load_tokenizer
-
-    return load_tokenizer(model)
-
-
 class AsyncLLM:
     def __init__(self, client: AsyncEngineClient, tokenizer: PromptTokenizer) -> None:
         """Use `AsyncLLM.start()`; this wraps an already started client."""
@@ -87,7 +80,7 @@ class AsyncLLM:
     async def start(cls, config: EngineConfig, tokenizer_threads: int = 2) -> AsyncLLM:
         """Spawn the engine core; the core loads the model in its own process while this one loads the tokenizer."""
         client = AsyncEngineClient(config)
-        tokenizer_load = asyncio.create_task(asyncio.to_thread(_load_tokenizer, config.model.model))
+        tokenizer_load = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
         try:
             await client.start()
         except BaseException:

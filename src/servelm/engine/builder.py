@@ -77,8 +77,7 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
     )  # fmt: skip
-    enable_kv_events = config.cache.enable_kv_events or config.kv_events.enabled
-    kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, enable_kv_events)
+    kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
     scheduler = Scheduler(config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids)
     return BuiltEngine(
         core=EngineCore(scheduler, runner, kv_manager),

@@ -17,8 +17,9 @@ A router mirrors each replica's prefix cache from the batches. The wire contract
   "the cached set at seq S" is exact: apply batches with seq > S on top of it.
 
 The hashes are the engine's own block hashes (servelm.kv.block_hash), so a router that
-hashes a prompt the same way can look them up directly. Runs in the core process only;
-nothing here touches torch.
+hashes a prompt the same way can look them up directly. The wire types live in
+servelm.schemas.kv_events (the router imports those, never this module). Runs in the core
+process only; nothing here touches torch.
 """
 
 from __future__ import annotations
@@ -31,37 +32,17 @@ import msgspec
 import zmq
 
 from servelm.kv.block_pool import KVCacheEvent, KVEventType
+from servelm.schemas.kv_events import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    KVEventBatch,
+    KVEventRecord,
+    KVSnapshot,
+    event_addresses,
+)
 
-# Record kinds; "cleared" means every block this replica had is gone (a restart sends it first).
-STORED = "stored"
-REMOVED = "removed"
-CLEARED = "cleared"
 HEARTBEAT_INTERVAL_S = 1.0
-
-
-class KVEventRecord(msgspec.Struct, array_like=True):
-    kind: str  # STORED | REMOVED | CLEARED
-    block_hash: bytes  # b"" for CLEARED
-
-
-class KVEventBatch(msgspec.Struct, kw_only=True):
-    epoch: str  # random per publisher start
-    seq: int  # 1, 2, ... per non-empty batch; a heartbeat repeats the last one
-    timestamp: float
-    block_size: int
-    events: list[KVEventRecord]
-
-
-class KVSnapshot(msgspec.Struct, kw_only=True):
-    epoch: str
-    seq: int  # the cached set below is the result of batches 1..seq
-    block_size: int
-    block_hashes: list[bytes]
-
-
-def event_addresses(host: str, port: int) -> tuple[str, str]:
-    """(PUB address, snapshot address) for a replica started with --kv-events-port `port`."""
-    return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
 
 
 class KVEventPublisher:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from servelm.datatypes import EngineOutput, EngineRequest
+from servelm.schemas.core_stats import CoreStats
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -21,21 +22,6 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
-
-
-class CoreStats(msgspec.Struct, kw_only=True):
-    """Scheduler state after a step, for gauges and counters on the API side."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0  # fraction of KV blocks held by requests
-    num_used_blocks: int = 0
-    prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
-    prefix_hits: int = 0  # cumulative tokens found there
-    num_preemptions: int = 0  # cumulative
-    # (scheduled tokens, runner seconds) of every step since the previous batch, mid-prefill
-    # steps included (they send no outputs), for the step histograms.
-    recent_steps: list[tuple[int, float]] = []
 
 
 class CoreReady(msgspec.Struct, tag="ready", kw_only=True):

@@ -11,23 +11,19 @@ GGUF differs from a Hugging Face checkpoint in four ways, each undone here:
 from __future__ import annotations
 
 import logging
-import os
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import transformers
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from servelm.models.arch import ModelArchConfig, UnsupportedModelError
 from servelm.models.weights import select_model_weights
-
-CACHE_DIR_ENV = "SERVELM_CACHE_DIR"
+from servelm.tokenization.loading import load_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -229,52 +225,6 @@ def llama3_scaling_from_rope_freqs(divisors: np.ndarray, rope_theta: float) -> d
         )
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
             "original_max_position_embeddings": original}  # fmt: skip
-
-
-def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> Any:
-    """The tokenizer the GGUF metadata describes, carrying the file's chat template.
-
-    transformers' GGUF conversion re-reads the file and rebuilds the BPE (about 9 s for the
-    default model on 2 shared cores), so the result is saved once under the cache dir and
-    reloaded from there (well under a second). `chat_template`, when given, is the file's
-    `tokenizer.chat_template`, enforced in case the conversion dropped it.
-    """
-    cached = tokenizer_cache_path(path)
-    if cached.is_dir():
-        return transformers.AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
-    started = time.perf_counter()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        str(path.parent), gguf_file=path.name, local_files_only=True
-    )
-    if chat_template and tokenizer.chat_template != chat_template:
-        tokenizer.chat_template = chat_template
-    logger.info("converted the tokenizer of %s in %.1f s", path.name, time.perf_counter() - started)
-    _save_atomically(tokenizer, cached)
-    return tokenizer
-
-
-def servelm_cache_dir() -> Path:
-    """Root of servelm's on-disk caches: $SERVELM_CACHE_DIR, else ~/.cache/servelm."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "servelm")
-
-
-def tokenizer_cache_path(path: Path) -> Path:
-    """Keyed by size and mtime (a replaced file gets a new entry) and the converter's version."""
-    stat = path.stat()
-    key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
-    return servelm_cache_dir() / "tokenizers" / key
-
-
-def _save_atomically(tokenizer: Any, target: Path) -> None:
-    # Write beside the target and rename, so a concurrent or interrupted load never sees half a tokenizer.
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    try:
-        tokenizer.save_pretrained(str(partial))
-        os.rename(partial, target)
-    except OSError as exc:  # read-only home, or another process won the rename: the load still succeeds
-        logger.warning("could not cache the converted tokenizer at %s: %s", target, exc)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _vocab_size_from_tokens(reader: GGUFReader) -> int:

@@ -16,16 +16,15 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from servelm.models.arch import ModelArchConfig
 from servelm.models.weights import select_model_weights
+from servelm.tokenization.loading import load_hf_tokenizer
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Any one of these means the directory carries a tokenizer AutoTokenizer can build.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def load_hf_directory(path: Path) -> tuple[ModelArchConfig, dict[str, torch.Tensor], PreTrainedTokenizerBase]:
@@ -92,15 +91,6 @@ def _load_sharded(index_path: Path) -> dict[str, torch.Tensor]:
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(file), framework="pt", device="cpu") as f:
         return {name: f.get_tensor(name) for name in f.keys()}
-
-
-def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The directory's own tokenizer; never reaches for the hub."""
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(
-            f"no tokenizer in {path}: expected one of {list(TOKENIZER_FILES)}, found {_listing(path)}"
-        )
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def _listing(path: Path, limit: int = 12) -> str:

@@ -21,8 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from servelm.datatypes import EventType, RequestEvent
-from servelm.engine.messages import CoreStats
 from servelm.obs.attribution import TTFTBreakdown
+from servelm.schemas.core_stats import CoreStats
 
 PREFIX = "servelm:"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

@@ -15,7 +15,6 @@ does); the client's Authorization header is forwarded to the replicas unchanged.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -28,13 +27,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from servelm.openai_api.auth import ApiKeyMiddleware
+from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_response
 from servelm.router.health import HealthChecker, check_all
-from servelm.router.proxy import Proxy, error_response, request_headers
+from servelm.router.proxy import Proxy, request_headers
 from servelm.router.replicas import ReplicaSpec
 from servelm.router.state import Router, RouterOptions
-from servelm.server.tokenization import PromptTokenizer
+from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 _PROTECTED = ("/v1/", "/admin/")
@@ -51,24 +51,8 @@ class RouterServerOptions:
     replicas: Sequence[ReplicaSpec] = ()
 
 
-class _ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.expected is not None and scope["path"].startswith(_PROTECTED):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                body = {"error": {"message": "Invalid or missing API key.", "type": "invalid_request_error",
-                                  "param": None, "code": "invalid_api_key"}}  # fmt: skip
-                await Response(json.dumps(body), 401, media_type="application/json")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def _load_tokenizer(model: str | None) -> PromptTokenizer:
-    from servelm.models.tokenizer import (
+    from servelm.tokenization.loading import (
         load_tokenizer,  # pulls in transformers: only when needed
     )
 
@@ -103,7 +87,7 @@ def create_router_app(router_options: RouterOptions, options: RouterServerOption
 
     app = FastAPI(title="servelm router", lifespan=lifespan, docs_url=None, redoc_url=None)
     _add_routes(app)
-    app.add_middleware(_ApiKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, protected_prefixes=_PROTECTED)
     return app
 
 
@@ -142,7 +126,7 @@ def _add_routes(app: FastAPI) -> None:
     async def health(request: Request) -> Response:
         healthy = request.app.state.router.replicas.healthy()
         if not healthy:
-            return error_response(503, "no replica in rotation", "no_replica_available")
+            return error_response(503, "no replica in rotation", type=SERVER_ERROR, code="no_replica_available")
         return Response(json.dumps({"status": "ok", "replicas": len(healthy)}), media_type="application/json")
 
     @app.get("/metrics")
@@ -161,8 +145,7 @@ def _add_routes(app: FastAPI) -> None:
             if body.get("kv_events"):
                 spec = ReplicaSpec(spec.url, str(body["kv_events"]))
         except ValueError as exc:
-            return Response(json.dumps({"error": {"message": str(exc), "type": "invalid_request_error",
-                                                  "param": "url", "code": None}}), 400, media_type="application/json")  # fmt: skip
+            return error_response(400, str(exc), type=INVALID_REQUEST, param="url")
         router: Router = request.app.state.router
         replica = router.add_replica(spec)
         await check_all(request.app.state.proxy.client, router)

@@ -3,7 +3,7 @@
     block hash ──▶ {replica URL, ...}        (which replicas can serve this block now)
     replica URL ──▶ ReplicaKVState           (its hashes, its publisher epoch, last seq applied)
 
-Fed by kv_subscriber.py with each replica's KVEventBatch stream (servelm.engine.kv_events).
+Fed by kv_subscriber.py with each replica's KVEventBatch stream (servelm.schemas.kv_events).
 The stream is lossy (ZMQ PUB drops), so every batch is checked against the replica's
 sequence number: a hole, a new epoch, or a heartbeat ahead of what was applied means
 something was lost. Then the replica's entries are dropped at once (a wrong index is
@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from servelm.engine.kv_events import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot
 from servelm.kv.block_hash import BlockHash
+from servelm.schemas.kv_events import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot
 
 
 @dataclass

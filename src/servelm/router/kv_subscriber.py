@@ -17,9 +17,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from servelm.engine.kv_events import KVEventBatch, KVSnapshot
-from servelm.router.kv_index import KVIndex
 from servelm.router.background import BackgroundTask
+from servelm.router.kv_index import KVIndex
+from servelm.schemas.kv_events import KVEventBatch, KVSnapshot
 
 logger = logging.getLogger(__name__)
 SNAPSHOT_TIMEOUT_S = 5.0

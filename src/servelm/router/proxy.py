@@ -24,11 +24,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from servelm.openai_api.errors import SERVER_ERROR, error_response
 from servelm.router.policies import Decision, RequestView
 from servelm.router.replicas import Replica
 from servelm.router.request_view import build_view
 from servelm.router.state import Router
-from servelm.server.tokenization import PromptTokenizer
+from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 # The replica is going away (502/503/504) or its waiting queue is full (429): another may serve.
@@ -37,11 +38,6 @@ RETRY_STATUSES = {429, 502, 503, 504}
 _DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"}
 _DROP_RESPONSE_HEADERS = {"connection", "keep-alive", "transfer-encoding", "upgrade", "date", "server"}
 REPLICA_HEADER = "x-servelm-replica"
-
-
-def error_response(status: int, message: str, code: str, error_type: str = "server_error") -> Response:
-    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
-    return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
 @dataclass
@@ -167,7 +163,7 @@ class Proxy:
                 continue
             return Response(response.content, status_code=response.status_code,
                             media_type=response.headers.get("content-type"))  # fmt: skip
-        return error_response(503, "no healthy replica", "no_replica_available")
+        return error_response(503, "no healthy replica", type=SERVER_ERROR, code="no_replica_available")
 
 
 def _give_up(failures: list[_Failure]) -> Response:
@@ -175,12 +171,13 @@ def _give_up(failures: list[_Failure]) -> Response:
     client gets 429 and the shortest Retry-After a replica asked for; anything else is a 503."""
     if failures and all(f.status == 429 for f in failures):
         waits = [int(f.retry_after) for f in failures if f.retry_after and f.retry_after.isdigit()]
-        response = error_response(429, "Every replica tried is at capacity; retry later.", "rate_limit_exceeded",
-                                  error_type="rate_limit_error")  # fmt: skip
+        response = error_response(429, "Every replica tried is at capacity; retry later.", type="rate_limit_error",
+                                  code="rate_limit_exceeded")  # fmt: skip
         response.headers["Retry-After"] = str(min(waits) if waits else 1)
         return response
     last = failures[-1].message if failures else "no healthy replica"
-    return error_response(503, f"no replica could serve the request: {last}", "no_replica_available")
+    return error_response(503, f"no replica could serve the request: {last}", type=SERVER_ERROR,
+                          code="no_replica_available")  # fmt: skip
 
 
 class _ReleasingStream(StreamingResponse):

@@ -1,6 +1,6 @@
 """Turn an OpenAI request body into the RequestView policies route on.
 
-The router tokenizes exactly as the replicas do (servelm.server.tokenization's encoder and
+The router tokenizes exactly as the replicas do (servelm.tokenization.prompt_tokenizer's encoder and
 chat-template rendering, the same tokenizer files) and hashes full blocks with the
 engine's own function, so a prompt's hashes here are the block hashes in the replica's
 prefix cache. If they ever disagreed, routing would only get worse, never wrong: the
@@ -13,30 +13,17 @@ import hashlib
 from typing import Any
 
 from servelm.kv.block_hash import extra_key_from_salt, hash_block_tokens
+from servelm.openai_api.chat_messages import template_messages_from_json
 from servelm.router.policies import RequestView
-from servelm.server.tokenization import PromptTokenizer
+from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 SESSION_HEADER = "x-session-id"
-
-
-def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """Messages as the server renders them: content parts joined, name kept (see protocol.ChatMessage)."""
-    messages = []
-    for message in body.get("messages") or []:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        entry = {"role": str(message.get("role", "user")), "content": content or ""}
-        if message.get("name") is not None:
-            entry["name"] = message["name"]
-        messages.append(entry)
-    return messages
 
 
 async def prompt_token_ids(tokenizer: PromptTokenizer, path: str, body: dict[str, Any]) -> list[int]:
     """The (first) prompt's token ids, [] when the body has none we understand."""
     if path.endswith("/chat/completions"):
-        messages = _chat_messages(body)
+        messages = template_messages_from_json(body.get("messages"))
         if not messages:
             return []
         return await tokenizer.apply_chat_template(messages, bool(body.get("add_generation_prompt", True)))

@@ -14,7 +14,9 @@ Each step hands out a token budget (max_num_batched_tokens):
        aging_s: admission stops there until it fits, so it cannot starve.
 
 update() then advances num_computed_tokens by what was scheduled, caches newly full
-blocks, appends sampled tokens, checks stop conditions and frees finished requests.
+blocks, appends sampled tokens, checks stop conditions and frees finished requests; it
+also feeds the runner's timing of the step to the step-cost model (max_step_ms) and the
+step log (metrics).
 
 Calling protocol (one thread, the engine core's): schedule() → the runner executes the
 SchedulerOutput → update() with that output, before the next schedule(). add_request()
@@ -42,6 +44,7 @@ from servelm.kv.block_pool import KVCacheEvent, PrefixCacheStats
 from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.step_cost import StepCostModel
+from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.waiting_queue import WaitingQueue
 
@@ -77,6 +80,11 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         clock: Callable[[], float] = time.time,  # wall clock for events and aging
     ) -> None:
+        if scheduler_config.max_model_len is None:
+            raise ValueError(
+                "SchedulerConfig.max_model_len is unresolved: pass the context window the model and "
+                "KV pool allow (EngineConfig.scheduler_for)"
+            )
         capacity = kv_cache_manager.num_blocks * kv_cache_manager.block_size
         if capacity < scheduler_config.max_model_len:
             # One request alone could then outgrow the cache and preempt itself forever.
@@ -85,6 +93,7 @@ class Scheduler:
                 f"({scheduler_config.max_model_len}): add blocks or lower max_model_len"
             )
         self.config = scheduler_config
+        self.max_model_len: int = scheduler_config.max_model_len
         self._kv = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self._clock = clock
@@ -94,7 +103,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # the runner must forget these next step
         self._pending_outputs: list[EngineOutput] = []  # aborts, delivered by the next update()
         self._next_arrival_seq = 0
-        self.step_cost = StepCostModel()  # learned from observe_step(); used when max_step_ms > 0
+        self.step_cost = StepCostModel()  # learned in update() from the runner's timings; used when max_step_ms > 0
+        self.step_log = StepLog()  # what the executed steps were, for metrics
 
     # -- queries -------------------------------------------------------------------
 
@@ -135,10 +145,10 @@ class Scheduler:
         num_prompt = len(engine_request.prompt_token_ids)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running or waiting")
-        if not 0 < num_prompt < self.config.max_model_len:
+        if not 0 < num_prompt < self.max_model_len:
             raise ValueError(
-                f"prompt of {num_prompt} tokens: need 1 to {self.config.max_model_len - 1} "
-                f"(max_model_len {self.config.max_model_len} leaves room for one output token)"
+                f"prompt of {num_prompt} tokens: need 1 to {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len} leaves room for one output token)"
             )
         now = self._clock()
         request = Request.from_engine_request(engine_request, self._next_arrival_seq, now)
@@ -164,10 +174,6 @@ class Scheduler:
             self._pending_outputs.append(self._make_output(request, [], None))
 
     # -- schedule -------------------------------------------------------------------
-
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """How long the runner took for a step of `num_tokens` (feeds the max_step_ms budget)."""
-        self.step_cost.observe(num_tokens, seconds)
 
     def _step_budget(self) -> int:
         """max_num_batched_tokens, or less while requests decode and max_step_ms is set."""
@@ -315,6 +321,8 @@ class Scheduler:
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[EngineOutput]:
         """Apply one executed step. Returns one output per request that got tokens or finished."""
         now = self._clock()
+        self.step_cost.observe(scheduler_output.total_num_scheduled_tokens, model_output.execute_seconds)
+        self.step_log.record(scheduler_output, model_output)
         outputs, self._pending_outputs = self._pending_outputs, []
         any_finished = False
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -362,7 +370,7 @@ class Scheduler:
             accepted.append(token_id)
             if request.num_output_tokens == 1:
                 request.record(EventType.FIRST_TOKEN, now)
-            stop = check_stop(request, self.eos_token_ids, self.config.max_model_len)
+            stop = check_stop(request, self.eos_token_ids, self.max_model_len)
             if stop is not None:
                 request.stop_reason = stop[1]
                 self._finish(request, stop[0], now)

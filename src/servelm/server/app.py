@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: app factory, routes, and `servelm serve`'s entry point.
 
-    uvicorn ─▶ _EdgeMiddleware (stamp "received", API key) ─▶ FastAPI routes ─▶ completions / chat
+    uvicorn ─▶ _ArrivalStamp ─▶ ApiKeyMiddleware (/v1/) ─▶ FastAPI routes ─▶ completions / chat
                                                                               └▶ AsyncEngineClient ─ZMQ─▶ engine core process
 
 Shutdown (SIGTERM or SIGINT): new requests get 503 at once and uvicorn stops accepting
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import hmac
 import logging
 import os
 import signal
@@ -36,14 +35,16 @@ from servelm.config import EngineConfig
 from servelm.engine.async_llm import AsyncLLM
 from servelm.obs.metrics import ServerMetrics
 from servelm.obs.request_log import RequestLogger
+from servelm.openai_api.auth import ApiKeyMiddleware
 from servelm.server.admission import Admission
 from servelm.server.chat import create_chat_completion
 from servelm.server.completions import create_completion
 from servelm.server.context import ServerContext
-from servelm.server.errors import from_validation_errors, install_error_handlers, unauthorized, unavailable
+from servelm.server.errors import from_validation_errors, install_error_handlers, unavailable
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
 from servelm.server.tokenize_api import detokenize, tokenize
+from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 API_KEY_ENV = "SERVELM_API_KEY"
@@ -81,21 +82,15 @@ def model_name_for(engine_config: EngineConfig, options: ServerOptions) -> str:
     return path.stem if path.suffix.lower() == ".gguf" else path.name
 
 
-class _EdgeMiddleware:
-    """First thing a request meets: stamp its arrival (before the body is read) and check the API key."""
+class _ArrivalStamp:
+    """First thing a request meets: stamp its arrival, before the body is read (the timeline's "received")."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             scope.setdefault("state", {})["servelm_received"] = (time.time(), time.perf_counter())
-            if self.expected is not None and scope["path"].startswith("/v1/"):
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                if not hmac.compare_digest(given, self.expected):
-                    await unauthorized().response()(scope, receive, send)
-                    return
         await self.app(scope, receive, send)
 
 
@@ -141,7 +136,9 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="servelm", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     _add_routes(app)
-    app.add_middleware(_EdgeMiddleware, api_key=options.api_key)
+    # The last added runs first: the arrival is stamped before the key is checked.
+    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, protected_prefixes=("/v1/",))
+    app.add_middleware(_ArrivalStamp)
     return app
 
 

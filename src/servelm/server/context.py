@@ -8,7 +8,7 @@ from servelm.engine.async_llm import AsyncLLM
 from servelm.obs.metrics import ServerMetrics
 from servelm.obs.request_log import RequestLogger
 from servelm.server.admission import Admission
-from servelm.server.tokenization import PromptTokenizer
+from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 
 @dataclass

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-INVALID_REQUEST = "invalid_request_error"
+from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_body, error_response
 
 
 class APIError(Exception):
@@ -42,13 +41,9 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> Response:
-        return Response(
-            msgspec.json.encode(self.body()), status_code=self.status, headers=self.headers, media_type="application/json"
+        return error_response(
+            self.status, self.message, type=self.type, param=self.param, code=self.code, headers=self.headers
         )
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -73,16 +68,7 @@ def overloaded(retry_after_s: int, waiting: int, limit: int) -> APIError:
 
 def unavailable(message: str, retry_after_s: int = 5) -> APIError:
     return APIError(
-        503, message, type="server_error", code="service_unavailable", headers={"Retry-After": str(retry_after_s)}
-    )
-
-
-def unauthorized() -> APIError:
-    return APIError(
-        401,
-        "Incorrect or missing API key: send it as `Authorization: Bearer <key>`.",
-        type=INVALID_REQUEST,
-        code="invalid_api_key",
+        503, message, type=SERVER_ERROR, code="service_unavailable", headers={"Retry-After": str(retry_after_s)}
     )
 
 
@@ -123,13 +109,13 @@ async def _on_api_error(_: Request, exc: APIError) -> Response:
 
 
 async def _on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
-    kind = INVALID_REQUEST if exc.status_code < 500 else "server_error"
+    kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
     headers = dict(exc.headers) if exc.headers else None
     return APIError(exc.status_code, str(exc.detail), type=kind, headers=headers).response()
 
 
 async def _on_unexpected(_: Request, exc: Exception) -> Response:
-    return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}", type="server_error").response()
+    return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}", type=SERVER_ERROR).response()
 
 
 def install_error_handlers(app: FastAPI) -> None:

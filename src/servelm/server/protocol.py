@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from servelm.openai_api.chat_messages import template_message
 from servelm.sampling_params import SamplingParams, SamplingParamsError
 from servelm.server.errors import bad_request
 
@@ -171,19 +172,10 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
     def template_entry(self) -> dict[str, str]:
-        """The message as the chat template expects it."""
-        entry = {"role": self.role, "content": self.text()}
-        if self.name is not None:
-            entry["name"] = self.name
-        return entry
+        """The message as the chat template expects it (the router builds the same from raw JSON)."""
+        content = self.content if not isinstance(self.content, list) else [part.text for part in self.content]
+        return template_message(self.role, content, self.name)
 
 
 class ResponseFormat(_Strict):

@@ -21,7 +21,7 @@ import transformers
 from safetensors.torch import load_file
 
 from servelm.models.default_model import default_model_path
-from servelm.models.gguf_loader import load_gguf_tokenizer
+from servelm.tokenization.loading import load_gguf_tokenizer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

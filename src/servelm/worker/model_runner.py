@@ -12,6 +12,7 @@ to run came from the scheduler; whether a request samples follows from the arith
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,13 @@ class ModelRunner:
         self.block_table = BlockTable(max_num_seqs, (max_model_len + block_size - 1) // block_size)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        """Run one step; the output carries how long that took (the runner is the one that knows)."""
+        started = time.perf_counter()
+        output = self._execute(scheduler_output)
+        output.execute_seconds = time.perf_counter() - started
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         self._update_mirrors(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelOutput(sampled_token_ids={})

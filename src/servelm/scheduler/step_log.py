@@ -1,0 +1,33 @@
+"""StepLog: what the executed steps were, read off the boundary objects, for the API's metrics.
+
+Fed once per step by Scheduler.update() with that step's SchedulerOutput and ModelOutput
+(the runner timed its own execution); drained by the engine-core process loop into each
+OutputBatch's CoreStats (servelm:engine_step_seconds, servelm:iteration_tokens,
+servelm:num_preemptions_total). Torch-free and model-free, like the rest of the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from servelm.datatypes import ModelOutput, SchedulerOutput
+
+MAX_STEP_RECORDS = 4096  # bounded for callers that never take them (the offline LLM)
+
+
+class StepLog:
+    def __init__(self, max_records: int = MAX_STEP_RECORDS) -> None:
+        self.num_preemptions = 0  # cumulative: requests that lost their blocks
+        self._records: deque[tuple[int, float]] = deque(maxlen=max_records)
+
+    def record(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> None:
+        """One executed step. Empty steps (nothing scheduled) count their preemptions only."""
+        self.num_preemptions += len(scheduler_output.preempted_request_ids)
+        if scheduler_output.total_num_scheduled_tokens:
+            self._records.append((scheduler_output.total_num_scheduled_tokens, model_output.execute_seconds))
+
+    def take_records(self) -> list[tuple[int, float]]:
+        """(scheduled tokens, runner seconds) of the steps since the last call; clears them."""
+        records = list(self._records)
+        self._records.clear()
+        return records
