@@ -161,7 +161,7 @@ class EngineConfig:
         return replace(self.scheduler, max_model_len=max_model_len)
 
     @classmethod
-    def from_flat(cls, model: str | None = None, **overrides: Any) -> "EngineConfig":
+    def from_flat(cls, model: str | None = None, **overrides: Any) -> EngineConfig:
         """Build from flat keyword settings (CLI flags, LLM(**kwargs)); each goes to the slice owning it.
 
         `max_model_len` goes to ModelConfig, its one owner: the scheduler receives the resolved

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import msgspec
-
 import pytest
 import torch
 

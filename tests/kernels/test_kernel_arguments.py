@@ -4,7 +4,8 @@ disagree with each other, and lengths or block ids that would read outside the p
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from servelm.models.default_model import default_model_path
+from servelm.default_model import default_model_path
 from servelm.models.factory import build_model
 from servelm.models.loader import load_checkpoint
 from servelm.testing.reference_decode import greedy_decode, prompt_logits

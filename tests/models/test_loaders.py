@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from servelm.models import default_model
+from servelm import default_model
+from servelm.default_model import default_model_path
 from servelm.models.arch import ModelArchConfig, UnsupportedModelError
-from servelm.models.default_model import default_model_path
 from servelm.models.gguf_loader import (
     UnsupportedQuantizationError,
     gguf_hf_config,

@@ -24,8 +24,9 @@ layer's `forward` only reads that.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -75,7 +76,7 @@ class CommonAttentionInputs:
         block_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-    ) -> "CommonAttentionInputs":
+    ) -> CommonAttentionInputs:
         """The inputs of a batch whose request i runs `query_lens[i]` new tokens ending at `seq_lens[i]`.
 
         Raises ValueError when the arrays disagree (lengths, a query longer than its
@@ -124,7 +125,7 @@ class CommonAttentionInputs:
         )
 
     @classmethod
-    def for_prompts(cls, prompt_lens: Sequence[int], device: torch.device | str = "cpu") -> "CommonAttentionInputs":
+    def for_prompts(cls, prompt_lens: Sequence[int], device: torch.device | str = "cpu") -> CommonAttentionInputs:
         """Each request is a whole prompt with nothing cached, and there is no KV pool
         (a forward for parity checks and prompt logits)."""
         return cls.from_lens(prompt_lens, prompt_lens, slot_mapping=None, block_table=None, block_size=0, device=device)

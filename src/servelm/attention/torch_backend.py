@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from servelm.kernels import cpu as cpu_kernels
 from servelm.attention.backend import AttentionMetadata, CommonAttentionInputs, register_backend, slots_of
+from servelm.kernels import cpu as cpu_kernels
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

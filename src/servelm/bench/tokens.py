@@ -117,7 +117,7 @@ def resolve_token_source(explicit: str | None, model_id: str | None, model_root:
     for candidate in (model_id, model_root):
         if candidate and Path(candidate).expanduser().exists():
             return load_token_source(candidate)
-    from servelm.models.default_model import DEFAULT_MODEL_FILE
+    from servelm.default_model import DEFAULT_MODEL_FILE
 
     if model_id and DEFAULT_MODEL_FILE.startswith(model_id):
         logger.info("model %r is servelm's embedded default: using its tokenizer", model_id)

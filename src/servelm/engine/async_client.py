@@ -110,7 +110,7 @@ class AsyncEngineClient:
                     return message
                 if isinstance(message, CoreFailed):
                     raise EngineDeadError(f"engine core failed to start:\n{message.error}")
-            if not self._process.is_alive():
+            if self._process is not None and not self._process.is_alive():
                 raise EngineDeadError(f"engine core exited during start-up (exit code {self._process.exitcode})")
         raise EngineDeadError(f"engine core not ready after {self.startup_timeout_s:.0f} s")
 

@@ -110,7 +110,7 @@ class AsyncLLM:
         """Token ids of a conversation through the model's chat template; PromptError when it refuses."""
         try:
             return await self.tokenizer.apply_chat_template(messages, add_generation_prompt)
-        except Exception as exc:  # noqa: BLE001 - templates raise whatever they like
+        except Exception as exc:
             raise PromptError(f"The chat template could not render these messages: {exc}") from exc
 
     def check_prompts(self, prompts: list[list[int]], params: SamplingParams, check_ids: bool = False) -> None:

@@ -48,7 +48,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     kv_events: KVEventPublisher | None = None
     try:
         built = build_engine(config)
-        if config.kv_events.enabled:
+        if config.kv_events.kv_events_port is not None:  # the events switch (KVEventsConfig.enabled)
             # Bound before the first step, so it sees every event the cache records.
             kv_events = KVEventPublisher(
                 context, config.kv_events.kv_events_host, config.kv_events.kv_events_port,
@@ -66,7 +66,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             )
         )
         _serve(built.core, inputs, outputs, kv_events)
-    except Exception:  # noqa: BLE001 - reported to the client, then the process ends
+    except Exception:
         outputs.send(from_core_encoder.encode(CoreFailed(error=traceback.format_exc(limit=8))))
         raise
     finally:

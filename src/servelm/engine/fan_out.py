@@ -114,7 +114,7 @@ class FanOut:
     def first_requests(self) -> list[EngineRequest]:
         """Every prompt's first choice, and the siblings that cannot share blocks. Call once."""
         n = self.params.n
-        requests = []
+        requests: list[EngineRequest] = []
         for p, prompt in enumerate(self.prompts):
             group = self.choices[p * n : (p + 1) * n]
             if n > 1 and len(prompt) >= self.block_size:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineOutput, PositionLogprobs, RequestEvent
@@ -57,7 +58,7 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results in the order of `prompts`."""
-        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompt_list: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         fan_outs: list[tuple[str | None, FanOut]] = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):

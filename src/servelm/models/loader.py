@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from servelm.models.arch import ModelArchConfig
-from servelm.models.default_model import default_model_path
+from servelm.default_model import default_model_path
 from servelm.models.gguf_loader import load_gguf
 from servelm.models.hf_loader import CONFIG_FILE, SINGLE_WEIGHTS_FILE, load_hf_directory
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 
 class BackgroundTask:
     """Owns at most one running task. `start` twice is a no-op; `stop` is safe to repeat and awaits the cancel."""
 
-    def __init__(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, name: str, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self.name = name
         self._run = run
         self._task: asyncio.Task | None = None

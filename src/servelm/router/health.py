@@ -11,9 +11,9 @@ import asyncio
 
 import httpx
 
+from servelm.router.background import BackgroundTask
 from servelm.router.replicas import Replica
 from servelm.router.state import Router
-from servelm.router.background import BackgroundTask
 
 
 async def check_replica(client: httpx.AsyncClient, router: Router, replica: Replica, timeout_s: float) -> None:

@@ -34,7 +34,7 @@ async def fetch_snapshot(context: zmq.asyncio.Context, address: str, timeout_s: 
     try:
         socket.connect(address)
         await socket.send(b"snapshot")
-        if not await socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+        if not await socket.poll(int(timeout_s * 1000)):  # POLLIN is poll's default
             raise TimeoutError(f"no KV snapshot from {address} in {timeout_s:.0f} s")
         return msgspec.msgpack.decode(await socket.recv(), type=KVSnapshot)
     finally:

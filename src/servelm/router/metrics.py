@@ -52,7 +52,7 @@ class RouterMetrics:
             PREFIX + "prefix_match_tokens", "Prompt tokens the chosen replica was expected to have cached.",
             buckets=MATCH_TOKEN_BUCKETS, registry=self.registry,
         )  # fmt: skip
-        self.registry.register(_ReplicaGauges(replicas))  # type: ignore[arg-type]
+        self.registry.register(_ReplicaGauges(replicas))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

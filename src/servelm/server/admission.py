@@ -13,8 +13,8 @@ died, every new request gets 503 instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from servelm.server.errors import overloaded, unavailable
 

@@ -19,10 +19,11 @@ import os
 import signal
 import threading
 import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -44,7 +45,6 @@ from servelm.server.errors import from_validation_errors, install_error_handlers
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
 from servelm.server.tokenize_api import detokenize, tokenize
-from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 API_KEY_ENV = "SERVELM_API_KEY"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -16,8 +17,17 @@ from servelm.server.context import ServerContext
 from servelm.server.logprobs import chat_logprobs_content, ids_to_decode
 from servelm.server.protocol import ChatCompletionRequest
 from servelm.server.serving import (
-    api_error_from_engine, begin_request, check_prompts, engine_error, finish_request, json_response, render_chat, respond,
-    sse, stream_tail, usage,
+    api_error_from_engine,
+    begin_request,
+    check_prompts,
+    engine_error,
+    finish_request,
+    json_response,
+    render_chat,
+    respond,
+    sse,
+    stream_tail,
+    usage,
 )  # fmt: skip
 
 
@@ -50,7 +60,7 @@ class _ChatView:
         return {"content": chat_logprobs_content(token_ids, entries, strings, self.body.top_logprobs or 0), "refusal": None}
 
     async def collect(self) -> Response:
-        texts = {c.index: [] for c in self.gen.choices}
+        texts: dict[int, list[str]] = {c.index: [] for c in self.gen.choices}
         tokens: dict[int, list[int]] = {c.index: [] for c in self.gen.choices}
         entries: dict[int, list] = {c.index: [] for c in self.gen.choices}
         async for deltas in self.gen.deltas():

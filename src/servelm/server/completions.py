@@ -8,8 +8,9 @@ runs one token, which is dropped here. That is lm-evaluation-harness's loglikeli
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,8 +23,16 @@ from servelm.server.errors import bad_request
 from servelm.server.logprobs import empty_completion_logprobs, extend_completion_logprobs, ids_to_decode
 from servelm.server.protocol import CompletionRequest
 from servelm.server.serving import (
-    api_error_from_engine, begin_request, check_prompts, engine_error, finish_request, json_response, respond, sse,
-    stream_tail, usage,
+    api_error_from_engine,
+    begin_request,
+    check_prompts,
+    engine_error,
+    finish_request,
+    json_response,
+    respond,
+    sse,
+    stream_tail,
+    usage,
 )  # fmt: skip
 
 
@@ -50,8 +59,8 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
+        return [list(prompt)]
+    return list(prompt)
 
 
 @dataclass
@@ -151,8 +160,8 @@ class _CompletionView:
                 if plain:  # the common case, per token of every stream: no awaits, no accumulation
                     entries = [_entry(d, d.text, None) for d in deltas if d.text or d.finish_reason is not None]
                 else:
-                    entries = [await self._stream_entry(d, accumulated[d.choice.index]) for d in deltas]
-                    entries = [e for e in entries if e is not None]
+                    rendered = [await self._stream_entry(d, accumulated[d.choice.index]) for d in deltas]
+                    entries = [e for e in rendered if e is not None]
                 completion_tokens += 0 if self.drop_generated else sum(len(d.token_ids) for d in deltas)
                 if entries:
                     yield sse({**header, "choices": entries})

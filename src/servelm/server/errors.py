@@ -6,6 +6,7 @@ always get a body that says what was wrong and which parameter, never FastAPI's 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -72,7 +73,7 @@ def unavailable(message: str, retry_after_s: int = 5) -> APIError:
     )
 
 
-def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
+def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """pydantic errors → one 400 naming the first bad parameter, in words a client can act on."""
     if not errors:
         return APIError(400, "Invalid request.")

@@ -15,7 +15,8 @@ Token strings are each token decoded alone; callers decode the ids `ids_to_decod
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from servelm.datatypes import PositionLogprobs
 

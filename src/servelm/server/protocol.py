@@ -101,7 +101,7 @@ class _GenerationRequest(_Strict):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", param="stop")
-        given = {
+        given: dict[str, Any] = {  # the knobs a client may leave out (None: the engine default)
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive
 
 from servelm.engine.async_client import EngineDeadError
 from servelm.engine.async_llm import GenerationStream, PromptError
@@ -182,7 +184,7 @@ async def until_disconnect(http_request: Request, work: Awaitable[T], gen: Gener
     return None
 
 
-async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 

@@ -20,7 +20,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from servelm.models.default_model import default_model_path
+from servelm.default_model import default_model_path
 from servelm.tokenization.loading import load_gguf_tokenizer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}

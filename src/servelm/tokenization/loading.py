@@ -17,7 +17,7 @@ from typing import Any
 import transformers
 from gguf import GGUFReader
 
-from servelm.models.default_model import default_model_path
+from servelm.default_model import default_model_path
 
 CACHE_DIR_ENV = "SERVELM_CACHE_DIR"
 # Any one of these means the directory carries a tokenizer AutoTokenizer can build.

@@ -34,7 +34,7 @@ class FastDecoder:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         if self._backend is not None and not self._matches_transformers():
             self._backend = None
 
@@ -67,7 +67,7 @@ class FastEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._batch = getattr(backend, "encode_batch_fast", None)
+        self._batch: Any = getattr(backend, "encode_batch_fast", None)
         if self._batch is not None and not all(
             self._encode_fast(_PROBE_TEXT, special) == list(tokenizer.encode(_PROBE_TEXT, add_special_tokens=special))
             for special in (True, False)

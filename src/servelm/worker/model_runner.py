@@ -178,8 +178,9 @@ class ModelRunner:
         )
         for i, request_id in enumerate(inputs.sample_request_ids):
             output.sampled_token_ids[request_id] = [sampled[i]]
-            if position_logprobs and position_logprobs[i] is not None:
-                output.logprobs[request_id] = [position_logprobs[i]]
+            entry = position_logprobs[i] if position_logprobs else None
+            if entry is not None:
+                output.logprobs[request_id] = [entry]
 
     def _banned_ids(self, state: RunnerRequestState) -> list[int]:
         """Under min_tokens a request may not stop: its EOS and stop ids are masked out."""

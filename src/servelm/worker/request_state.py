@@ -26,7 +26,7 @@ class RunnerRequestState:
     generator: torch.Generator | None  # seeded requests only
 
     @classmethod
-    def from_new(cls, data: NewRequestData, device: torch.device, vocab_size: int) -> "RunnerRequestState":
+    def from_new(cls, data: NewRequestData, device: torch.device, vocab_size: int) -> RunnerRequestState:
         generator = None
         seed = data.sampling_params.seed
         if seed is not None and not data.sampling_params.is_greedy:

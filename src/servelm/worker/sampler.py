@@ -84,7 +84,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V], any float dtype; never modified in place.
         _check_shape(logits, metadata)
-        logprobs = (
+        raw_logprobs = (
             _compute_logprobs(logits, metadata.max_num_logprobs) if metadata.max_num_logprobs is not None else None
         )
 
@@ -101,8 +101,7 @@ class Sampler:
                     assert metadata.greedy_mask is not None
                     sampled = torch.where(metadata.greedy_mask, penalised.argmax(dim=-1), sampled)
 
-        if logprobs is not None:
-            logprobs = _finish_logprobs(logprobs, sampled)
+        logprobs = _finish_logprobs(raw_logprobs, sampled) if raw_logprobs is not None else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod

@@ -146,7 +146,7 @@ class SamplingMetadata:
             output_token_ids=output_ids_t,
             banned_rows=banned_rows,
             banned_token_ids=banned_ids,
-            generators={i: generators[i] for i in random_rows if generators[i] is not None},
+            generators={i: g for i in random_rows if (g := generators[i]) is not None},
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,
         )
