@@ -15,6 +15,8 @@ from pathlib import Path
 KERNELS = "SERVELM_KERNELS"
 C_COMPILER = "CC"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
+CACHE_DIR = "SERVELM_CACHE_DIR"
+API_KEY = "SERVELM_API_KEY"
 
 
 class KernelsMode(str, enum.Enum):
@@ -44,6 +46,15 @@ def c_compiler() -> str | None:
     return os.environ.get(C_COMPILER) or None
 
 
-def cache_home() -> Path:
-    """XDG_CACHE_HOME, else ~/.cache: the root of per-user caches (compiled kernels live below it)."""
-    return Path(os.environ.get(XDG_CACHE_HOME) or Path.home() / ".cache")
+def cache_dir() -> Path:
+    """SERVELM_CACHE_DIR, else $XDG_CACHE_HOME/servelm (~/.cache/servelm): servelm's on-disk caches
+    (converted tokenizers, compiled kernels), each in its own subdirectory."""
+    explicit = os.environ.get(CACHE_DIR)
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get(XDG_CACHE_HOME) or Path.home() / ".cache") / "servelm"
+
+
+def api_key() -> str | None:
+    """SERVELM_API_KEY: the bearer token the server and the router require when no --api-key is given."""
+    return os.environ.get(API_KEY) or None

@@ -115,7 +115,7 @@ def cache_key(sources: tuple[Path, ...], flags: tuple[str, ...], toolchain: Tool
 
 
 def default_cache_dir() -> Path:
-    return envs.cache_home() / "servelm" / "kernels"
+    return envs.cache_dir() / "kernels"
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None) -> BuiltLibrary:

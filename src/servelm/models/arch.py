@@ -68,7 +68,7 @@ class ModelArchConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> "ModelArchConfig":
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelArchConfig:
         """Build from a parsed Hugging Face `config.json`; raises UnsupportedModelError."""
         architectures = config.get("architectures") or []
         architecture = architectures[0] if architectures else None

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
+import servelm.attention.torch_backend  # noqa: F401  (registers "torch")
 from servelm.attention.backend import get_backend
 from servelm.models.arch import ModelArchConfig
 from servelm.models.compact_weights import find_codes
-from servelm.models.llama import LlamaForCausalLM, Linear
+from servelm.models.llama import Linear, LlamaForCausalLM
 from servelm.models.rotary import RotaryEmbedding, inverse_frequencies
-
-import servelm.attention.torch_backend  # noqa: F401  (registers "torch")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from servelm.models.arch import ModelArchConfig
 from servelm.default_model import default_model_path
+from servelm.models.arch import ModelArchConfig
 from servelm.models.gguf_loader import load_gguf
 from servelm.models.hf_loader import CONFIG_FILE, SINGLE_WEIGHTS_FILE, load_hf_directory
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
+from servelm import envs
 from servelm.router.policies import LOAD_METRICS, POLICIES
-
-API_KEY_ENV = "SERVELM_API_KEY"
 
 
 def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -21,7 +19,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     router.add_argument("--block-size", type=int, default=16, help="the replicas' --block-size")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
-    router.add_argument("--api-key", default=None, help=f"require this bearer token (or env {API_KEY_ENV})")
+    router.add_argument("--api-key", default=None, help=f"require this bearer token (or env {envs.API_KEY})")
     router.add_argument("--load-metric", default="requests", choices=LOAD_METRICS)
     router.add_argument("--load-weight", type=float, default=1.0, help="load penalty per replica capacity of load")
     router.add_argument("--capacity", type=float, default=8.0, help="load (requests or tokens) counted as full")
@@ -47,7 +45,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
     )  # fmt: skip
     options = RouterServerOptions(
-        host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
         model=args.model, replicas=[ReplicaSpec.parse(text) for text in args.replica],
     )  # fmt: skip
     return run_router(router_options, options)

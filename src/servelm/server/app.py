@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import gc
 import logging
-import os
 import signal
 import threading
 import time
@@ -32,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from servelm import envs
 from servelm.config import EngineConfig
 from servelm.engine.async_llm import AsyncLLM
 from servelm.obs.metrics import ServerMetrics
@@ -47,7 +47,6 @@ from servelm.server.serving import json_response
 from servelm.server.tokenize_api import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
-API_KEY_ENV = "SERVELM_API_KEY"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 M = TypeVar("M", bound=BaseModel)
 
@@ -68,8 +67,8 @@ class ServerOptions:
         """CLI flags; the API key may also come from $SERVELM_API_KEY (the one place env is read)."""
         names = [name for name in cls.__dataclass_fields__ if getattr(args, name, None) is not None]
         values = {name: getattr(args, name) for name in names}
-        if values.get("api_key") is None and os.environ.get(API_KEY_ENV):
-            values["api_key"] = os.environ[API_KEY_ENV]
+        if values.get("api_key") is None:
+            values["api_key"] = envs.api_key()
         return cls(**values)
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import transformers
 from gguf import GGUFReader
 
+from servelm import envs
 from servelm.default_model import default_model_path
 
-CACHE_DIR_ENV = "SERVELM_CACHE_DIR"
 # Any one of these means the directory carries a tokenizer AutoTokenizer can build.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -68,16 +68,11 @@ def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> Any:
     return tokenizer
 
 
-def servelm_cache_dir() -> Path:
-    """Root of servelm's on-disk caches: $SERVELM_CACHE_DIR, else ~/.cache/servelm."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "servelm")
-
-
 def tokenizer_cache_path(path: Path) -> Path:
     """Keyed by size and mtime (a replaced file gets a new entry) and the converter's version."""
     stat = path.stat()
     key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
-    return servelm_cache_dir() / "tokenizers" / key
+    return envs.cache_dir() / "tokenizers" / key
 
 
 def _save_atomically(tokenizer: Any, target: Path) -> None:
