@@ -44,11 +44,16 @@ class Int8BlockWeight:
         """The dense weight's shape, [N, K] (what shape validation compares)."""
         return self.codes.shape
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight [N, K]: fl(fl(d * q) + m) per element, as gguf and the kernel round it."""
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight [N, K]: fl(fl(d * q) + m) per element, as gguf and the kernel round it.
+
+        `out`: a float32 [N, K] tensor (e.g. rows of a layer's weight) to write into instead of a new one.
+        """
         n, k = self.codes.shape
-        blocks = self.codes.view(n, k // BLOCK, BLOCK).float()  # [N, K/32, 32]
-        w = blocks.mul_(self.scales.unsqueeze(-1))
+        w = torch.empty(n, k) if out is None else out
+        blocks = w.view(n, k // BLOCK, BLOCK)  # [N, K/32, 32]
+        blocks.copy_(self.codes.view(n, k // BLOCK, BLOCK))  # int8 -> float32, exact
+        blocks.mul_(self.scales.unsqueeze(-1))
         if self.mins is not None:
-            w.add_(self.mins.unsqueeze(-1))
-        return w.view(n, k)
+            blocks.add_(self.mins.unsqueeze(-1))
+        return w

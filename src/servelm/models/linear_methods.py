@@ -112,7 +112,7 @@ class Int8BlockLinearMethod(DenseLinearMethod):
             else:
                 layer.mins[rows].copy_(weight.mins)
         # A tied head writes the embedding's matrix here: the same values the embedding holds.
-        layer.weight[rows].copy_(weight.dequantize())
+        weight.dequantize(out=layer.weight[rows])
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= MAX_INT8_ROWS and x.dtype == torch.float32:
