@@ -10,6 +10,8 @@ Each case runs `servelm.engine.builder.build_engine` with the real config (CPU, 
 load = `load_checkpoint` (weights source and tokenizer), build = `build_model` (allocation, copying
 and converting every tensor, per-layer linear methods); the rest of `build_engine` is the KV pool and
 scheduler. RSS before = after imports and a tokenizer warm-up; growth = peak RSS - RSS before.
+Each case runs `--repeats` times (fresh interpreters, cases interleaved); the table shows medians,
+since on a shared machine a single start-up time varies by several x.
 
     .venv/bin/python benchmarks/startup_memory.py
     .venv/bin/python benchmarks/startup_memory.py --src /path/to/other/checkout/src   # measure another commit's code
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,6 +77,10 @@ def measure(model: str | None, dtype: str, src: str | None) -> dict[str, float]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
 def table(rows: list[tuple[str, int, dict[str, float]]]) -> str:
     lines = [
         "| checkpoint | file MB | load s | model build s | build_engine s | RSS before MB | peak RSS MB | peak growth MB |",
@@ -91,6 +98,7 @@ def table(rows: list[tuple[str, int, dict[str, float]]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--src", help="PYTHONPATH entry whose servelm the measured builds import (default: this one)")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh builds per case; the table shows medians")
     args = parser.parse_args()
     from servelm.models.default_model import default_model_path
 
@@ -102,8 +110,12 @@ def main() -> None:
             ("SmolLM2-shaped bf16 safetensors, float32", str(bf16), "float32", bf16_bytes),
             ("SmolLM2-shaped bf16 safetensors, bfloat16", str(bf16), "bfloat16", bf16_bytes),
         ]
-        rows = [(name, size, measure(model, dtype, args.src)) for name, model, dtype, size in cases]
-    print(table(rows))
+        runs: list[list[dict[str, float]]] = [[] for _ in cases]
+        for _ in range(args.repeats):  # interleaved, so a burst of load on the machine hits every case
+            for i, (_, model, dtype, _) in enumerate(cases):
+                runs[i].append(measure(model, dtype, args.src))
+    print(table([(name, size, median_of(runs[i])) for i, (name, _, _, size) in enumerate(cases)]))
+    print(f"\nmedians of {args.repeats} fresh builds per case")
 
 
 if __name__ == "__main__":
