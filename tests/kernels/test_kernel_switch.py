@@ -1,5 +1,5 @@
 """SERVELM_KERNELS=torch turns the compiled kernels off, and the pure-torch paths it leaves give the
-kernels' results: paged decode attention through the attention backend, and a compact Linear."""
+kernels' results: paged decode attention through the attention backend, and an int8 block Linear."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from servelm import envs
 from servelm.attention.backend import CommonAttentionInputs
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.kernels import cpu
-from servelm.models.compact_weights import find_codes
+from servelm.models.int8_blocks import Int8BlockWeight
+from servelm.models.linear_methods import Int8BlockLinearMethod
 from servelm.models.llama import Linear
 
 
@@ -73,36 +74,37 @@ def test_decode_attention_is_the_same_with_the_kernel_and_with_pure_torch(kernel
     assert torch.equal(pool_kernel, pool_torch)  # both wrote the new K/V at the same slots
 
 
-def _q4_1(w: torch.Tensor) -> torch.Tensor:
-    """A Q4_1 round trip (per 32 inputs: d = (max - min) / 15, m = min, both fp16), as GGUF files hold."""
-    blocks = w.reshape(w.shape[0], -1, 32)
-    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+def _q4_1_linear(rows: int, cols: int, gen: torch.Generator) -> Linear:
+    """A Linear with the int8 block method over Q4_1 codes (per 32 inputs: d and m in fp16, q in 0..15),
+    as GGUF files hold them, and a bias."""
+    w = torch.randn(rows, cols, generator=gen).reshape(rows, -1, 32)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     d = ((hi - lo) / 15).half().float()
     m = lo.half().float()
-    q = ((blocks - m) / torch.where(d == 0, 1, d)).round().clamp(0, 15)
-    return (d * q + m).reshape(w.shape)
+    codes = ((w - m) / torch.where(d == 0, 1, d)).round().clamp(0, 15).to(torch.int8).reshape(rows, cols)
+    weight = Int8BlockWeight(codes, d.reshape(rows, -1), m.reshape(rows, -1))
+    linear = Linear(cols, rows, True, ("unused",), Int8BlockLinearMethod(with_mins=True))
+    with torch.no_grad():
+        linear.method.load_rows(linear, weight, 0)
+        linear.bias.copy_(torch.randn(rows, generator=gen))
+    return linear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_compact_linear_is_the_same_with_the_kernel_and_with_pure_torch(kernel_env, compiled_kernels, rows):
+def test_int8_linear_is_the_same_with_the_kernel_and_with_pure_torch(kernel_env, compiled_kernels, rows):
     gen = torch.Generator().manual_seed(rows)
-    linear = Linear(256, 48, bias=True)
-    with torch.no_grad():
-        linear.weight.copy_(_q4_1(torch.randn(48, 256, generator=gen)))
-        linear.bias.copy_(torch.randn(48, generator=gen))
-    compact = find_codes(linear.weight)
-    assert compact is not None
-    linear.compact = compact
+    linear = _q4_1_linear(48, 256, gen)
     x = torch.randn(rows, 256, generator=gen)
-    reference = x @ compact.dequantize().T  # [rows, 48]: the same float32 weights, multiplied by torch
+    # [rows, 48]: the same float32 weights (dequantised from the codes), multiplied by torch
+    reference = F.linear(x, linear.weight, linear.bias)
 
-    kernel_product = compact.matmul(x)  # SERVELM_KERNELS=auto (the compiled_kernels fixture)
-    assert kernel_product is not None
-    torch.testing.assert_close(kernel_product, reference, rtol=1e-5, atol=1e-5)
-    with_kernel = linear(x)
+    with_kernel = linear(x)  # SERVELM_KERNELS=auto (the compiled_kernels fixture): the int8 kernel
+    kernel_product = compiled_kernels.qgemm_small(x, linear.codes, linear.scales, linear.mins)
+    assert torch.equal(with_kernel, kernel_product + linear.bias)  # it did go through the kernel
+    torch.testing.assert_close(with_kernel, reference, rtol=1e-5, atol=1e-5)
 
     kernel_env(envs.KERNELS, "torch")
-    assert compact.matmul(x) is None  # the caller's cue to take the float32 path
-    with_torch = linear(x)
+    assert cpu.load() is None
+    with_torch = linear(x)  # the method's float32 path
     torch.testing.assert_close(with_kernel, with_torch, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(with_torch, F.linear(x, linear.weight, linear.bias), rtol=0, atol=0)
+    torch.testing.assert_close(with_torch, reference, rtol=0, atol=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -30,8 +31,16 @@ from servelm.models.gguf_loader import (
     load_gguf_weights,
     open_gguf,
 )
+from servelm.models.int8_blocks import Int8BlockWeight
 from servelm.models.loader import LoadedCheckpoint, export_hf_directory, load_checkpoint
-from servelm.models.weights import WeightShapeError, expected_weight_shapes, validate_weights
+from servelm.models.weights import (
+    CheckpointWeights,
+    Weight,
+    WeightShapeError,
+    dense_tensor,
+    expected_weight_shapes,
+    validate_weights,
+)
 from servelm.testing.tiny_model import llama_cpp_permute, write_tiny_checkpoint, write_tiny_gguf
 from servelm.tokenization.loading import load_gguf_tokenizer, tokenizer_cache_path
 
@@ -69,11 +78,12 @@ def _copy_checkpoint(source: Path, target: Path) -> Path:
     return target
 
 
-def _assert_same_weights(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+def _assert_same_weights(found: Mapping[str, Weight], expected: dict[str, torch.Tensor]) -> None:
     assert sorted(found) == sorted(expected)
     for name, tensor in expected.items():
-        assert found[name].dtype == torch.float32, name
-        assert torch.equal(found[name], tensor.to(torch.float32)), name
+        value = dense_tensor(found[name])  # int8 blocks (GGUF Q4_1 / Q8_0) dequantised to float32
+        assert value.dtype == torch.float32, name
+        assert torch.equal(value, tensor.to(torch.float32)), name
 
 
 # --- the default model ---------------------------------------------------------------------------
@@ -101,7 +111,11 @@ def test_default_model_arch(default_checkpoint: LoadedCheckpoint):
     assert (arch.bos_token_id, arch.eos_token_ids) == (1, (2,))
     assert default_checkpoint.source == str(default_model_path())
     assert "lm_head.weight" not in default_checkpoint.weights
-    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in default_checkpoint.weights.values())
+    for name, weight in default_checkpoint.weights.items():
+        if name.endswith("norm.weight"):  # F32 in the file
+            assert isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+        else:  # Q4_1 projections, the Q8_0 embedding: handed out as their int8 codes
+            assert isinstance(weight, Int8BlockWeight), name
 
 
 def test_default_tokenizer_round_trips_and_has_chat_template(default_checkpoint: LoadedCheckpoint):
@@ -274,7 +288,7 @@ def test_missing_tensor(tmp_path: Path, tiny_llama: Path):
 # --- tiny GGUF files: naming, shapes, llama.cpp's permutation, quantised types -------------------
 
 
-def _load_tiny_gguf(path: Path) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+def _load_tiny_gguf(path: Path) -> tuple[ModelArchConfig, CheckpointWeights]:
     reader = open_gguf(path)
     arch = ModelArchConfig.from_hf_config(gguf_hf_config(reader))
     return arch, load_gguf_weights(reader, arch, source=str(path))
@@ -296,7 +310,7 @@ def test_tiny_gguf_q8_0_dequantizes_close(tmp_path: Path, tiny_llama: Path):
     _, weights = _load_tiny_gguf(path)
     for name, tensor in load_file(str(tiny_llama / "model.safetensors")).items():
         # Q8_0: one scale per 32 values, 127 steps each side.
-        assert torch.allclose(weights[name], tensor, atol=float(tensor.abs().max()) / 127), name
+        assert torch.allclose(dense_tensor(weights[name]), tensor, atol=float(tensor.abs().max()) / 127), name
 
 
 def test_permutation_matches_llama_cpp():

@@ -3,7 +3,7 @@
 Callers, on every layer of every step in the engine core process:
 - `attention/torch_backend.py`: `decode_attention`, paged decode attention for float32 on CPU
   (source: `csrc/paged_decode_attention.c`);
-- `models/compact_weights.py`: `qgemm_small`, a few rows times int8-coded weights
+- `models/linear_methods.py` (Int8BlockLinearMethod): `qgemm_small`, a few rows times int8-coded weights
   (source: `csrc/int8_block_matmul.c`).
 Both treat `load()` returning None as "take the pure-torch path", which gives the same results
 within float32 rounding. `load()` decides once per process (until `reset()`):

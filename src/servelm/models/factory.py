@@ -1,15 +1,18 @@
-"""Build a ready model from an architecture and a state dict, in a chosen dtype on a chosen device."""
+"""Build a ready model from an architecture and its weights, in a chosen dtype on a chosen device."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import torch
 
 import servelm.attention.torch_backend  # noqa: F401  (registers "torch")
 from servelm.attention.backend import get_backend
 from servelm.models.arch import ModelArchConfig
-from servelm.models.compact_weights import find_codes
-from servelm.models.llama import Linear, LlamaForCausalLM
+from servelm.models.linear_methods import DENSE, LinearMethod, choose_linear_method
+from servelm.models.llama import LlamaForCausalLM
 from servelm.models.rotary import RotaryEmbedding, inverse_frequencies
+from servelm.models.weights import CheckpointWeights, Weight, select_model_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,44 +38,39 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def build_model(
     arch: ModelArchConfig,
-    weights: dict[str, torch.Tensor],
+    weights: Mapping[str, Weight],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     attention_backend: str = "torch",
-    compact_weights: bool = True,
+    int8_linears: bool = True,
 ) -> LlamaForCausalLM:
-    """The model with `weights` loaded. On CPU in float32, linear weights that are exactly
-    block-quantised values (the default GGUF model's) also get int8 codes for small-batch
-    matmuls (`servelm.models.compact_weights`); `compact_weights=False` skips that."""
+    """The model with `weights` loaded, its parameters allocated once, in `dtype` on `device`.
+
+    `weights`: a loader's `CheckpointWeights` (read tensor by tensor while loading) or any
+    mapping of tensors by Hugging Face name; shapes are validated first (WeightShapeError).
+    Each linear layer gets its `LinearMethod` from how its tensors are stored: GGUF Q4_1 / Q8_0
+    layers keep int8 codes on CPU in float32 (`linear_methods`); `int8_linears=False` makes every
+    layer dense (the reference the int8 path is tested against).
+    """
     device = torch.device(device)
-    # Built on the meta device so no memory or time goes to a random init that is overwritten.
+    source = select_model_weights(CheckpointWeights.from_tensors(weights), arch)
+
+    def linear_method(parts: Sequence[str]) -> LinearMethod:
+        if not int8_linears:
+            return DENSE
+        return choose_linear_method([source.info(f"{part}.weight") for part in parts], dtype, device)
+
+    # Built on the meta device and given its dtype there, so the one allocation is `to_empty`'s:
+    # no random init, no float32 copy first.
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, get_backend(attention_backend))
-    model.to_empty(device=device)
+        model = LlamaForCausalLM(arch, get_backend(attention_backend), linear_method)
     model.to(dtype)
+    model.to_empty(device=device)
     if arch.tie_word_embeddings:  # to_empty breaks the tie; restore it before loading
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(weights)
-    if compact_weights and device.type == "cpu" and dtype == torch.float32:
-        attach_compact_weights(model)
+    model.load_weights(source)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             # Frequencies stay float32 whatever the compute dtype, as in the reference.
             module.inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling).to(device)
     return model.eval()
-
-
-def attach_compact_weights(model: LlamaForCausalLM) -> int:
-    """Give every linear layer whose float32 weight is exactly block-quantised its int8 codes.
-
-    Returns how many layers got them. Checks one layer first: a model whose first
-    projection is ordinary float32 (any non-quantised checkpoint) costs one cheap look.
-    """
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if not linears or find_codes(linears[0].weight) is None:
-        return 0
-    count = 0
-    for module in linears:
-        module.compact = find_codes(module.weight)
-        count += module.compact is not None
-    return count

@@ -1,11 +1,14 @@
-"""Load a llama.cpp GGUF file: metadata -> ModelArchConfig, tensors -> float32 HF-named weights, tokenizer.
+"""Load a llama.cpp GGUF file: metadata -> ModelArchConfig, tensors -> lazy HF-named weights, tokenizer.
 
 GGUF differs from a Hugging Face checkpoint in four ways, each undone here:
 1. names: `blk.N.attn_q.weight` instead of `model.layers.N.self_attn.q_proj.weight`;
 2. shapes: GGUF lists dimensions fastest-first (`[in, out]`), the reverse of torch (`[out, in]`);
-3. values: most tensors are block-quantised (Q4_1, Q8_0, K-quants...); we dequantise to float32;
+3. values: most tensors are block-quantised. Q4_1 and Q8_0 are handed out as they are stored,
+   int8 codes + scales (+ mins) read straight from the block bytes (`Int8BlockWeight`); F32 / F16
+   as such; the other types (K-quants...) dequantised to float32;
 4. layout: for the `llama` arch, llama.cpp's converter permutes the rows of q_proj/k_proj so that
-   its rope, which rotates adjacent pairs, equals HF's rotate_half; we permute them back.
+   its rope, which rotates adjacent pairs, equals HF's rotate_half; we permute them back (the
+   rows of codes, scales and mins alike).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from servelm.models.arch import ModelArchConfig, UnsupportedModelError
-from servelm.models.weights import select_model_weights
+from servelm.models.int8_blocks import BLOCK, Int8BlockWeight
+from servelm.models.weights import CheckpointWeights, Storage, TensorInfo, Weight, select_model_weights
 from servelm.tokenization.loading import load_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,6 +40,11 @@ SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset({
     _Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
     _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
 })  # fmt: skip
+# Types handed out as int8 codes: every 32-block is d * q (+ m) with q fitting in an int8.
+INT8_BLOCK_TYPES: dict[GGMLQuantizationType, Storage] = {
+    _Q.Q4_1: Storage.INT8_BLOCKS_WITH_MINS,
+    _Q.Q8_0: Storage.INT8_BLOCKS,
+}
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -60,8 +69,8 @@ class UnsupportedQuantizationError(UnsupportedModelError):
     """A GGUF tensor is stored in a type servelm does not dequantise."""
 
 
-def load_gguf(path: Path) -> tuple[ModelArchConfig, dict[str, torch.Tensor], Any]:
-    """(arch, float32 weights by HF name, tokenizer) of a GGUF file."""
+def load_gguf(path: Path) -> tuple[ModelArchConfig, CheckpointWeights, Any]:
+    """(arch, lazy weights by HF name, tokenizer) of a GGUF file; the tensors are read when the model copies them."""
     started = time.perf_counter()
     reader = open_gguf(path)
     arch = ModelArchConfig.from_hf_config(gguf_hf_config(reader))
@@ -137,19 +146,34 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
     return config
 
 
-def load_gguf_weights(reader: GGUFReader, arch: ModelArchConfig, source: str) -> dict[str, torch.Tensor]:
-    """Dequantise, reshape and rename every tensor the model uses; validated against `arch`."""
-    weights: dict[str, torch.Tensor] = {}
+def load_gguf_weights(reader: GGUFReader, arch: ModelArchConfig, source: str) -> CheckpointWeights:
+    """The tensors the model uses, by HF name, validated against `arch`; each is decoded when accessed.
+
+    Tensor types are checked here, before any is read (UnsupportedQuantizationError).
+    """
+    tensors: dict[str, ReaderTensor] = {}
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             continue  # e.g. rope_freqs.weight, already folded into arch.rope_scaling
+        _check_supported(tensor, source)
+        tensors[hf_name] = tensor
+    infos = {
+        name: TensorInfo(_torch_shape(t), INT8_BLOCK_TYPES.get(t.tensor_type, Storage.DENSE))
+        for name, t in tensors.items()
+    }
+
+    def read(name: str) -> Weight:
+        tensor = tensors[name]
+        rope_heads = None
+        if arch.architecture == "LlamaForCausalLM" and (".q_proj." in name or ".k_proj." in name):
+            rope_heads = arch.num_attention_heads if ".q_proj." in name else arch.num_key_value_heads
+        if tensor.tensor_type in INT8_BLOCK_TYPES:
+            return int8_block_weight(tensor, rope_heads)
         values = dequantize_tensor(tensor, source)
-        if arch.architecture == "LlamaForCausalLM" and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            num_heads = arch.num_attention_heads if ".q_proj." in hf_name else arch.num_key_value_heads
-            values = unpermute_rope_rows(values, num_heads)
-        weights[hf_name] = torch.from_numpy(values)
-    return select_model_weights(weights, arch, source)
+        return torch.from_numpy(values if rope_heads is None else unpermute_rope_rows(values, rope_heads))
+
+    return select_model_weights(CheckpointWeights(infos, read, source), arch)
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -164,17 +188,51 @@ def gguf_to_hf_name(name: str) -> str | None:
 
 
 def dequantize_tensor(tensor: ReaderTensor, source: str) -> np.ndarray:
-    """Float32, writable, in torch dimension order (`[out, in]`)."""
+    """Writable, in torch dimension order (`[out, in]`): F32 / F16 as stored, other types as float32."""
+    _check_supported(tensor, source)
+    shape = _torch_shape(tensor)
+    if tensor.tensor_type in (_Q.F32, _Q.F16):
+        # A copy out of the read-only memory map, so torch may own it.
+        return np.array(tensor.data, order="C").reshape(shape)
+    # np.asarray drops the np.memmap subclass, whose per-slice overhead doubles dequantisation time.
+    values = dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
+    return np.require(values, dtype=np.float32, requirements=["C", "W"])
+
+
+def int8_block_weight(tensor: ReaderTensor, rope_heads: int | None = None) -> Int8BlockWeight:
+    """Codes, scales and mins of a Q4_1 / Q8_0 tensor, read from its block bytes (no float32 weight made).
+
+    Block layouts (ggml): Q8_0 = d:f16, q[32]:int8.  Q4_1 = d:f16, m:f16, 16 bytes whose low
+    nibbles are q[0..15] and high nibbles q[16..31].  `rope_heads`: undo llama.cpp's q/k row
+    permutation over that many heads, on the raw block rows (codes, scales and mins move together).
+    """
+    rows, cols = _torch_shape(tensor)
+    _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    raw = np.asarray(tensor.data).reshape(rows, cols // BLOCK, type_size)  # [N, K/32, bytes per block], a view
+    if rope_heads is not None:
+        raw = unpermute_rope_rows(raw, rope_heads)
+
+    def halves(offset: int) -> torch.Tensor:  # the f16 at `offset` of every block, as float32 [N, K/32]
+        return torch.from_numpy(np.ascontiguousarray(raw[:, :, offset : offset + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+    if tensor.tensor_type == _Q.Q8_0:
+        codes = np.ascontiguousarray(raw[:, :, 2:]).view(np.int8)  # [N, K/32, 32]
+        return Int8BlockWeight(torch.from_numpy(codes.reshape(rows, cols)), halves(0), None)
+    packed = raw[:, :, 4:]  # [N, K/32, 16]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).view(np.int8)  # [N, K/32, 32], q in 0..15
+    return Int8BlockWeight(torch.from_numpy(codes.reshape(rows, cols)), halves(0), halves(2))
+
+
+def _check_supported(tensor: ReaderTensor, source: str) -> None:
     if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
         raise UnsupportedQuantizationError(
             f"tensor {tensor.name!r} in {source} is stored as {tensor.tensor_type.name}, which servelm cannot "
             f"dequantize; supported types: {sorted(t.name for t in SUPPORTED_TENSOR_TYPES)}"
         )
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    # np.asarray drops the np.memmap subclass, whose per-slice overhead doubles dequantisation time.
-    values = dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
-    # F32 comes back as a read-only view of the memory-mapped file: copy it so torch may own it.
-    return np.require(values, dtype=np.float32, requirements=["C", "W"])
+
+
+def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape))
 
 
 def unpermute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from transformers import PreTrainedTokenizerBase
 
 from servelm.models.arch import ModelArchConfig
-from servelm.models.weights import select_model_weights
+from servelm.models.weights import CheckpointWeights, Storage, TensorInfo, select_model_weights
 from servelm.tokenization.loading import load_hf_tokenizer
 
 CONFIG_FILE = "config.json"
@@ -27,12 +27,12 @@ SINGLE_WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_hf_directory(path: Path) -> tuple[ModelArchConfig, dict[str, torch.Tensor], PreTrainedTokenizerBase]:
-    """(arch, float32 weights by HF name, tokenizer) of a model directory; raises with the path named."""
+def load_hf_directory(path: Path) -> tuple[ModelArchConfig, CheckpointWeights, PreTrainedTokenizerBase]:
+    """(arch, lazy weights by HF name in the files' dtype, tokenizer) of a model directory; raises with the path named."""
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     arch = read_hf_config(path)
-    weights = select_model_weights(load_safetensors_weights(path), arch, source=str(path))
+    weights = select_model_weights(load_safetensors_weights(path), arch)
     return arch, weights, load_hf_tokenizer(path)
 
 
@@ -51,20 +51,20 @@ def read_hf_config(path: Path) -> ModelArchConfig:
     return ModelArchConfig.from_hf_config(config)
 
 
-def load_safetensors_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors file(s), in the file's dtype, on CPU."""
+def load_safetensors_weights(path: Path) -> CheckpointWeights:
+    """Every tensor of the directory's safetensors file(s), read lazily, in the file's dtype, on CPU."""
     single, index = path / SINGLE_WEIGHTS_FILE, path / INDEX_FILE
     if single.is_file():
-        return _read_safetensors(single)
+        return _safetensors_source({single: _tensor_infos(single)}, str(path))
     if index.is_file():
-        return _load_sharded(index)
+        return _load_sharded(index, str(path))
     hint = " (PyTorch .bin checkpoints are not supported; convert to safetensors)" if any(path.glob("*.bin")) else ""
     raise FileNotFoundError(
         f"no weights in {path}: expected {SINGLE_WEIGHTS_FILE} or {INDEX_FILE}, found {_listing(path)}{hint}"
     )
 
 
-def _load_sharded(index_path: Path) -> dict[str, torch.Tensor]:
+def _load_sharded(index_path: Path, source: str) -> CheckpointWeights:
     try:
         weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError) as exc:
@@ -76,21 +76,34 @@ def _load_sharded(index_path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(
             f"{index_path} lists shard(s) {missing} that are missing from {index_path.parent}"
         )
-    weights: dict[str, torch.Tensor] = {}
-    for name in shard_names:  # each shard is opened once
-        weights.update(_read_safetensors(index_path.parent / name))
-    absent = [tensor for tensor, shard in weight_map.items() if tensor not in weights]
+    shards = {index_path.parent / name: _tensor_infos(index_path.parent / name) for name in shard_names}
+    found = {tensor for infos in shards.values() for tensor in infos}
+    absent = [tensor for tensor in weight_map if tensor not in found]
     if absent:
         raise ValueError(
             f"{index_path} places tensor {absent[0]!r} in shard {weight_map[absent[0]]!r}, "
             f"but that shard does not contain it ({len(absent)} such tensor(s))"
         )
-    return weights
+    return _safetensors_source(shards, source)
 
 
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+def _tensor_infos(file: Path) -> dict[str, TensorInfo]:
+    """Names and shapes from the file's header; no tensor data is read."""
     with safe_open(str(file), framework="pt", device="cpu") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+        return {name: TensorInfo(tuple(f.get_slice(name).get_shape()), Storage.DENSE) for name in f.keys()}
+
+
+def _safetensors_source(shards: dict[Path, dict[str, TensorInfo]], source: str) -> CheckpointWeights:
+    file_of = {name: file for file, infos in shards.items() for name in infos}
+
+    def read(name: str) -> torch.Tensor:
+        # Opened per tensor, so the file's memory map is released after each one: a load never
+        # keeps the whole checkpoint mapped (resident) next to the model's own copy.
+        with safe_open(str(file_of[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
+    infos = {name: info for shard in shards.values() for name, info in shard.items()}
+    return CheckpointWeights(infos, read, source)
 
 
 def _listing(path: Path, limit: int = 12) -> str:

@@ -5,10 +5,14 @@ position per token; which token belongs to which request, and where its K/V live
 is the attention metadata's business. The model never sees a padded [batch, seq].
 
 q/k/v and gate/up are each one fused matmul (one weight read instead of three or two);
-`load_weights` concatenates the checkpoint's separate tensors into them.
+`load_weights` copies the checkpoint's separate tensors into their rows, one tensor at a time.
+How each linear layer stores its weight is its `LinearMethod`, chosen by the model factory
+(`linear_method(parts)`, called once per layer with the checkpoint prefixes it is made of).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -16,27 +20,48 @@ from torch import nn
 
 from servelm.attention.backend import AttentionBackend, AttentionMetadata
 from servelm.models.arch import ModelArchConfig
-from servelm.models.compact_weights import MAX_ROWS as MAX_COMPACT_ROWS
-from servelm.models.compact_weights import CompactWeight
+from servelm.models.linear_methods import DENSE, LinearMethod, LinearMethodChooser, all_dense
 from servelm.models.rotary import RotaryEmbedding, apply_rotary
+from servelm.models.weights import Weight, dense_tensor
 
 
-class Linear(nn.Linear):
-    """nn.Linear that may also hold its weight as verified int8 codes (`compact_weights`).
+class Linear(nn.Module):
+    """x @ W^T (+ b), W made of the checkpoint tensors `parts` stacked by rows, stored as `method` says.
 
-    A matmul of a few rows (a decode step of a few requests) is bound by reading the
-    weight; with codes attached it reads those instead (under 1/3 of the bytes) and gets the
-    same float32 weights. Larger inputs, or no codes, take the usual float32 path.
+    `parts` are checkpoint prefixes ("model.layers.0.self_attn.q_proj"): `load` reads
+    `<part>.weight` (and `<part>.bias`) for each, in order, into consecutive rows.
     """
 
-    compact: CompactWeight | None = None
+    # Registered by the method's create_weights (which ones depends on the method).
+    weight: torch.Tensor  # [N, K] in the model's dtype
+    codes: torch.Tensor  # [N, K] int8 (int8 block methods only)
+    scales: torch.Tensor  # [N, K / 32] float32 (int8 block methods only)
+    mins: torch.Tensor | None  # [N, K / 32] float32 or None (int8 block methods only)
+    bias: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parts: tuple[str, ...],
+                 method: LinearMethod = DENSE) -> None:  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.parts = parts
+        self.method = method
+        method.create_weights(self)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compact is not None and x.dim() == 2 and x.shape[0] <= MAX_COMPACT_ROWS and x.dtype == torch.float32:
-            out = self.compact.matmul(x)
-            if out is not None:
-                return out if self.bias is None else out + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x)
+
+    def load(self, weights: Mapping[str, Weight]) -> None:
+        """Copy each part's tensor into its rows (one tensor read at a time, no concatenation)."""
+        row = 0
+        for part in self.parts:
+            weight = weights[f"{part}.weight"]  # [rows of this part, in_features]
+            self.method.load_rows(self, weight, row)
+            if self.bias is not None:
+                self.bias[row : row + weight.shape[0]].copy_(dense_tensor(weights[f"{part}.bias"]))
+            row += weight.shape[0]
+        if row != self.out_features:
+            raise ValueError(f"parts {self.parts} have {row} rows in all, the layer {self.out_features}")
 
 
 class RMSNorm(nn.Module):
@@ -57,15 +82,19 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, prefix: str,
+                 linear_method: LinearMethodChooser) -> None:  # fmt: skip
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
+        qkv_parts = tuple(f"{prefix}.{name}_proj" for name in "qkv")
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, qkv_parts,
+                               linear_method(qkv_parts))  # fmt: skip
+        o_parts = (f"{prefix}.o_proj",)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, False, o_parts, linear_method(o_parts))
         self.rotary = RotaryEmbedding(self.head_dim, arch.rope_theta, arch.rope_scaling)
         self.backend = backend
         self.scale = self.head_dim**-0.5
@@ -89,11 +118,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, prefix: str, linear_method: LinearMethodChooser) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        gate_up_parts = (f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, gate_up_parts,
+                                   linear_method(gate_up_parts))  # fmt: skip
+        down_parts = (f"{prefix}.down_proj",)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, down_parts, linear_method(down_parts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -101,12 +133,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, prefix: str,
+                 linear_method: LinearMethodChooser) -> None:  # fmt: skip
         super().__init__()
+        self.prefix = prefix  # "model.layers.{i}": where its tensors sit in the checkpoint
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, backend)
+        self.self_attn = LlamaAttention(arch, backend, f"{prefix}.self_attn", linear_method)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, f"{prefix}.mlp", linear_method)
 
     def forward(self, rope, hidden, kv_cache, metadata) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
@@ -114,13 +148,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend,
+                 linear_method: LinearMethodChooser = all_dense) -> None:  # fmt: skip
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend) for _ in range(arch.num_hidden_layers))
+        layers = [
+            LlamaDecoderLayer(arch, backend, f"model.layers.{i}", linear_method) for i in range(arch.num_hidden_layers)
+        ]
+        self.layers = nn.ModuleList(layers)
+        # The same modules, typed (a tuple is not registered again as a submodule).
+        self.decoder_layers: tuple[LlamaDecoderLayer, ...] = tuple(layers)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # A tied head is the embedding matrix: its part is the embedding's tensor.
+        head_parts = ("model.embed_tokens",) if arch.tie_word_embeddings else ("lm_head",)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, head_parts, linear_method(head_parts))
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -134,8 +176,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         hidden = self.embed_tokens(input_ids)
         # Every layer rotates by the same angles: computed once per forward, not once per layer.
-        rope = self.layers[0].self_attn.rotary.cos_sin(positions, hidden.dtype)
-        for i, layer in enumerate(self.layers):
+        rope = self.decoder_layers[0].self_attn.rotary.cos_sin(positions, hidden.dtype)
+        for i, layer in enumerate(self.decoder_layers):
             hidden = layer(rope, hidden, None if kv_caches is None else kv_caches[i], metadata)
         return self.norm(hidden)
 
@@ -144,23 +186,19 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [N, hidden] → logits [N, vocab] in float32 (sampling wants full precision)."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face-named state dict in, fusing q/k/v and gate/up. Shapes were validated by the loader."""
+    def load_weights(self, weights: Mapping[str, Weight]) -> None:
+        """Copy Hugging Face-named tensors in, one at a time, each converted to its parameter's dtype
+        and device; fused q/k/v and gate/up are written part by part into their rows. Shapes were
+        validated by the caller. Reads every tensor once (a lazy source is read tensor by tensor)."""
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])
-            self.norm.weight.copy_(weights["model.norm.weight"])
-            if not self.arch.tie_word_embeddings:
-                self.lm_head.weight.copy_(weights["lm_head.weight"])
-            for i, layer in enumerate(self.layers):
-                prefix = f"model.layers.{i}."
-                attn, mlp = layer.self_attn, layer.mlp
-                qkv = [weights[f"{prefix}self_attn.{n}_proj.weight"] for n in "qkv"]
-                attn.qkv_proj.weight.copy_(torch.cat(qkv, dim=0))
-                if self.arch.attention_bias:
-                    attn.qkv_proj.bias.copy_(torch.cat([weights[f"{prefix}self_attn.{n}_proj.bias"] for n in "qkv"]))
-                attn.o_proj.weight.copy_(weights[f"{prefix}self_attn.o_proj.weight"])
-                gate_up = [weights[f"{prefix}mlp.{n}_proj.weight"] for n in ("gate", "up")]
-                mlp.gate_up_proj.weight.copy_(torch.cat(gate_up, dim=0))
-                mlp.down_proj.weight.copy_(weights[f"{prefix}mlp.down_proj.weight"])
-                layer.input_layernorm.weight.copy_(weights[f"{prefix}input_layernorm.weight"])
-                layer.post_attention_layernorm.weight.copy_(weights[f"{prefix}post_attention_layernorm.weight"])
+            if not self.arch.tie_word_embeddings:  # tied, the head's load below fills the shared matrix
+                self.embed_tokens.weight.copy_(dense_tensor(weights["model.embed_tokens.weight"]))
+            self.norm.weight.copy_(dense_tensor(weights["model.norm.weight"]))
+            self.lm_head.load(weights)
+            for layer in self.decoder_layers:
+                layer.input_layernorm.weight.copy_(dense_tensor(weights[f"{layer.prefix}.input_layernorm.weight"]))
+                post_norm = weights[f"{layer.prefix}.post_attention_layernorm.weight"]
+                layer.post_attention_layernorm.weight.copy_(dense_tensor(post_norm))
+                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                               layer.mlp.down_proj):  # fmt: skip
+                    linear.load(weights)

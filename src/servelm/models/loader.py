@@ -21,6 +21,7 @@ from servelm.default_model import default_model_path
 from servelm.models.arch import ModelArchConfig
 from servelm.models.gguf_loader import load_gguf
 from servelm.models.hf_loader import CONFIG_FILE, SINGLE_WEIGHTS_FILE, load_hf_directory
+from servelm.models.weights import CheckpointWeights
 
 _EXPECTED = "a Hugging Face model directory with config.json or a .gguf file"
 # HF `model_type` for each architecture we can run, for the config we export.
@@ -30,7 +31,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Q
 @dataclass
 class LoadedCheckpoint:
     arch: ModelArchConfig
-    weights: dict[str, torch.Tensor]  # HF parameter name -> float32 CPU tensor; exactly the model's tensors
+    weights: CheckpointWeights  # HF name -> tensor in the file dtype (or int8 blocks), read on access; the model's tensors only
     tokenizer: Any  # a transformers PreTrainedTokenizerBase, chat template included when the checkpoint has one
     source: str  # the path it was loaded from, for messages and logs
     load_seconds: float = 0.0  # wall time of load_checkpoint, tokenizer included
@@ -62,8 +63,8 @@ def export_hf_directory(checkpoint: LoadedCheckpoint, out_dir: str | Path) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(hf_config_dict(checkpoint.arch), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(checkpoint.arch), indent=2) + "\n")
-    # safetensors refuses tensors that share memory; our dict never aliases lm_head to the embedding.
-    tensors = {name: tensor.contiguous() for name, tensor in checkpoint.weights.items()}
+    # safetensors refuses tensors that share memory; each read is a fresh tensor, never an alias.
+    tensors = {name: checkpoint.weights.dense(name).to(torch.float32).contiguous() for name in checkpoint.weights}
     save_file(tensors, str(out / SINGLE_WEIGHTS_FILE), metadata={"format": "pt"})
     checkpoint.tokenizer.save_pretrained(str(out))
     return out

@@ -30,6 +30,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 class RotaryEmbedding(torch.nn.Module):
+    inv_freq: torch.Tensor  # [D/2] float32, a non-persistent buffer
+
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)

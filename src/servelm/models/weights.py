@@ -1,23 +1,109 @@
-"""The tensors a Llama-family model needs, by Hugging Face name and shape, and their validation.
+"""The tensors a Llama-family model needs, by Hugging Face name and shape, their validation,
+and `CheckpointWeights`, the lazy source every loader hands them out through.
 
 Every loader ends here: whatever the file format, the model receives exactly the
-names below with exactly these shapes, or the load fails naming the tensor.
+names below with exactly these shapes, or the load fails naming the tensor. Tensors
+come in the file's own dtype (bf16 stays bf16) or, for GGUF Q4_1 / Q8_0, as int8 codes
+(`Int8BlockWeight`); the model converts each one as it copies it into its parameter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import enum
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from servelm.models.arch import ModelArchConfig
+from servelm.models.int8_blocks import Int8BlockWeight
 
 # How many problems one error message lists before summarising the rest.
 _MAX_REPORTED = 5
 
+# What a weight source hands out for one name.
+Weight = torch.Tensor | Int8BlockWeight
+
 
 class WeightShapeError(ValueError):
     """A checkpoint's tensors do not match its config: a tensor is missing or has the wrong shape."""
+
+
+class Storage(enum.Enum):
+    """How a tensor is handed out: what the model may do with it without reading it."""
+
+    DENSE = "dense"  # a torch.Tensor in the file's dtype
+    INT8_BLOCKS = "int8_blocks"  # Int8BlockWeight without offsets (GGUF Q8_0)
+    INT8_BLOCKS_WITH_MINS = "int8_blocks_with_mins"  # Int8BlockWeight with offsets (GGUF Q4_1)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What is known about a tensor before reading it."""
+
+    shape: tuple[int, ...]  # torch order, [out, in] for a matrix
+    storage: Storage
+
+    @classmethod
+    def of(cls, weight: Weight) -> TensorInfo:
+        if isinstance(weight, Int8BlockWeight):
+            storage = Storage.INT8_BLOCKS if weight.mins is None else Storage.INT8_BLOCKS_WITH_MINS
+            return cls(tuple(weight.shape), storage)
+        return cls(tuple(weight.shape), Storage.DENSE)
+
+
+class CheckpointWeights(Mapping[str, Weight]):
+    """A checkpoint's tensors by Hugging Face name, each read from its file when it is accessed.
+
+    Contract: `weights[name]` reads that one tensor anew (nothing is cached), so a caller
+    copying tensors into a model one at a time never holds more than one extra tensor;
+    accessing a name twice reads it twice. `info(name)` and iteration read nothing. The
+    file(s) must stay in place while the source is in use. Built by the loaders
+    (hf_loader, gguf_loader) or, for tensors already in memory, by `from_tensors`.
+    """
+
+    def __init__(self, infos: dict[str, TensorInfo], read: Callable[[str], Weight], source: str) -> None:
+        self._infos = infos
+        self._read = read
+        self.source = source  # the path the tensors come from, for messages
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, Weight], source: str = "in-memory weights") -> CheckpointWeights:
+        """Wrap tensors already in memory (a state dict); they are handed out as they are."""
+        if isinstance(tensors, CheckpointWeights):
+            return tensors
+        return cls({name: TensorInfo.of(t) for name, t in tensors.items()}, tensors.__getitem__, source)
+
+    def __getitem__(self, name: str) -> Weight:
+        if name not in self._infos:
+            raise KeyError(f"no tensor {name!r} in {self.source}")
+        return self._read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    def info(self, name: str) -> TensorInfo:
+        return self._infos[name]
+
+    def dense(self, name: str) -> torch.Tensor:
+        """The tensor as a torch.Tensor: int8 blocks dequantised to float32, dense ones as stored."""
+        return dense_tensor(self[name])
+
+    def restricted_to(self, names: list[str]) -> CheckpointWeights:
+        """The same source showing only `names` (which must all be present)."""
+        return CheckpointWeights({name: self._infos[name] for name in names}, self._read, self.source)
+
+
+def dense_tensor(weight: Weight) -> torch.Tensor:
+    """A weight as a torch.Tensor: int8 blocks dequantised to float32, dense tensors unchanged."""
+    return weight.dequantize() if isinstance(weight, Int8BlockWeight) else weight
 
 
 def expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
@@ -47,9 +133,10 @@ def expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_weights(weights: Mapping[str, torch.Tensor], arch: ModelArchConfig, source: str) -> None:
+def validate_weights(weights: Mapping[str, Any], arch: ModelArchConfig, source: str) -> None:
     """Raise WeightShapeError naming each missing or mis-shaped tensor; extra tensors are ignored.
 
+    `weights` maps names to anything with a `.shape` (tensors, `TensorInfo`s); nothing is read.
     Extras are legitimate (`rotary_emb.inv_freq` buffers, an `lm_head` saved next to
     tied embeddings); the loaders drop them with `select_model_weights`.
     """
@@ -69,11 +156,7 @@ def validate_weights(weights: Mapping[str, torch.Tensor], arch: ModelArchConfig,
         )
 
 
-def select_model_weights(weights: dict[str, torch.Tensor], arch: ModelArchConfig, source: str) -> dict[str, torch.Tensor]:
-    """Validate, then keep only the tensors the model consumes, as contiguous float32 on CPU."""
-    validate_weights(weights, arch, source)
-    return {name: _as_float32(weights[name]) for name in expected_weight_shapes(arch)}
-
-
-def _as_float32(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to(device="cpu", dtype=torch.float32).contiguous()
+def select_model_weights(weights: CheckpointWeights, arch: ModelArchConfig) -> CheckpointWeights:
+    """Validate the shapes (reading nothing), then show only the tensors the model consumes."""
+    validate_weights({name: weights.info(name) for name in weights}, arch, weights.source)
+    return weights.restricted_to(list(expected_weight_shapes(arch)))

@@ -2,6 +2,8 @@
 
     write_tiny_checkpoint(dir)          -> a Hugging Face directory transformers and servelm both load
     write_tiny_gguf(path, dir, ...)     -> the same weights as llama.cpp would write them (no tokenizer)
+    write_random_checkpoint(dir, ...)   -> a random Llama of a real shape (SmolLM2-135M's by default) in
+                                           bf16, written tensor by tensor (hundreds of MB in seconds)
 
 The tokenizer is the default model's (SmolLM2, vocab 49152, ChatML template), so tiny
 models tokenize and apply chat templates like a real one; the hidden size stays small,
@@ -18,9 +20,12 @@ import gguf
 import numpy as np
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from servelm.default_model import default_model_path
+from servelm.models.arch import ModelArchConfig
+from servelm.models.loader import hf_config_dict
+from servelm.models.weights import expected_weight_shapes
 from servelm.tokenization.loading import load_gguf_tokenizer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -35,6 +40,20 @@ _TINY_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
+}
+# SmolLM2-135M's shape (the default model's), for checkpoints of a realistic size.
+SMOLLM2_135M_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
 }
 # llama.cpp leaf name for each HF parameter inside a layer.
 _HF_TO_GGUF_LAYER = {
@@ -88,6 +107,34 @@ def write_tiny_checkpoint(
     _randomize(model, init_std)
     shard_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out), **shard_kwargs)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def write_random_checkpoint(
+    directory: str | Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides: Any
+) -> Path:
+    """Save a random Llama (SmolLM2-135M's shape, `overrides` on top) as one safetensors file in `dtype`,
+    with config.json and the default tokenizer; returns the directory.
+
+    Tensors are drawn one by one (std 0.02, norms 1) without building a transformers model, so a
+    checkpoint of hundreds of MB takes seconds. For load-time and memory measurements, not parity.
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_gguf_tokenizer(default_model_path())
+    arch = ModelArchConfig.from_hf_config({**SMOLLM2_135M_CONFIG, "bos_token_id": tokenizer.bos_token_id,
+                                           "eos_token_id": tokenizer.eos_token_id, **overrides})  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_weight_shapes(arch).items():
+        if len(shape) == 1:  # norm weights
+            tensors[name] = torch.ones(shape, dtype=dtype)
+        else:
+            tensors[name] = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {**hf_config_dict(arch), "torch_dtype": str(dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(str(out))
     return out
 

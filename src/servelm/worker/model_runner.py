@@ -29,7 +29,7 @@ from servelm.worker.sampling_metadata import SamplingMetadata
 
 def attention_backend_of(model: LlamaForCausalLM) -> AttentionBackend:
     """The backend the model's attention layers call (one instance, shared by every layer)."""
-    return model.layers[0].self_attn.backend
+    return model.decoder_layers[0].self_attn.backend
 
 
 @dataclass

@@ -1,0 +1,53 @@
+"""Loading a bf16 safetensors checkpoint in bf16 holds the weights once: peak host memory
+grows by at most 1.3x the file size (no float32 copy, no whole checkpoint held twice)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from servelm.testing.tiny_model import write_random_checkpoint
+
+pytestmark = pytest.mark.slow
+
+# Runs in a fresh interpreter, so the peak RSS is this load's and nothing else's.
+_MEASURE = """
+import json, os, resource, sys
+import torch
+from servelm.models.factory import build_model
+from servelm.models.hf_loader import load_hf_tokenizer
+from servelm.models.loader import load_checkpoint
+
+path = sys.argv[1]
+load_hf_tokenizer(__import__("pathlib").Path(path))  # import and warm the tokenizer stack first
+
+def rss_bytes():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+before = rss_bytes()
+checkpoint = load_checkpoint(path)
+model = build_model(checkpoint.arch, checkpoint.weights, torch.bfloat16, "cpu")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+params = sum(p.numel() * p.element_size() for p in model.parameters())
+assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+print(json.dumps({"before": before, "peak": peak, "param_bytes": params}))
+"""
+
+
+def test_bf16_load_peak_memory_is_at_most_1_3x_the_file(tmp_path: Path):
+    directory = write_random_checkpoint(tmp_path / "smollm2-shaped-bf16")
+    file_bytes = (directory / "model.safetensors").stat().st_size
+    assert file_bytes > 200e6  # SmolLM2-135M's shape in bf16: ~270 MB
+    result = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(directory)], capture_output=True, text=True, env=dict(os.environ), timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    growth = measured["peak"] - measured["before"]
+    assert measured["param_bytes"] <= file_bytes  # the model itself is one copy of the file's tensors
+    assert growth <= 1.3 * file_bytes, f"peak RSS grew {growth / 1e6:.0f} MB for a {file_bytes / 1e6:.0f} MB file"
