@@ -37,9 +37,13 @@ from pathlib import Path
 
 from servelm.config import EngineConfig
 from servelm.engine import builder
-from servelm.default_model import default_model_path
-from servelm.tokenization.loading import load_gguf_tokenizer
-from servelm.models.hf_loader import load_hf_tokenizer
+try:  # where these live since the clean-edges change (issue 10); before it, in servelm.models
+    from servelm.default_model import default_model_path
+    from servelm.tokenization.loading import load_gguf_tokenizer, load_hf_tokenizer
+except ImportError:
+    from servelm.models.default_model import default_model_path
+    from servelm.models.gguf_loader import load_gguf_tokenizer
+    from servelm.models.hf_loader import load_hf_tokenizer
 
 model, dtype = (None if sys.argv[1] == "-" else sys.argv[1]), sys.argv[2]
 # Import and warm the tokenizer stack first: its import cost is not the weights'.
