@@ -32,7 +32,7 @@ from servelm.testing.tiny_model import write_random_checkpoint
 
 # Runs in the child: time the two halves of build_engine by wrapping what it calls, by name.
 _MEASURE = r"""
-import json, os, resource, sys, time
+import json, os, sys, time
 from pathlib import Path
 
 from servelm.config import EngineConfig
@@ -65,7 +65,8 @@ before = int(open("/proc/self/statm").read().split()[1]) * page
 started = time.perf_counter()
 engine = builder.build_engine(EngineConfig.from_flat(model=model, dtype=dtype, device="cpu", num_blocks=64))
 total = time.perf_counter() - started
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM, not ru_maxrss: getrusage's maximum survives execve (it would include the parent's RSS at fork).
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({**seconds, "total_s": total, "rss_before": before, "peak_rss": peak}))
 """
 

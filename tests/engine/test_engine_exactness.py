@@ -125,7 +125,8 @@ def test_step_time_target_changes_chunking_not_results(tiny_dir, reference_model
         tokens, _, steps[max_step_ms] = _run(built.core, workload)
         for i, (prompt, max_tokens, _) in enumerate(workload):
             assert tokens[str(i)] == greedy_decode(reference_model, prompt, max_tokens), f"request {i} diverged"
-        assert built.core.scheduler.step_cost.fit() is not None, "the cost model saw steps of different sizes"
+        # The fit the budget uses (the window's last one can be noise on a busy machine: its slope <= 0).
+        assert built.core.scheduler.step_cost.current() is not None, "the cost model saw steps of different sizes"
         assert built.core.stats().num_used_blocks == 0
     # Same work in smaller steps: prompts that arrive while others decode go 16 tokens at a time.
     assert steps[0.001] > 2 * steps[0.0], steps

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 # Runs in a fresh interpreter, so the peak RSS is this load's and nothing else's.
 _MEASURE = """
-import json, os, resource, sys
+import json, os, sys
 import torch
 from servelm.models.factory import build_model
 from servelm.models.hf_loader import load_hf_tokenizer
@@ -32,7 +32,9 @@ def rss_bytes():
 before = rss_bytes()
 checkpoint = load_checkpoint(path)
 model = build_model(checkpoint.arch, checkpoint.weights, torch.bfloat16, "cpu")
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+# VmHWM, not ru_maxrss: getrusage's maximum survives execve, so it would include the RSS this
+# child had as a fork of the (large) pytest process; the high-water mark of the new image does not.
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 params = sum(p.numel() * p.element_size() for p in model.parameters())
 assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 print(json.dumps({"before": before, "peak": peak, "param_bytes": params}))

@@ -52,10 +52,14 @@ class StepCostModel:
         self._last_fit = (max(0.0, mean_y - slope * mean_x), slope)
         return self._last_fit
 
+    def current(self) -> tuple[float, float] | None:
+        """The fit the scheduler uses: the window's own, else the last good one; None before any."""
+        return self.fit() or self._last_fit
+
     def tokens_within(self, seconds: float) -> int | None:
         """Most tokens a step may schedule to take at most `seconds` (0 if even the fixed part
         is over it); None while the model has no fit."""
-        fitted = self.fit() or self._last_fit
+        fitted = self.current()
         if fitted is None:
             return None
         fixed, per_token = fitted
