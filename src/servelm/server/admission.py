@@ -8,6 +8,7 @@ Only what really waits counts, never what runs:
             + max(waiting in the core,                      (its latest stats: one step old)
                   engine requests in flight − max_num_seqs)  (more than can ever run at once)
 
+A request's own engine requests count as waiting (the limit bounds the queue it joins).
 The second term covers a burst the core has not reported yet: whatever exceeds the core's
 sequence slots waits for sure. A burst that fits in free slots is all admitted; the core's
 count then catches up within a step if KV blocks, not slots, are what is short. While the
@@ -45,7 +46,10 @@ class Admission:
             raise unavailable("The server is shutting down and takes no new requests.")
         if self.engine_error() is not None:
             raise unavailable(ENGINE_DOWN_MESSAGE, retry_after_s=30)
-        if num_engine_requests > self.max_waiting:
+        # A request counts as waiting itself. One larger than the limit never fits: 400, split it.
+        # A single engine request is never "too large": with a limit of 0 (admit nothing, the
+        # always-full replica routers are tested with) it is a 429 like any full server's.
+        if num_engine_requests > max(self.max_waiting, 1):
             raise too_large_to_queue(num_engine_requests, self.max_waiting)
         waiting = self.num_waiting()
         if waiting + num_engine_requests > self.max_waiting:
