@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this bearer token (or env SERVELM_API_KEY)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, 429")
+    serve.add_argument(
+        "--max-request-body-mb", type=float, default=32.0, dest="max_request_body_mb",
+        help="larger request bodies get 413 before they are parsed",
+    )  # fmt: skip
+    serve.add_argument(
+        "--protect-metrics", action="store_true", default=None,
+        help="put /metrics behind --api-key too (default: open, as vLLM does, for Prometheus)",
+    )  # fmt: skip
     serve.add_argument("--log-requests", action="store_true", help="one JSON timeline line per request")
     serve.add_argument(
         "--shutdown-timeout", type=int, default=30, dest="shutdown_timeout_s",

@@ -8,11 +8,21 @@ Semantics follow vLLM / OpenAI:
 - seed: same seed → same output, whatever else shares the batch.
 - logprobs: number of top alternatives to return per sampled token (0 = only the sampled one's).
 - prompt_logprobs: the same for prompt tokens (needed for `echo` + loglikelihood evaluation).
+
+Every number must be finite and every int must fit a signed 64-bit integer: the struct crosses
+the API → core boundary as msgspec (int64/uint64 only) and becomes torch tensors and generator
+seeds there. Upper bounds on the floats keep the sampler's float32 arithmetic finite.
 """
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform in float32 anyway
+MAX_REPETITION_PENALTY = 100.0  # logits x penalty must stay finite in float32
 
 
 class SamplingParamsError(ValueError):
@@ -48,13 +58,29 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def validate(self) -> None:
         """Raise SamplingParamsError for the first out-of-range field."""
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise SamplingParamsError(name, f"{name} must be a finite number, got {value!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not INT64_MIN <= value <= INT64_MAX:
+                raise SamplingParamsError(name, f"{name} must fit a signed 64-bit integer, got {value}")
+        bad_stop_id = next((t for t in self.stop_token_ids if not 0 <= t <= INT64_MAX), None)
+        if bad_stop_id is not None:
+            raise SamplingParamsError("stop_token_ids", f"stop_token_ids must be token ids (>= 0), got {bad_stop_id}")
         checks: list[tuple[str, bool, str]] = [
             ("n", self.n >= 1, "n must be at least 1"),
             ("temperature", self.temperature >= 0.0, "temperature must be >= 0"),
+            ("temperature", self.temperature <= MAX_TEMPERATURE, f"temperature must be at most {MAX_TEMPERATURE:g}"),
             ("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "top_k must be -1, 0 (disabled) or positive"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
+            (
+                "repetition_penalty",
+                0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]",
+            ),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
@@ -78,3 +104,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")

@@ -15,6 +15,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 def _post(server, path: str, body=None, content: bytes | None = None, headers=None) -> httpx.Response:
+    if content is not None:  # raw bytes are still declared JSON: a body of another type is a 415
+        headers = {"Content-Type": "application/json", **(headers or {})}
     return httpx.post(f"{server.base_url}{path}", json=body, content=content, headers=headers, timeout=60)
 
 

@@ -2,15 +2,24 @@
 
 Runs wherever it is put: in the caller's process (offline LLM, tests) or in its own
 process behind ZMQ (the server). It never tokenizes or detokenizes.
+
+A step whose execution raises fails only the requests it scheduled (ERROR outputs, blocks
+freed, the traceback logged): the engine serves the next step as if they had been aborted.
+The fronts validate inputs first; this is what keeps one bad request (or a bug it triggers)
+from poisoning every later step, which is what a request left in the scheduler would do.
 """
 
 from __future__ import annotations
+
+import logging
 
 from servelm.datatypes import EngineOutput, EngineRequest
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.scheduler.scheduler import Scheduler
 from servelm.schemas.core_stats import CoreStats
 from servelm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -30,7 +39,12 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         scheduler_output = self.scheduler.schedule()
-        model_output = self.runner.execute(scheduler_output)
+        try:
+            model_output = self.runner.execute(scheduler_output)
+        except Exception as exc:
+            failed = sorted(scheduler_output.num_scheduled_tokens)
+            logger.exception("engine step failed; failing its %d requests: %s", len(failed), failed)
+            return self.scheduler.fail_step(scheduler_output, f"the engine step failed: {type(exc).__name__}")
         return self.scheduler.update(scheduler_output, model_output)
 
     def stats(self) -> CoreStats:

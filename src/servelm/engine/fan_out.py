@@ -10,7 +10,7 @@ process, over ZMQ). It never touches a core or a socket itself, so the rules bel
 
 - Choice i of a prompt is one engine request, id "{request_id}-{index}" (just the request id
   when there is one prompt and n == 1); index = prompt_index * n + i.
-- Seeds: choice i samples with `seed + i`, or all n choices would be the same sample.
+- Seeds: choice i samples with `seed + i` (wrapped into int64), or all n choices would be the same sample.
 - Only a prompt's first choice asks for prompt logprobs (they bypass the prefix cache the
   siblings hit; the prompt's scores are the same for every choice).
 - Siblings share the prompt's KV blocks: a prompt's first choice goes to the core alone and its
@@ -193,7 +193,8 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     only the first scores the prompt (prompt logprobs bypass the prefix cache its siblings hit)."""
     changes: dict[str, Any] = {"n": 1}
     if params.seed is not None and index > 0:
-        changes["seed"] = params.seed + index
+        # Wrapped so a seed near 2^63 still gives int64 seeds (every smaller seed is unchanged).
+        changes["seed"] = (params.seed + index + 2**63) % 2**64 - 2**63
     if index > 0 and params.prompt_logprobs is not None:
         changes["prompt_logprobs"] = None
     return msgspec.structs.replace(params, **changes)

@@ -4,6 +4,11 @@ All prompts are added at once and stepped to completion, so they batch exactly a
 concurrent server traffic would. `n > 1` goes through the same fan-out as the server
 (engine/fan_out.py): per-choice seeds, and siblings sent once the first choice has
 computed the prompt, so they find its full blocks in the prefix cache.
+
+Inputs are checked before anything reaches the core (prompt forms: engine/prompt_inputs.py;
+ids within the vocabulary; SamplingParams). A request that still fails inside a step fails
+alone (EngineCore.step); generate() then raises RequestFailedError once every other request
+of the call has finished, so the core is empty and the same LLM serves the next call.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from servelm.config import EngineConfig
 from servelm.datatypes import EngineOutput, PositionLogprobs, RequestEvent
 from servelm.engine.builder import BuiltEngine, build_engine
 from servelm.engine.fan_out import FanOut
+from servelm.engine.prompt_inputs import PromptInput, parse_prompts
 from servelm.sampling_params import SamplingParams
 
 
@@ -42,6 +48,10 @@ class RequestOutput:
     events: list[RequestEvent] = field(default_factory=list)
 
 
+class RequestFailedError(RuntimeError):
+    """A request failed inside an engine step (the engine logged the traceback); the LLM is still usable."""
+
+
 class LLM:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides: Any) -> None:
         """`model`: a HF directory or .gguf (None: the default model). Keyword overrides go to the
@@ -53,17 +63,25 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[list[int]],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; results in the order of `prompts`."""
-        prompt_list: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
-        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        """Run every prompt to completion; results in the order of `prompts` (forms: prompt_inputs.py).
+        TypeError/ValueError for malformed input, before anything is sent; RequestFailedError when
+        a request failed inside the engine."""
+        parsed = parse_prompts(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(parsed))
+        if priority is not None and len(priority) != len(parsed):
+            raise ValueError(f"{len(priority)} priorities for {len(parsed)} prompts")
+        prepared: list[tuple[str | None, list[int]]] = []
+        for i, (prompt, params) in enumerate(zip(parsed, params_list)):
+            token_ids = self.encode(prompt.text) if prompt.text is not None else prompt.token_ids
+            assert token_ids is not None
+            self._check_prompt(i, token_ids, params)
+            prepared.append((prompt.text, token_ids))
         fan_outs: list[tuple[str | None, FanOut]] = []
-        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            text, token_ids = (prompt, self.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
-            self._check_length(token_ids)
+        for i, ((text, token_ids), params) in enumerate(zip(prepared, params_list)):
             fan_out = FanOut(
                 request_id=f"offline-{next(self._ids)}",
                 prompts=[token_ids],
@@ -75,6 +93,12 @@ class LLM:
             )
             fan_outs.append((text, fan_out))
         self._run_to_completion([fan_out for _, fan_out in fan_outs])
+        failed = [fan_out for _, fan_out in fan_outs if fan_out.error is not None]
+        if failed:
+            raise RequestFailedError(
+                f"{len(failed)} of {len(fan_outs)} requests failed in the engine "
+                f"({failed[0].request_id}: {failed[0].error}); see the log for the traceback"
+            )
         return [_to_output(text, fan_out) for text, fan_out in fan_outs]
 
     def encode(self, text: str) -> list[int]:
@@ -105,13 +129,18 @@ class LLM:
                 for request in step.to_submit:
                     core.add_request(request)
 
-    def _check_length(self, token_ids: list[int]) -> None:
+    def _check_prompt(self, index: int, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise ValueError(f"prompt {index} is empty: at least one token is needed")
         if len(token_ids) >= self.engine.max_model_len:
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens; the context window is {self.engine.max_model_len}"
+                f"prompt {index} has {len(token_ids)} tokens; the context window is {self.engine.max_model_len}"
             )
+        vocab_size = self.engine.arch.vocab_size
+        for name, ids in (("token id", token_ids), ("stop_token_ids entry", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt {index}: {name} {bad} is out of range: the vocabulary has {vocab_size} tokens")
 
     @staticmethod
     def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
@@ -119,6 +148,8 @@ class LLM:
             return [SamplingParams()] * count
         if isinstance(params, SamplingParams):
             return [params] * count
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
         if len(params) != count:
             raise ValueError(f"{len(params)} sampling params for {count} prompts")
         return list(params)

@@ -8,8 +8,9 @@
     POST /admin/replicas    {"url", "kv_events"?} add one at runtime (in rotation after its first health check)
     DELETE /admin/replicas  {"url"}               remove one (its index dropped)
 
-With an API key, /v1/* and /admin/* require `Authorization: Bearer KEY` (as the server
-does); the client's Authorization header is forwarded to the replicas unchanged.
+With an API key, everything but /health and /metrics requires `Authorization: Bearer KEY`
+(as the server does); the client's Authorization header is forwarded to the replicas unchanged.
+Admin bodies must be JSON (415 otherwise); generation bodies are checked by the replica.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from servelm.openai_api.auth import ApiKeyMiddleware
+from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
 from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_response
 from servelm.router.health import HealthChecker, check_all
 from servelm.router.proxy import Proxy, request_headers
@@ -37,7 +39,7 @@ from servelm.router.state import Router, RouterOptions
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
-_PROTECTED = ("/v1/", "/admin/")
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
 # Policies that look at prompt tokens; the others never need the tokenizer.
 _TOKENIZING_POLICIES = {"prefix", "kv"}
 
@@ -87,7 +89,7 @@ def create_router_app(router_options: RouterOptions, options: RouterServerOption
 
     app = FastAPI(title="servelm router", lifespan=lifespan, docs_url=None, redoc_url=None)
     _add_routes(app)
-    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, protected_prefixes=_PROTECTED)
+    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, open_paths=_OPEN_PATHS)
     return app
 
 
@@ -104,7 +106,10 @@ def _replica_summary(router: Router) -> list[dict[str, Any]]:
     return summary
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
+async def _json_body(request: Request) -> dict[str, Any] | Response:
+    """The admin body as a dict ({} when it is not an object), or the 415 for a non-JSON one."""
+    if await request.body() and not is_json_content_type(request.headers.get("content-type")):
+        return error_response(415, NOT_JSON_MESSAGE, type=INVALID_REQUEST, code="unsupported_media_type")
     try:
         body = json.loads(await request.body())
     except ValueError:
@@ -140,6 +145,8 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/admin/replicas")
     async def add_replica(request: Request) -> Response:
         body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
         try:
             spec = ReplicaSpec.parse(str(body.get("url", "")))
             if body.get("kv_events"):
@@ -153,7 +160,10 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.delete("/admin/replicas")
     async def remove_replica(request: Request) -> Response:
-        url = (await _json_body(request)).get("url") or request.query_params.get("url", "")
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        url = body.get("url") or request.query_params.get("url", "")
         removed = await request.app.state.router.remove_replica(str(url))
         status = 200 if removed else 404
         return Response(json.dumps({"url": url, "removed": removed}), status, media_type="application/json")

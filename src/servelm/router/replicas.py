@@ -51,7 +51,7 @@ class Replica:
     in_flight: int = 0  # requests sent and not finished (streams count until their last byte)
     outstanding_tokens: int = 0  # prompt + max output tokens of those requests
     consecutive_failures: int = 0
-    last_error: str = ""
+    last_error: str = ""  # why it is out of rotation; cleared when it is back
     num_requests: int = 0  # routed here, retries included
 
     @property

@@ -86,7 +86,9 @@ class Router:
         return True
 
     def mark_up(self, replica: Replica) -> None:
+        """In rotation (its KV index resyncs); its last error is history now. Safe to repeat."""
         replica.consecutive_failures = 0
+        replica.last_error = ""
         if replica.healthy or self.replicas.get(replica.url) is not replica:
             return
         replica.healthy = True

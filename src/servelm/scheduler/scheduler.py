@@ -20,7 +20,8 @@ step log (metrics).
 
 Calling protocol (one thread, the engine core's): schedule() → the runner executes the
 SchedulerOutput → update() with that output, before the next schedule(). add_request()
-and abort_requests() go between steps.
+and abort_requests() go between steps. If the runner raised instead, fail_step() with that
+SchedulerOutput takes update()'s place: the step's requests fail alone and the rest go on.
 """
 
 from __future__ import annotations
@@ -172,6 +173,27 @@ class Scheduler:
         for request in aborted:
             self._finish(request, RequestStatus.FINISHED_ABORTED, now)
             self._pending_outputs.append(self._make_output(request, [], None))
+
+    def fail_step(self, scheduler_output: SchedulerOutput, error: str) -> list[EngineOutput]:
+        """The runner raised on `scheduler_output`: finish every request it scheduled with an ERROR
+        output carrying `error`, free their blocks, and make the runner forget them and this step's
+        preempted requests next step (its mirrors may be half-applied). Returns the outputs (pending
+        aborts included) in update()'s place; other requests are untouched and run on."""
+        now = self._clock()
+        failed = [self._requests[rid] for rid in scheduler_output.num_scheduled_tokens if rid in self._requests]
+        gone = {id(r) for r in failed}
+        self._running = [r for r in self._running if id(r) not in gone]
+        self._waiting.remove_many(r for r in failed if r.status is not RequestStatus.RUNNING)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for request in failed:
+            self._finish(request, RequestStatus.FINISHED_ERROR, now)
+            output = self._make_output(request, [], None)
+            output.error = error
+            outputs.append(output)
+        # Re-sent: forgetting is idempotent, and the runner may not have applied them.
+        self._finished_ids |= scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids
+        self._finished_ids |= {r.request_id for r in failed}
+        return outputs
 
     # -- schedule -------------------------------------------------------------------
 

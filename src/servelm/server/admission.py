@@ -1,14 +1,18 @@
-"""A bounded waiting queue: beyond `max_waiting` requests not yet running, answer 429 at once.
+"""A bounded waiting queue: a request that would push more than `max_waiting` engine requests
+into waiting gets 429 at once; one that alone is larger than the limit gets 400 (waiting can
+never make it fit, so a 429 would send a Retry-After client round for ever).
 
-Waiting means everything admitted and not yet computing:
+Only what really waits counts, never what runs:
 
     waiting = requests being tokenized (API thread pool)
-            + engine requests in flight − those the core reports running
+            + max(waiting in the core,                      (its latest stats: one step old)
+                  engine requests in flight − max_num_seqs)  (more than can ever run at once)
 
-`num_running` comes from the core's latest stats (one step old at most), so right after a
-burst the estimate errs high: it rejects early rather than letting a pile-up form, which
-is the property that matters. While the server drains for shutdown, or after the engine
-died, every new request gets 503 instead.
+A request's own engine requests count as waiting (the limit bounds the queue it joins).
+The second term covers a burst the core has not reported yet: whatever exceeds the core's
+sequence slots waits for sure. A burst that fits in free slots is all admitted; the core's
+count then catches up within a step if KV blocks, not slots, are what is short. While the
+server drains for shutdown, or after the engine died, every new request gets 503 instead.
 """
 
 from __future__ import annotations
@@ -16,29 +20,37 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from servelm.server.errors import overloaded, unavailable
+from servelm.server.errors import ENGINE_DOWN_MESSAGE, overloaded, too_large_to_queue, unavailable
 
 
 @dataclass
 class Admission:
     max_waiting: int
+    max_num_seqs: int  # the core's sequence slots: at most this many run at once
     num_tokenizing: Callable[[], int]
     num_engine_in_flight: Callable[[], int]
-    num_running: Callable[[], int]
+    num_core_waiting: Callable[[], int]
     engine_error: Callable[[], str | None]
     draining: bool = False
     retry_after_s: int = 1
 
     def num_waiting(self) -> int:
-        return self.num_tokenizing() + max(0, self.num_engine_in_flight() - self.num_running())
+        in_flight = self.num_engine_in_flight()
+        beyond_slots = in_flight - self.max_num_seqs
+        # The core's count is capped by what is in flight: stats never outlive their requests.
+        return self.num_tokenizing() + max(min(self.num_core_waiting(), in_flight), beyond_slots, 0)
 
     def admit(self, num_engine_requests: int) -> None:
-        """Raise the 503/429 APIError when the request may not enter; return when it may."""
+        """Raise the 503/400/429 APIError when the request may not enter; return when it may."""
         if self.draining:
             raise unavailable("The server is shutting down and takes no new requests.")
-        error = self.engine_error()
-        if error is not None:
-            raise unavailable(f"The engine is not running: {error}", retry_after_s=30)
+        if self.engine_error() is not None:
+            raise unavailable(ENGINE_DOWN_MESSAGE, retry_after_s=30)
+        # A request counts as waiting itself. One larger than the limit never fits: 400, split it.
+        # A single engine request is never "too large": with a limit of 0 (admit nothing, the
+        # always-full replica routers are tested with) it is a 429 like any full server's.
+        if num_engine_requests > max(self.max_waiting, 1):
+            raise too_large_to_queue(num_engine_requests, self.max_waiting)
         waiting = self.num_waiting()
         if waiting + num_engine_requests > self.max_waiting:
             raise overloaded(self.retry_after_s, waiting, self.max_waiting)

@@ -1,7 +1,13 @@
 """The OpenAI-compatible HTTP server: app factory, routes, and `servelm serve`'s entry point.
 
-    uvicorn ─▶ _ArrivalStamp ─▶ ApiKeyMiddleware (/v1/) ─▶ FastAPI routes ─▶ completions / chat
-                                                                              └▶ AsyncEngineClient ─ZMQ─▶ engine core process
+    uvicorn ─▶ _ArrivalStamp ─▶ ApiKeyMiddleware ─▶ InternalErrorMiddleware ─▶ FastAPI routes ─▶ completions / chat
+                                                                  └▶ AsyncEngineClient ─ZMQ─▶ engine core process
+
+With an API key, every route needs it but /health (load balancers) and, unless
+--protect-metrics, /metrics (Prometheus; vLLM leaves both open too). /tokenize and
+/detokenize do work, so they are keyed; so is /openapi.json. A POST body must be JSON
+(`Content-Type: application/json`, else 415: a browser page cannot send one cross-origin
+without a CORS preflight) and at most --max-request-body-mb (else 413).
 
 Shutdown (SIGTERM or SIGINT): new requests get 503 at once and uvicorn stops accepting
 connections; in-flight requests run to completion for up to `--shutdown-timeout` seconds
@@ -37,11 +43,19 @@ from servelm.engine.async_llm import AsyncLLM
 from servelm.obs.metrics import ServerMetrics
 from servelm.obs.request_log import RequestLogger
 from servelm.openai_api.auth import ApiKeyMiddleware
+from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
 from servelm.server.admission import Admission
 from servelm.server.chat import create_chat_completion
 from servelm.server.completions import create_completion
 from servelm.server.context import ServerContext
-from servelm.server.errors import from_validation_errors, install_error_handlers, unavailable
+from servelm.server.errors import (
+    ENGINE_DOWN_MESSAGE,
+    APIError,
+    from_invalid_json,
+    from_validation_errors,
+    install_error_handlers,
+    unavailable,
+)
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
 from servelm.server.tokenize_api import detokenize, tokenize
@@ -58,6 +72,8 @@ class ServerOptions:
     api_key: str | None = None
     served_model_name: str | None = None
     max_waiting_requests: int = 1024
+    max_request_body_mb: float = 32.0
+    protect_metrics: bool = False
     log_requests: bool = False
     shutdown_timeout_s: int = 30
     tokenizer_threads: int = 2
@@ -102,9 +118,10 @@ async def _start_context(engine_config: EngineConfig, options: ServerOptions) ->
     client.on_stats = metrics.observe_steps
     admission = Admission(
         max_waiting=options.max_waiting_requests,
+        max_num_seqs=engine_config.scheduler.max_num_seqs,
         num_tokenizing=lambda: engine.tokenizer.num_pending,
         num_engine_in_flight=lambda: client.num_in_flight,
-        num_running=lambda: client.stats.num_running,
+        num_core_waiting=lambda: client.stats.num_waiting,
         engine_error=lambda: client.dead_error,
     )
     logger.info("serving %s (%s): context %d tokens, %d KV blocks", name, ready.source, ready.max_model_len, ready.num_blocks)
@@ -133,12 +150,18 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
             await ctx.engine.shutdown()
 
     app = FastAPI(title="servelm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.max_body_bytes = int(options.max_request_body_mb * 2**20)
     install_error_handlers(app)
     _add_routes(app)
     # The last added runs first: the arrival is stamped before the key is checked.
-    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, protected_prefixes=("/v1/",))
+    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, open_paths=open_paths(options))
     app.add_middleware(_ArrivalStamp)
     return app
+
+
+def open_paths(options: ServerOptions) -> frozenset[str]:
+    """The routes that answer without the API key (when one is set)."""
+    return frozenset({"/health"} if options.protect_metrics else {"/health", "/metrics"})
 
 
 def _ctx(request: Request) -> ServerContext:
@@ -146,10 +169,36 @@ def _ctx(request: Request) -> ServerContext:
 
 
 async def _parse(request: Request, model: type[M]) -> M:
+    """The body as `model`: 415 unless JSON, 413 when too large, 400 naming the bad field."""
+    if not is_json_content_type(request.headers.get("content-type")):
+        raise APIError(415, NOT_JSON_MESSAGE, code="unsupported_media_type")
+    body = await _read_body(request, request.app.state.max_body_bytes)
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body)
     except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from exc
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            raise from_invalid_json(body, errors[0]) from exc
+        raise from_validation_errors(errors) from exc
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it exceeds `limit` bytes (declared or streamed)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server accepts ({limit} bytes).",
+                    code="request_too_large")  # fmt: skip
 
 
 def _add_routes(app: FastAPI) -> None:
@@ -182,7 +231,7 @@ def _add_routes(app: FastAPI) -> None:
         if ctx.admission.draining:
             return unavailable("shutting down").response()
         if ctx.engine.dead_error is not None:
-            return unavailable(f"The engine is not running: {ctx.engine.dead_error}").response()
+            return unavailable(ENGINE_DOWN_MESSAGE).response()
         return json_response({"status": "ok"})
 
     @app.get("/metrics")

@@ -68,9 +68,8 @@ class _ChatView:
                 texts[delta.choice.index].append(delta.text)
                 tokens[delta.choice.index].extend(delta.token_ids)
                 entries[delta.choice.index].extend(delta.logprobs or [])
-        error = engine_error(self.gen)
-        if error is not None:
-            raise api_error_from_engine(error)
+        if engine_error(self.gen) is not None:
+            raise api_error_from_engine(self.gen)
         choices = []
         for choice in self.gen.choices:
             state = choice.state

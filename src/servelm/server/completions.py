@@ -118,9 +118,8 @@ class _CompletionView:
                 acc.parts.append(delta.text)
                 acc.token_ids.extend(delta.token_ids)
                 acc.logprobs.extend(delta.logprobs or [])
-        error = engine_error(self.gen)
-        if error is not None:
-            raise api_error_from_engine(error)
+        if engine_error(self.gen) is not None:
+            raise api_error_from_engine(self.gen)
         choices = [await self._final_choice(c, accumulated[c.index]) for c in self.gen.choices]
         completion_tokens = sum(len(a.token_ids) for a in accumulated.values()) if not self.drop_generated else 0
         done = finish_request(self.ctx, self.gen, self._prompt_tokens(), completion_tokens, self.body.wants_timeline)

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their mapping onto SamplingParams.
 
 Strict on purpose: an unknown field or a value of the wrong type is a 400 naming the
-parameter (a typo like `max_token` silently ignored is worse than an error). Beyond
+parameter (a typo like `max_token` silently ignored is worse than an error). Hostile values
+stop here too: every int must fit int64 (what msgspec carries to the core and torch accepts),
+no float may be inf or NaN (`1e999` parses as inf), short identifier strings are bounded. Beyond
 OpenAI's fields we accept vLLM's common extensions (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, min_tokens, priority, ...) and our own `servelm` options.
 Range checks live in SamplingParams (one place); their errors keep the parameter name.
@@ -12,20 +14,27 @@ hot path, where constructing pydantic models would cost more than the JSON itsel
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servelm.openai_api.chat_messages import template_message
-from servelm.sampling_params import SamplingParams, SamplingParamsError
+from servelm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from servelm.server.errors import bad_request
 
 MAX_N = 128  # choices per request; each one is an engine request
 MAX_TOP_LOGPROBS = 20
+MAX_ID_CHARS = 1024  # model, user, cache_salt, name: identifiers, never text to process
+MAX_STOP_CHARS = 1024  # each stop string is matched against the text's tail at every token
+MAX_STOPS = 64
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Identifier = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -50,29 +59,29 @@ class ServelmOptions(_Strict):
 class _GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = None  # None: the one served model
-    n: int = 1
+    model: Identifier | None = None  # None: the one served model
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Int64 | None = None  # int64: torch.Generator.manual_seed's range, and seed + i stays in it (fan_out)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: list[Int64] | None = None  # within the vocabulary: checked by the engine front
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
-    priority: int = 0  # lower runs first; 0 interactive, larger = batch
-    user: str | None = None
+    priority: Int64 = 0  # lower runs first; 0 interactive, larger = batch
+    user: Identifier | None = None
     # Prefix-cache namespace (vLLM's name): requests share cached KV only with the same salt,
     # so one tenant cannot learn from cache timing what another tenant's prompts were.
-    cache_salt: str | None = None
+    cache_salt: Identifier | None = None
     logit_bias: dict[str, float] | None = None  # accepted only empty: not supported
     servelm: ServelmOptions | None = None
 
@@ -134,11 +143,11 @@ class _GenerationRequest(_Strict):
 class CompletionRequest(_GenerationRequest):
     # A string, several strings, one token-id list, or several (lm-eval sends batches of ids).
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
     echo: bool = False
-    logprobs: int | None = None  # top alternatives per token (0: only the chosen token's)
+    logprobs: Int64 | None = None  # top alternatives per token (0: only the chosen token's)
     suffix: str | None = None  # not supported
-    best_of: int | None = None  # accepted only when equal to n
+    best_of: Int64 | None = None  # accepted only when equal to n
 
     def check(self) -> None:
         self.check_common()
@@ -169,13 +178,22 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | list[TextPart] | None = None  # None only for an assistant message (check_contents)
+    name: Identifier | None = None
 
     def template_entry(self) -> dict[str, str]:
         """The message as the chat template expects it (the router builds the same from raw JSON)."""
         content = self.content if not isinstance(self.content, list) else [part.text for part in self.content]
         return template_message(self.role, content, self.name)
+
+
+def check_contents(messages: list[ChatMessage]) -> None:
+    """OpenAI's rule: only an assistant message may omit its content (one that made tool calls)."""
+    for index, message in enumerate(messages):
+        if message.content is None and message.role != "assistant":
+            raise bad_request(
+                f"messages[{index}]: a {message.role} message must have content", param=f"messages.{index}.content"
+            )
 
 
 class ResponseFormat(_Strict):
@@ -185,10 +203,10 @@ class ResponseFormat(_Strict):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     # Accepted so clients that always send them work; only their no-op values are served.
     response_format: ResponseFormat | None = None  # "text" only: no guided decoding here
@@ -198,6 +216,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check(self) -> None:
         self.check_common()
+        check_contents(self.messages)
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request(
                 f"response_format {self.response_format.type!r} is not supported by this server (no guided "
@@ -235,7 +254,7 @@ class ChatCompletionRequest(_GenerationRequest):
 class TokenizeRequest(_Strict):
     """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered by the chat template."""
 
-    model: str | None = None
+    model: Identifier | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # prompt only: the chat template writes its own
@@ -245,11 +264,13 @@ class TokenizeRequest(_Strict):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
+        if self.messages is not None:
+            check_contents(self.messages)
 
 
 class DetokenizeRequest(_Strict):
     """POST /detokenize (vLLM's shape): token ids → text."""
 
-    model: str | None = None
-    tokens: list[int]
+    model: Identifier | None = None
+    tokens: list[int]  # within the vocabulary: checked by the engine front
 

@@ -4,6 +4,7 @@ disconnect watch of a non-streaming request, SSE framing and the end-of-request 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -20,8 +21,9 @@ from servelm.engine.async_llm import GenerationStream, PromptError
 from servelm.obs.timeline import ApiStamp, RequestTimeline
 from servelm.sampling_params import SamplingParams
 from servelm.server.context import ServerContext
-from servelm.server.errors import APIError, bad_request, error_body, model_not_found, unavailable
+from servelm.server.errors import ENGINE_DOWN_MESSAGE, APIError, bad_request, error_body, model_not_found, unavailable
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 TTFT_HEADER = "x-servelm-ttft-breakdown"
@@ -75,7 +77,9 @@ def begin_request(
     request_id, timeline = new_request(http_request, prefix, body.stream)
     check_model(ctx, body.model)
     body.check()
-    return request_id, timeline, body.to_sampling_params()
+    params = body.to_sampling_params()
+    check_token_ids(ctx, params.stop_token_ids, "stop_token_ids")
+    return request_id, timeline, params
 
 
 async def respond(http_request: Request, gen: GenerationStream, view: GenerationView, streaming: bool) -> Response:
@@ -161,8 +165,15 @@ def engine_error(gen: GenerationStream) -> str | None:
     return gen.error
 
 
-def stream_error_event(message: str) -> bytes:
-    return sse(error_body(f"The engine failed: {message}", "server_error"))
+def engine_failure_message(gen: GenerationStream) -> str:
+    """What the client hears of an engine failure: no detail (it may be a traceback), the request id
+    to find it by; the detail goes to the server log, once per request."""
+    logger.error("request %s failed in the engine: %s", gen.request_id, gen.error)
+    return f"The engine failed while running request {gen.request_id}; the server log has the details."
+
+
+def stream_error_event(gen: GenerationStream) -> bytes:
+    return sse(error_body(engine_failure_message(gen), "server_error"))
 
 
 async def until_disconnect(http_request: Request, work: Awaitable[T], gen: GenerationStream) -> T | None:
@@ -194,11 +205,12 @@ async def start_generation(gen: GenerationStream) -> None:
     try:
         await gen.start()
     except EngineDeadError as exc:
-        raise unavailable(f"The engine is not running: {exc}", retry_after_s=30) from exc
+        logger.error("request %s: the engine is not running: %s", gen.request_id, exc)
+        raise unavailable(ENGINE_DOWN_MESSAGE, retry_after_s=30) from exc
 
 
-def api_error_from_engine(message: str) -> APIError:
-    return APIError(500, f"The engine failed: {message}", type="server_error")
+def api_error_from_engine(gen: GenerationStream) -> APIError:
+    return APIError(500, engine_failure_message(gen), type="server_error")
 
 
 def stream_tail(
@@ -208,9 +220,8 @@ def stream_tail(
     """A stream's last events once its generation ended: the engine's error (if it failed), the
     usage/timeline chunk (if asked for), and `[DONE]`; the request's end is recorded here."""
     events = []
-    error = engine_error(gen)
-    if error is not None:
-        events.append(stream_error_event(error))
+    if engine_error(gen) is not None:
+        events.append(stream_error_event(gen))
     done = finish_request(ctx, gen, prompt_tokens, completion_tokens, want_timeline)
     final = _final_chunk(header, include_usage, usage(prompt_tokens, completion_tokens, gen.num_cached_prompt_tokens),
                          done.timeline_dict)  # fmt: skip
