@@ -107,6 +107,31 @@ def test_a_request_failing_inside_a_step_fails_alone_in_process(llm):
     assert not core.has_work() and core.stats().num_running == 0
 
 
+def test_a_failing_step_of_several_requests_fails_only_the_one_to_blame(llm, caplog):
+    """The poison shares its steps with good requests (one mid-prefill in 64-token chunks): they are
+    retried alone, only the poison fails, and the others produce exactly what they produce alone."""
+    good = [list(range(100, 200)), list(range(300, 310)), list(range(400, 420))]
+    expected = _tokens(llm, good)
+    core = llm.engine.core
+    for i, prompt in enumerate(good):
+        core.add_request(EngineRequest(request_id=f"good-{i}", prompt_token_ids=prompt, sampling_params=GREEDY))
+    core.add_request(_bad_request("poison"))
+    tokens: dict[str, list[int]] = {}
+    finish: dict[str, FinishReason | None] = {}
+    while core.has_work():
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                finish[output.request_id] = output.finish_reason
+        core.scheduler.check_invariants()
+    assert finish == {"good-0": FinishReason.LENGTH, "good-1": FinishReason.LENGTH, "good-2": FinishReason.LENGTH,
+                      "poison": FinishReason.ERROR}  # fmt: skip
+    assert [tokens[f"good-{i}"] for i in range(3)] == expected
+    assert core.stats().num_used_blocks == 0
+    shared = [r for r in caplog.records if "engine step of" in r.getMessage() and "of 1 request" not in r.getMessage()]
+    assert shared, "the poison must have failed a step it shared with others"
+
+
 def test_a_request_failing_inside_a_step_fails_alone_in_the_core_process(tiny_dir):
     async def scenario():
         client = AsyncEngineClient(EngineConfig.from_flat(model=str(tiny_dir), num_blocks=64, num_threads=1))

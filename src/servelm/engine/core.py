@@ -3,17 +3,18 @@
 Runs wherever it is put: in the caller's process (offline LLM, tests) or in its own
 process behind ZMQ (the server). It never tokenizes or detokenizes.
 
-A step whose execution raises fails only the requests it scheduled (ERROR outputs, blocks
-freed, the traceback logged): the engine serves the next step as if they had been aborted.
+A step whose execution raises fails only the request to blame (an ERROR output, its blocks
+freed, the traceback logged): the step's requests are retried one by one, alone, and the one
+that raises again fails while the others run on; the engine serves the next step as usual.
 The fronts validate inputs first; this is what keeps one bad request (or a bug it triggers)
-from poisoning every later step, which is what a request left in the scheduler would do.
+from poisoning every later step, or the requests that shared its step.
 """
 
 from __future__ import annotations
 
 import logging
 
-from servelm.datatypes import EngineOutput, EngineRequest
+from servelm.datatypes import EngineOutput, EngineRequest, SchedulerOutput
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.scheduler.scheduler import Scheduler
 from servelm.schemas.core_stats import CoreStats
@@ -41,11 +42,29 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         try:
             model_output = self.runner.execute(scheduler_output)
-        except Exception as exc:
-            failed = sorted(scheduler_output.num_scheduled_tokens)
-            logger.exception("engine step failed; failing its %d requests: %s", len(failed), failed)
-            return self.scheduler.fail_step(scheduler_output, f"the engine step failed: {type(exc).__name__}")
+        except Exception as exc:  # noqa: BLE001 - contained: logged and isolated in _isolate_failure
+            return self._isolate_failure(scheduler_output, exc)
         return self.scheduler.update(scheduler_output, model_output)
+
+    def _isolate_failure(self, failed_step: SchedulerOutput, exc: Exception) -> list[EngineOutput]:
+        """A step raised. Alone, its request fails. With several, which one is to blame is not known:
+        each is put back and run alone up to its next sample, so only the one that raises again
+        fails (the others lose their KV and recompute: the price of the rare failing step)."""
+        request_ids = list(failed_step.num_scheduled_tokens)
+        logger.error("engine step of %d request(s) failed: %s", len(request_ids), request_ids, exc_info=exc)
+        if len(request_ids) <= 1:
+            return self.scheduler.fail_step(failed_step, _step_error(exc))
+        outputs = []
+        for request_id in self.scheduler.requeue_step(failed_step):
+            while (alone := self.scheduler.schedule_alone(request_id)) is not None:
+                try:
+                    model_output = self.runner.execute(alone)
+                except Exception as alone_exc:
+                    logger.error("request %s fails alone too: failing it", request_id, exc_info=alone_exc)
+                    outputs.extend(self.scheduler.fail_step(alone, _step_error(alone_exc)))
+                    break
+                outputs.extend(self.scheduler.update(alone, model_output))
+        return outputs
 
     def stats(self) -> CoreStats:
         kv = self.kv_manager
@@ -63,3 +82,8 @@ class EngineCore:
     def take_step_records(self) -> list[tuple[int, float]]:
         """(scheduled tokens, runner seconds) of the steps since the last call (Scheduler.step_log)."""
         return self.scheduler.step_log.take_records()
+
+
+def _step_error(exc: Exception) -> str:
+    # The exception's type only: its text may carry internals (shapes, paths) the client has no use for.
+    return f"the engine step failed: {type(exc).__name__}"

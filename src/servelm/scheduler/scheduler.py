@@ -21,7 +21,9 @@ step log (metrics).
 Calling protocol (one thread, the engine core's): schedule() → the runner executes the
 SchedulerOutput → update() with that output, before the next schedule(). add_request()
 and abort_requests() go between steps. If the runner raised instead, fail_step() with that
-SchedulerOutput takes update()'s place: the step's requests fail alone and the rest go on.
+SchedulerOutput takes update()'s place for a step of one request; for a step of several,
+requeue_step() puts them back and schedule_alone() runs each by itself until it samples (the
+engine core's recovery), so the one to blame fails alone.
 """
 
 from __future__ import annotations
@@ -194,6 +196,64 @@ class Scheduler:
         self._finished_ids |= scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids
         self._finished_ids |= {r.request_id for r in failed}
         return outputs
+
+    def requeue_step(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """The runner raised on a step of several requests: which one is to blame is not known. Put
+        every request it scheduled back to waiting (their KV dropped, as in a preemption: they
+        recompute) so the engine can retry each alone (`schedule_alone`), and make the runner forget
+        them. Returns their ids in schedule order. Nothing is finished here."""
+        now = self._clock()
+        plan = _StepPlan(budget=0)
+        requeued = [self._requests[rid] for rid in scheduler_output.num_scheduled_tokens if rid in self._requests]
+        gone = {id(r) for r in requeued}
+        self._running = [r for r in self._running if id(r) not in gone]
+        self._waiting.remove_many(r for r in requeued if r.status is not RequestStatus.RUNNING)
+        for request in requeued:
+            self._preempt(request, plan, now)
+        # Re-sent: forgetting is idempotent, and the runner may not have applied them.
+        self._finished_ids |= scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids
+        self._finished_ids |= plan.preempted_request_ids
+        return [r.request_id for r in requeued]
+
+    def schedule_alone(self, request_id: str) -> SchedulerOutput | None:
+        """A step of `request_id` alone, up to its next sample: it is admitted (or continues its
+        prefill) with the whole token budget and nothing else runs. None once it has nothing left
+        to prove alone (it decodes, finished, or was aborted) or its blocks cannot be had now (it
+        then waits and runs with the others)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING and request.num_tokens - request.num_computed_tokens <= 1:
+            return None  # caught up (it sampled): it decodes with the others from now on
+        now = self._clock()
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        if request.status is RequestStatus.RUNNING:
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, plan.budget)
+            new_block_ids = self._kv.allocate_slots(request_id, num_new, num_computed_tokens=request.num_computed_tokens)
+            if new_block_ids is None:
+                return None
+            plan.cached_requests.append(
+                CachedRequestData(
+                    request_id=request_id,
+                    new_token_ids=request.all_token_ids[request.num_sent_tokens :],
+                    new_block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            request.num_sent_tokens = request.num_tokens
+            plan.take(request_id, num_new)
+        elif self._try_admit(request, plan, now):
+            self._waiting.remove_many([request])
+        else:
+            return None
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            new_requests=plan.new_requests,
+            cached_requests=plan.cached_requests,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_request_ids=finished,
+        )
 
     # -- schedule -------------------------------------------------------------------
 
