@@ -139,23 +139,51 @@ class CpuKernels:
         mins: torch.Tensor | None,  # [N, K / 32] float32, or None (no offset)
     ) -> torch.Tensor:  # [M, N] float32
         """x @ W^T with W[n, k] = scales[n, k / 32] * codes[n, k] (+ mins[n, k / 32])."""
-        check_tensor("x", x, torch.float32, 2)
+        return self.qgemm_prepared(x, self.prepare_int8_weight(codes, scales, mins))
+
+    def prepare_int8_weight(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> Int8Weight:
+        """The weight checked once, for `qgemm_prepared` calls that then check only their input
+        (a layer's weight does not change between steps; checking it on every call of every layer
+        was ~1 ms of a 25 ms decode step)."""
         check_tensor("codes", codes, torch.int8, 2)
         check_tensor("scales", scales, torch.float32, 2)
-        rows, k = x.shape
-        n, codes_k = codes.shape
-        if k % BLOCK or codes_k != k:
-            raise KernelArgumentError(
-                f"codes: expected [N, K] with K as in x {tuple(x.shape)} and a multiple of {BLOCK}, "
-                f"found {tuple(codes.shape)}"
-            )
+        n, k = codes.shape
+        if k % BLOCK:
+            raise KernelArgumentError(f"codes: expected [N, K] with K a multiple of {BLOCK}, found {tuple(codes.shape)}")
         check_shape("scales", scales, (n, k // BLOCK), f"[N, K / {BLOCK}], N and K as in codes")
         if mins is not None:
             check_tensor("mins", mins, torch.float32, 2)
             check_shape("mins", mins, (n, k // BLOCK), "scales' shape")
-        out = torch.empty(rows, n, dtype=torch.float32)
+        return Int8Weight(codes, scales, mins)
+
+    def qgemm_prepared(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:  # [M, N] float32
+        """x [M, K] float32 @ W^T for a weight from `prepare_int8_weight`."""
+        check_tensor("x", x, torch.float32, 2)
+        rows, k = x.shape
+        if k != weight.in_features:
+            raise KernelArgumentError(f"x: expected [M, {weight.in_features}] (K as in codes), found {tuple(x.shape)}")
+        out = torch.empty(rows, weight.out_features, dtype=torch.float32)
         self._lib.qgemm_small(
-            x.data_ptr(), codes.data_ptr(), scales.data_ptr(), (scales if mins is None else mins).data_ptr(),
-            out.data_ptr(), rows, n, k, int(mins is not None), torch.get_num_threads(),
-        )
+            x.data_ptr(), weight.codes_ptr, weight.scales_ptr, weight.mins_ptr, out.data_ptr(),
+            rows, weight.out_features, k, weight.has_min, torch.get_num_threads(),
+        )  # fmt: skip
         return out
+
+
+class Int8Weight:
+    """An int8-block weight whose tensors passed the kernel's checks, with their pointers read once.
+
+    Holds the tensors themselves, so the memory the pointers name stays alive; a caller whose
+    layer gets new tensors (e.g. moved or reloaded) prepares a new one (see Int8BlockLinearMethod).
+    """
+
+    __slots__ = ("codes", "scales", "mins", "codes_ptr", "scales_ptr", "mins_ptr", "has_min",
+                 "out_features", "in_features")  # fmt: skip
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> None:
+        self.codes, self.scales, self.mins = codes, scales, mins
+        self.codes_ptr, self.scales_ptr = codes.data_ptr(), scales.data_ptr()
+        self.mins_ptr = (scales if mins is None else mins).data_ptr()  # never read when has_min is 0
+        self.has_min = int(mins is not None)
+        self.out_features, self.in_features = codes.shape
+

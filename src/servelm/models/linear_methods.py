@@ -87,6 +87,7 @@ class Int8BlockLinearMethod(DenseLinearMethod):
 
     def __init__(self, with_mins: bool) -> None:
         self.with_mins = with_mins
+        self._prepared_weight: Any = None  # the kernel's checked handle of the layer's weight
 
     def create_weights(self, layer: Linear) -> None:
         super().create_weights(layer)  # dense float32 weight, [N, K], for the GEMM path
@@ -114,12 +115,20 @@ class Int8BlockLinearMethod(DenseLinearMethod):
         # A tied head writes the embedding's matrix here: the same values the embedding holds.
         weight.dequantize(out=layer.weight[rows])
 
+    def _prepared(self, layer: Linear, kernel: Any) -> Any:
+        """The layer's weight as the kernel's checked handle (one per method instance, which the
+        factory makes per layer), prepared again whenever the layer's tensors are not the ones it holds."""
+        prepared = self._prepared_weight
+        if prepared is None or prepared.codes is not layer.codes or prepared.scales is not layer.scales:
+            prepared = self._prepared_weight = kernel.prepare_int8_weight(layer.codes, layer.scales, layer.mins)
+        return prepared
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= MAX_INT8_ROWS and x.dtype == torch.float32:
             # None once SERVELM_KERNELS=torch turned the kernels off after the model was built.
             kernel = small_batch_kernel()
             if kernel is not None:
-                out = kernel.qgemm_small(x.contiguous(), layer.codes, layer.scales, layer.mins)
+                out = kernel.qgemm_prepared(x.contiguous(), self._prepared(layer, kernel))
                 return out if layer.bias is None else out + layer.bias
         return F.linear(x, layer.weight, layer.bias)
 
