@@ -26,8 +26,9 @@ Each step hands out a token budget (max_num_batched_tokens). Requests are ranked
 Aging never blocks: nothing waits behind a request that does not fit. Instead a request
 that has waited aging_s is admitted with a first chunk shrunk to the free blocks (with
 chunked prefill), so it runs as soon as any block, a seat and budget are free; once running,
-its rank keeps improving with its age, so it eventually outranks every request and is no
-longer anyone's preemption victim or skipped for a slot: it finishes. Without chunked
+its rank keeps improving with its age, so it eventually outranks every request that arrived
+after it (those before it finish by the same argument) and is no longer their preemption
+victim nor left without a slot: it finishes. Without chunked
 prefill a prompt needs all its blocks at once and cannot shrink: a starving one is still
 skipped while it does not fit, and ranks first whenever it does.
 
