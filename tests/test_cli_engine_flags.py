@@ -24,3 +24,22 @@ def test_unset_flags_keep_the_defaults() -> None:
 def test_a_negative_step_target_is_refused() -> None:
     with pytest.raises(ValueError, match="max_step_ms"):
         engine_config_from_args(build_parser().parse_args(["serve", "--max-step-ms", "-1"]))
+
+
+def test_prefill_scheduling_flags_reach_the_scheduler_config() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve", "--max-num-partial-prefills", "3", "--max-long-partial-prefills", "2",
+            "--long-prefill-token-threshold", "256", "--aging-s", "4.5",
+        ]
+    )  # fmt: skip
+    config = engine_config_from_args(args).scheduler
+    assert (config.max_num_partial_prefills, config.max_long_partial_prefills) == (3, 2)
+    assert config.long_prefill_token_threshold == 256 and config.prefill_chunk_cap == 256
+    assert config.aging_s == 4.5
+
+
+def test_unset_prefill_flags_derive_the_chunk_cap_from_the_budget() -> None:
+    config = engine_config_from_args(build_parser().parse_args(["serve", "--max-num-batched-tokens", "1024"]))
+    assert config.scheduler.long_prefill_token_threshold is None
+    assert config.scheduler.prefill_chunk_cap == 1024 // config.scheduler.max_num_partial_prefills

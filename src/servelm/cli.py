@@ -28,6 +28,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=None, help="requests per step at most")
     group.add_argument(
+        "--max-num-partial-prefills", type=int, default=None,
+        help="prompts one step may leave unfinished (several long prompts mid-prefill at once)",
+    )  # fmt: skip
+    group.add_argument(
+        "--max-long-partial-prefills", type=int, default=None,
+        help="... of them longer than --long-prefill-token-threshold",
+    )  # fmt: skip
+    group.add_argument(
+        "--long-prefill-token-threshold", type=int, default=None,
+        help="chunk cap for a prompt while others want the budget (default: budget / max-num-partial-prefills; 0 = none)",
+    )  # fmt: skip
+    group.add_argument(
+        "--aging-s", type=float, default=None,
+        help="seconds of waiting after which a request's priority improves by one class (0 = no aging)",
+    )  # fmt: skip
+    group.add_argument(
         "--max-step-ms", type=float, default=None,
         help="inter-token latency target: while requests decode, prefill chunks shrink to keep steps under it (0 = off)",
     )  # fmt: skip
@@ -47,6 +63,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "enable_prefix_caching",
             "max_num_batched_tokens",
             "max_num_seqs",
+            "max_num_partial_prefills",
+            "max_long_partial_prefills",
+            "long_prefill_token_threshold",
+            "aging_s",
             "max_step_ms",
             "kv_events_port",
         )

@@ -49,13 +49,25 @@ class SchedulerConfig:
     # wish; the engine builder resolves it against the model and the KV pool and hands it in
     # through EngineConfig.scheduler_for. None until then: a Scheduler refuses an unresolved slice.
     max_model_len: int | None = None
-    # Most tokens one request may compute in one step (0 = no cap). Caps a long prompt's
-    # chunk so several prompts progress at once and decodes keep their latency.
-    long_prefill_token_threshold: int = 0
+    # Prompts that may be left unfinished by one step's chunk (vLLM's max_num_partial_prefills).
+    # A prompt that finishes in its step takes no slot, so short prompts are never held back by it.
+    max_num_partial_prefills: int = 4
+    # ... of which longer than long_prefill_token_threshold (vLLM's max_long_partial_prefills):
+    # with 1, long prompts prefill one after another per class and the rest of the budget stays
+    # with short prompts and decodes.
+    max_long_partial_prefills: int = 1
+    # A prompt with more tokens left than this is "long": its chunk is capped at this many
+    # tokens while other prompts want the budget; budget left over at the end of the step goes
+    # back to the capped chunks, so a prompt alone still gets all of it. None: derived,
+    # max_num_batched_tokens // max_num_partial_prefills (512 of 2048), so that that many capped
+    # chunks fit one step together and a long prompt leaves room for short ones next to it
+    # (vLLM derives 4% of max_model_len instead, which ignores the budget). 0: no cap.
+    long_prefill_token_threshold: int | None = None
     enable_chunked_prefill: bool = True  # off: a prompt is computed in one step or waits
-    # Seconds of waiting after which a request's effective priority improves by one class
-    # (and again after each further interval), so batch traffic is never starved. It is
-    # also the wait after which no smaller request may skip past it. 0 disables both.
+    # Seconds of waiting after which a request's effective priority improves by one class (and
+    # again after each further interval), so batch traffic is never starved. A request that has
+    # waited this long is admitted with a first chunk shrunk to the free blocks rather than wait
+    # for room for its whole chunk. 0 disables both.
     aging_s: float = 10.0
     # Inter-token latency target (ms) for steps that carry decodes; 0 = off. While any request
     # is decoding, a step schedules only the tokens its learned cost model (step_cost.py) says
@@ -76,12 +88,21 @@ class SchedulerConfig:
             f"max_model_len must be at least 2, got {self.max_model_len}",
         )
         _require(
-            self.long_prefill_token_threshold >= 0,
+            self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
         )
         _require(
-            self.enable_chunked_prefill or self.long_prefill_token_threshold == 0,
+            self.enable_chunked_prefill or not self.long_prefill_token_threshold,
             "long_prefill_token_threshold needs enable_chunked_prefill (a prompt cannot be capped unchunked)",
+        )
+        _require(
+            self.max_num_partial_prefills > 0,
+            f"max_num_partial_prefills must be positive, got {self.max_num_partial_prefills}",
+        )
+        _require(
+            0 < self.max_long_partial_prefills <= self.max_num_partial_prefills,
+            f"max_long_partial_prefills must be in 1..max_num_partial_prefills ({self.max_num_partial_prefills}), "
+            f"got {self.max_long_partial_prefills}",
         )
         # Unchunked, the longest allowed prompt must fit one step's budget or it waits forever.
         # Checked only against the resolved window. Like vLLM (SchedulerConfig.verify_max_model_len),
@@ -93,6 +114,16 @@ class SchedulerConfig:
             "raise max_num_batched_tokens or lower max_model_len",
         )
         _require(self.aging_s >= 0, f"aging_s must be >= 0, got {self.aging_s}")
+
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        """long_prefill_token_threshold resolved: the derived default, or 0 (no cap) unchunked."""
+        if not self.enable_chunked_prefill:
+            return 0
+        if self.long_prefill_token_threshold is None:
+            return max(1, self.max_num_batched_tokens // self.max_num_partial_prefills)
+        return self.long_prefill_token_threshold
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,9 @@ def _workload(seed: int, count: int, vocab: int):
     return prompts
 
 
-def _run(core, workload, max_steps: int = 20000):
-    """Feed requests in at their arrival steps; collect tokens and finish reasons per request,
-    and count the steps it took."""
+def _run(core, workload, max_steps: int = 20000, priorities=None):
+    """Feed requests in at their arrival steps (with priorities[i], default 0); collect tokens
+    and finish reasons per request, and count the steps it took."""
     tokens = {str(i): [] for i in range(len(workload))}
     finish = {}
     step = 0
@@ -59,7 +59,10 @@ def _run(core, workload, max_steps: int = 20000):
         for i, (prompt, max_tokens, arrival) in enumerate(workload):
             if arrival == step:
                 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-                core.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params))
+                priority = priorities[i] if priorities else 0
+                core.add_request(
+                    EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params, priority=priority)
+                )
         for output in core.step():
             tokens[output.request_id].extend(output.new_token_ids)
             if output.finish_reason is not None:
@@ -89,6 +92,25 @@ def test_randomized_workload_matches_reference(tiny_dir, reference_model):
         assert tokens[str(i)] == expected, f"request {i} (prompt {len(prompt)} tokens) diverged"
         assert finish[str(i)] == FinishReason.LENGTH
     assert stats.num_used_blocks == 0
+
+
+def test_classes_slots_and_aging_change_order_not_results(tiny_dir, reference_model):
+    """Better classes overtaking running prompts, capped chunks that sit a step out and are topped
+    up, and aged requests started in whatever blocks are free: the same greedy tokens."""
+    vocab = reference_model.arch.vocab_size
+    workload = _workload(seed=23, count=24, vocab=vocab)
+    priorities = [random.Random(i).randint(0, 2) for i in range(len(workload))]
+    config = EngineConfig.from_flat(
+        model=str(tiny_dir), num_blocks=48, block_size=16, max_num_batched_tokens=96, max_num_seqs=16,
+        max_num_partial_prefills=2, long_prefill_token_threshold=16, aging_s=0.05,
+    )  # fmt: skip
+    built = build_engine(config)
+    tokens, finish, _ = _run(built.core, workload, priorities=priorities)
+    assert built.core.stats().num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    for i, (prompt, max_tokens, _) in enumerate(workload):
+        assert tokens[str(i)] == greedy_decode(reference_model, prompt, max_tokens), f"request {i} diverged"
+        assert finish[str(i)] == FinishReason.LENGTH
+    assert built.core.stats().num_used_blocks == 0
 
 
 def test_prefix_cache_skips_work_not_results(tiny_dir):

@@ -125,7 +125,7 @@ def test_decode_first_then_chunked_prefill_under_budget() -> None:
 
 
 def test_several_prompts_mid_prefill_at_once() -> None:
-    s = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    s = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6, max_long_partial_prefills=3)
     for rid in ("p1", "p2", "p3"):
         s.add_request(request(rid, 10))
     so, out = step(s)
@@ -282,7 +282,9 @@ def test_no_head_of_line_blocking() -> None:
     assert s.get_request("huge").status is RequestStatus.WAITING
 
 
-def test_a_starving_request_stops_skipping() -> None:
+def test_a_starving_request_never_blocks_admission_unchunked() -> None:
+    # Formerly nothing could skip past a request that had waited aging_s (admission stopped
+    # there until it fit): now smaller ones still run, and it goes first once it fits.
     clock = Clock(1000.0)
     s = make_scheduler(
         num_blocks=8, max_model_len=32, max_num_batched_tokens=32, enable_chunked_prefill=False, aging_s=5.0,
@@ -294,9 +296,30 @@ def test_a_starving_request_stops_skipping() -> None:
     clock.now += 6.0  # huge has now waited past aging_s
     s.add_request(request("small", 4))
     so, _ = step(s)
-    assert so.num_scheduled_tokens == {"running": 1}  # small may not skip past huge any more
-    so, _ = step(s)  # running finished last step and freed its blocks: huge first, small fits too
-    assert so.num_scheduled_tokens == {"huge": 20, "small": 4}
+    assert so.num_scheduled_tokens == {"running": 1, "small": 4}  # huge needs 5 blocks, 3 are free
+    so, _ = step(s)  # running finished last step and freed its blocks: huge fits
+    assert so.num_scheduled_tokens == {"small": 1, "huge": 20}
+
+
+def test_a_starving_request_starts_in_the_blocks_that_are_free() -> None:
+    clock = Clock(1000.0)
+    s = make_scheduler(
+        num_blocks=8, max_model_len=32, max_num_batched_tokens=32, max_long_partial_prefills=2, aging_s=5.0,
+        clock=clock,
+    )
+    s.add_request(request("running", 26, max_tokens=2))  # 7 of 8 blocks
+    step(s)
+    s.add_request(request("huge", 20))
+    s.add_request(request("fresh", 20))
+    clock.now += 6.0  # both have waited past aging_s
+    so, _ = step(s)
+    # huge's chunk (8 tokens, 2 blocks) does not fit the one free block: as it is starving it
+    # starts with the 4 tokens that do, rather than wait for 2 blocks to be free at once.
+    assert so.num_scheduled_tokens == {"running": 1, "huge": 4}
+    assert s.get_request("fresh").status is RequestStatus.WAITING  # no block left for it
+    so, _ = step(s)  # running finished: huge goes on, fresh starts; the top-up stops at the blocks
+    assert so.num_scheduled_tokens == {"huge": 16, "fresh": 12}
+    assert s.kv_cache_usage == 1.0
 
 
 def test_priority_orders_admission() -> None:
@@ -323,6 +346,94 @@ def test_unset_arrival_time_uses_the_core_clock() -> None:
     s = make_scheduler(clock=clock, aging_s=1.0)
     s.add_request(request("a", 3))  # arrival_time 0.0 would otherwise look ancient
     assert s.get_request("a").arrival_time == 1000.0
+
+
+# -- defaults that one request cannot stall ------------------------------------------------
+
+
+def default_scheduler(clock: Clock | None = None) -> Scheduler:
+    """SchedulerConfig's defaults (budget 2048) with an 8k window and the KV pool to hold it."""
+    kv = KVCacheManager(num_blocks=1024, block_size=16)
+    return Scheduler(SchedulerConfig(max_model_len=8192), kv, eos_token_ids=[EOS], clock=clock or Clock())
+
+
+def test_default_chunk_cap_leaves_room_next_to_a_long_prompt() -> None:
+    config = SchedulerConfig()
+    assert config.max_num_partial_prefills == 4 and config.max_long_partial_prefills == 1
+    assert config.prefill_chunk_cap == config.max_num_batched_tokens // 4 == 512
+    assert SchedulerConfig(long_prefill_token_threshold=0).prefill_chunk_cap == 0  # 0: no cap
+    assert SchedulerConfig(enable_chunked_prefill=False).prefill_chunk_cap == 0
+
+
+def test_a_short_request_arriving_mid_prefill_runs_within_two_steps_at_defaults() -> None:
+    s = default_scheduler()
+    s.add_request(request("long", 4096))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"long": 2048}  # alone, it still gets the whole budget
+    s.add_request(request("short", 100))
+    so, out = step(s)
+    # The long chunk is capped at 512 while short wants budget; what is left returns to it.
+    assert so.num_scheduled_tokens == {"long": 1948, "short": 100}
+    assert out["short"].new_token_ids == [TOKEN]
+    s.add_request(request("short2", 300))
+    so, out = step(s)
+    assert so.num_scheduled_tokens == {"short": 1, "long": 100, "short2": 300}
+    assert out["long"].new_token_ids == [TOKEN]
+
+
+def test_short_prompts_run_next_to_several_long_ones_at_defaults() -> None:
+    s = default_scheduler()
+    for rid in ("long1", "long2", "long3"):
+        s.add_request(request(rid, 4000))
+    step(s)
+    for rid in ("s1", "s2", "s3"):
+        s.add_request(request(rid, 200))
+    so, out = step(s)
+    # One long prompt at a time (max_long_partial_prefills 1): the short ones all fit next to it.
+    assert so.num_scheduled_tokens == {"long1": 1448, "s1": 200, "s2": 200, "s3": 200}
+    assert sorted(out) == ["s1", "s2", "s3"]
+
+
+def test_a_realtime_request_never_waits_for_a_batch_prefill() -> None:
+    s = default_scheduler()
+    s.add_request(request("batch", 8000, priority=1))
+    step(s)
+    s.add_request(request("realtime", 3000, priority=0))
+    so, _ = step(s)
+    # The better class takes the one long slot: the batch prompt sits this step out, KV kept.
+    assert so.num_scheduled_tokens == {"realtime": 2048} and so.preempted_request_ids == set()
+    so, out = step(s)
+    assert so.num_scheduled_tokens == {"realtime": 952, "batch": 1096}
+    assert out["realtime"].new_token_ids == [TOKEN] and s.get_request("batch").num_computed_tokens == 3144
+
+
+def test_a_better_class_takes_budget_from_a_running_worse_class_chunk() -> None:
+    s = make_scheduler(max_num_batched_tokens=64, max_model_len=256, num_blocks=128)
+    s.add_request(request("batch", 200, priority=2))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"batch": 64}
+    chats = ["chat1", "chat2", "chat3", "chat4"]
+    for rid in chats:
+        s.add_request(request(rid, 15, priority=0))
+    so, out = step(s)
+    # The running batch prompt's chunk shrinks to what the chat prompts leave: 64 → 4.
+    assert so.num_scheduled_tokens == {**dict.fromkeys(chats, 15), "batch": 4} and so.preempted_request_ids == set()
+    assert sorted(out) == chats
+    so, _ = step(s)  # the decodes first, then the running prompt takes the rest
+    assert so.num_scheduled_tokens == {**dict.fromkeys(chats, 1), "batch": 60}
+
+
+def test_prompts_beyond_the_partial_slots_sit_the_step_out() -> None:
+    s = make_scheduler(max_num_batched_tokens=16, max_model_len=64, max_num_partial_prefills=2,
+                       max_long_partial_prefills=2, long_prefill_token_threshold=4)  # fmt: skip
+    for rid in ("a", "b", "c"):
+        s.add_request(request(rid, 12))
+    s.add_request(request("d", 3))
+    so, _ = step(s)
+    # a and b take both slots (4 each); c would be left unfinished too; d finishes: it runs;
+    # the 5 tokens left go back to a.
+    assert so.num_scheduled_tokens == {"a": 9, "b": 4, "d": 3}
+    assert s.get_request("c").status is RequestStatus.WAITING
 
 
 # -- abort ------------------------------------------------------------------------------
@@ -437,6 +548,12 @@ def test_bad_requests_and_configs_raise() -> None:
         SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024)
     with pytest.raises(ValueError, match="long_prefill"):
         SchedulerConfig(enable_chunked_prefill=False, long_prefill_token_threshold=8, max_model_len=2048)
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        SchedulerConfig(max_num_partial_prefills=2, max_long_partial_prefills=3)
+    with pytest.raises(ValueError, match="max_num_partial_prefills"):
+        SchedulerConfig(max_num_partial_prefills=0)
+    with pytest.raises(ValueError, match="long_prefill"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
     with pytest.raises(ValueError, match="at most one"):
         CacheConfig(num_blocks=10, kv_cache_memory_bytes=1 << 20)
     with pytest.raises(ValueError, match="block_size"):

@@ -1,7 +1,9 @@
 """Random add / abort / step sequences: invariants after every step, no block leaked at the end.
 
 A tiny reference runner mirror is rebuilt from SchedulerOutputs alone, checking the diff
-protocol: what the runner would see must match what the scheduler holds.
+protocol: what the runner would see must match what the scheduler holds. After every
+schedule() the admission guarantees are checked too: aging never blocks admission, and a
+request that waited aging_s starts as soon as blocks for a first chunk are free.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from servelm.scheduler.scheduler import Scheduler
 EOS = 2
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
+MAX_NUM_SEQS = 4
 PREFIXES = [[3] * 12, [3] * 4 + [4] * 8, [5, 6, 5, 6, 5, 6, 5, 6]]
 
 
@@ -66,13 +69,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.mirrors: dict[str, Mirror] = {}
         self.finished: set[str] = set()
-        self.scheduler = self._make(True, 0, True)
+        self.scheduler = self._make(True, 0, (4, 4), True)
 
-    def _make(self, chunked: bool, cap: int, prefix_caching: bool) -> Scheduler:
+    def _make(self, chunked: bool, cap: int | None, slots: tuple[int, int], prefix_caching: bool) -> Scheduler:
         config = SchedulerConfig(
             max_num_batched_tokens=32 if chunked else 40,
-            max_num_seqs=4,
+            max_num_seqs=MAX_NUM_SEQS,
             max_model_len=40,
+            max_num_partial_prefills=slots[0],
+            max_long_partial_prefills=slots[1],
             long_prefill_token_threshold=cap if chunked else 0,
             enable_chunked_prefill=chunked,
             aging_s=3.0,
@@ -80,9 +85,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
         return Scheduler(config, self.kv, eos_token_ids=[EOS], clock=self.clock)
 
-    @initialize(chunked=st.booleans(), cap=st.sampled_from([0, 3, 8]), prefix_caching=st.booleans())
-    def setup(self, chunked: bool, cap: int, prefix_caching: bool) -> None:
-        self.scheduler = self._make(chunked, cap, prefix_caching)
+    @initialize(
+        chunked=st.booleans(),
+        cap=st.sampled_from([None, 0, 3, 8]),  # None: derived from the budget
+        slots=st.sampled_from([(4, 4), (2, 1), (1, 1)]),  # (max_num_partial_prefills, max_long_partial_prefills)
+        prefix_caching=st.booleans(),
+    )
+    def setup(self, chunked: bool, cap: int | None, slots: tuple[int, int], prefix_caching: bool) -> None:
+        self.scheduler = self._make(chunked, cap, slots, prefix_caching)
 
     @rule(requests=st.lists(REQUESTS, min_size=1, max_size=3))
     def add(self, requests: list[tuple[list[int], int, SamplingParams, str | None]]) -> None:
@@ -125,6 +135,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         so = s.schedule()
         s.check_invariants()
         assert so.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
+        self._check_admission(so)
         self._apply_to_mirrors(so)
         sampled = {}
         for i, (request_id, num) in enumerate(so.num_scheduled_tokens.items()):
@@ -144,6 +155,35 @@ class SchedulerMachine(RuleBasedStateMachine):
             request = s.get_request(request_id)
             if request is not None:  # still running: KV exactly covers what is computed
                 assert len(self.kv.get_block_ids(request_id)) == -(-request.num_computed_tokens // BLOCK_SIZE)
+
+    def _check_admission(self, so: SchedulerOutput) -> None:
+        """After a step that preempted nobody and left budget and a seat, every request still
+        waiting has a reason of its own: no request that does not fit holds back one that does."""
+        s = self.scheduler
+        budget_left = s.config.max_num_batched_tokens - so.total_num_scheduled_tokens
+        if so.preempted_request_ids or budget_left <= 0 or s.num_running >= MAX_NUM_SEQS:
+            return
+        num_free = self.kv.num_free_blocks
+        cap = s.config.prefill_chunk_cap
+        # With a slot for every seat, a starving prompt can always have one.
+        slots_never_bind = s.config.max_long_partial_prefills >= MAX_NUM_SEQS
+        for request_id in (f"r{i}" for i in range(1, self.next_id + 1)):
+            request = s.get_request(request_id)
+            if request is None or request.status is RequestStatus.RUNNING:
+                continue
+            num_tokens = request.num_tokens
+            # Conservative: the whole of it in fresh blocks, short enough for no chunk cap.
+            fits_whole = num_tokens <= budget_left and -(-num_tokens // BLOCK_SIZE) <= num_free
+            assert not (fits_whole and (not cap or num_tokens <= cap)), f"{request_id} fits but was skipped"
+            if s.config.enable_chunked_prefill and slots_never_bind:
+                starving = self.clock.now - request.arrival_time >= s.config.aging_s
+                # Its prefix hits (cached-free blocks it would revive) are at most its full blocks;
+                # any free block beyond them holds a first chunk.
+                num_hit_blocks = (num_tokens - 1) // BLOCK_SIZE if self.kv.enable_prefix_caching else 0
+                assert not (starving and num_free > num_hit_blocks), (
+                    f"{request_id} has waited {self.clock.now - request.arrival_time} s and is still not started "
+                    f"with {num_free} blocks free"
+                )
 
     def _apply_to_mirrors(self, so: SchedulerOutput) -> None:
         assert not so.finished_request_ids & so.preempted_request_ids

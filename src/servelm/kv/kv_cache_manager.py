@@ -192,6 +192,19 @@ class KVCacheManager:
         state.blocks.extend(new_blocks)
         return [block.block_id for block in new_blocks]
 
+    def max_new_tokens(
+        self, request_id: str, *, num_computed_tokens: int, computed_blocks: ComputedBlocks | None = None
+    ) -> int:
+        """Most new tokens allocate_slots would place right now with the same arguments: it
+        succeeds for any num_new_tokens up to this. Changes nothing (the scheduler asks it to
+        shrink a chunk to the free blocks)."""
+        state = self._requests.get(request_id)
+        hit = computed_blocks.blocks if computed_blocks is not None else []
+        num_held = len(state.blocks) if state else 0
+        # Cached-free hit blocks are among the free ones: reviving them leaves fewer for fresh KV.
+        num_fresh = self.pool.num_free_blocks - sum(1 for block in hit if block.ref_count == 0)
+        return (num_held + len(hit) + num_fresh) * self.block_size - num_computed_tokens
+
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Offer the request's blocks that became full and computed to the prefix cache.
 

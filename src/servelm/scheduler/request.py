@@ -101,6 +101,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def is_prefilling(self) -> bool:
+        """Running with part of what it was admitted with still to compute (a prompt mid-prefill)."""
+        return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
     def extra_key(self) -> bytes | None:
         return extra_key_from_salt(self.cache_salt)
 

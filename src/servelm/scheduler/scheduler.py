@@ -1,17 +1,36 @@
 """Scheduler: token catch-up scheduling over a paged KV cache. The one writer of request state.
 
-Each step hands out a token budget (max_num_batched_tokens):
+Each step hands out a token budget (max_num_batched_tokens). Requests are ranked by
+(effective priority, arrival), effective priority = priority - floor(age / aging_s):
 
-    1. RUNNING requests, in (priority, arrival) order, each get
-       min(num_tokens - num_computed_tokens, cap, budget left): 1 for a decode, the next
-       chunk for a prompt mid-prefill. No blocks for it → preempt the lowest-priority,
-       latest-arrived running request (perhaps itself) and retry.
-    2. WAITING requests, in (effective priority, arrival) order, only if nobody was
-       preempted in step 1 (then blocks are short; admitting would only thrash):
-       prefix-cache lookup, chunk the rest under the budget, allocate. A request that
-       does not fit is SKIPPED, so smaller ones behind it still run (no head-of-line
-       blocking) — except that nothing skips past a request that has waited longer than
-       aging_s: admission stops there until it fits, so it cannot starve.
+    1. DECODES: running requests whose prompt is computed, best rank first, each get
+       min(num_tokens - num_computed_tokens, budget left). They go before any prefill, so a
+       prompt's chunk never takes budget a decode needs. No blocks → preempt the worst-ranked
+       running request not yet scheduled this step (perhaps itself) and retry.
+    2. PREFILL CHUNKS: running prompts mid-prefill and WAITING requests in one order, by
+       (effective priority, running before waiting, arrival). So a better class goes first
+       even against a prompt already running: the running one's chunk shrinks or skips the
+       step and keeps its KV. Each chunk is capped at long_prefill_token_threshold, then by the
+       budget left. A chunk that leaves its prompt unfinished takes one of
+       max_num_partial_prefills slots (of max_long_partial_prefills if the prompt has more than
+       the cap left); with no slot left the prompt sits this step out. A prompt finished by its
+       chunk takes no slot: short prompts are admitted next to long chunks. Waiting requests
+       are admitted only while nobody was preempted (blocks are short then: admitting would
+       thrash), a seat and a free block remain. A running chunk without blocks preempts as in
+       1; a waiting request that does not fit is SKIPPED, never waited for.
+    3. TOP-UP: budget left over goes back to the chunks that left their prompt unfinished,
+       then to the running prompts that sat the step out, in the order of 2, as far as free
+       blocks go: the cap and the slots share a contended budget, they never leave it idle (a
+       prompt alone still gets all of it).
+
+Aging never blocks: nothing waits behind a request that does not fit. Instead a request
+that has waited aging_s is admitted with a first chunk shrunk to the free blocks (with
+chunked prefill), so it runs as soon as any block, a seat and budget are free; once running,
+its rank keeps improving with its age, so it eventually outranks every request that arrived
+after it (those before it finish by the same argument) and is no longer their preemption
+victim nor left without a slot: it finishes. Without chunked
+prefill a prompt needs all its blocks at once and cannot shrink: a starving one is still
+skipped while it does not fit, and ranks first whenever it does.
 
 update() then advances num_computed_tokens by what was scheduled, caches newly full
 blocks, appends sampled tokens, checks stop conditions and frees finished requests; it
@@ -28,9 +47,10 @@ engine core's recovery), so the one to blame fails alone.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Iterator
+from operator import itemgetter
 
 from servelm.config import SchedulerConfig
 from servelm.datatypes import (
@@ -48,31 +68,16 @@ from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.step_cost import StepCostModel
 from servelm.scheduler.step_log import StepLog
+from servelm.scheduler.step_plan import StepPlan
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.waiting_queue import WaitingQueue
+
+# (effective priority, 0 running | 1 waiting, arrival time, arrival seq): the order of step 2.
+_PrefillRank = tuple[int, int, float, int]
 
 
 class SchedulerInvariantError(RuntimeError):
     """Request bookkeeping is inconsistent: a bug, never a user error."""
-
-
-@dataclass
-class _StepPlan:
-    """What one schedule() call has decided so far."""
-
-    budget: int  # tokens left this step
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_requests: list[CachedRequestData] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    preempted_request_ids: set[str] = field(default_factory=set)
-
-    def take(self, request_id: str, num_tokens: int) -> None:
-        self.num_scheduled_tokens[request_id] = num_tokens
-        self.budget -= num_tokens
-
-
-def _running_key(request: Request) -> tuple[int, float, int]:
-    return (request.priority, request.arrival_time, request.arrival_seq)
 
 
 class Scheduler:
@@ -203,16 +208,17 @@ class Scheduler:
         recompute) so the engine can retry each alone (`schedule_alone`), and make the runner forget
         them. Returns their ids in schedule order. Nothing is finished here."""
         now = self._clock()
-        plan = _StepPlan(budget=0)
+        plan = StepPlan(budget=0)
         requeued = [self._requests[rid] for rid in scheduler_output.num_scheduled_tokens if rid in self._requests]
         gone = {id(r) for r in requeued}
         self._running = [r for r in self._running if id(r) not in gone]
         self._waiting.remove_many(r for r in requeued if r.status is not RequestStatus.RUNNING)
         for request in requeued:
             self._preempt(request, plan, now)
+        self._requeue(plan)
         # Re-sent: forgetting is idempotent, and the runner may not have applied them.
         self._finished_ids |= scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids
-        self._finished_ids |= plan.preempted_request_ids
+        self._finished_ids |= {r.request_id for r in requeued}
         return [r.request_id for r in requeued]
 
     def schedule_alone(self, request_id: str) -> SchedulerOutput | None:
@@ -226,34 +232,23 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING and request.num_tokens - request.num_computed_tokens <= 1:
             return None  # caught up (it sampled): it decodes with the others from now on
         now = self._clock()
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        # Nothing else runs: no cap, and its chunk may leave the prompt unfinished if chunked.
+        chunked = self.config.enable_chunked_prefill
+        plan = StepPlan(budget=self.config.max_num_batched_tokens, partial_slots=int(chunked), long_slots=1)
         if request.status is RequestStatus.RUNNING:
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, plan.budget)
-            new_block_ids = self._kv.allocate_slots(request_id, num_new, num_computed_tokens=request.num_computed_tokens)
+            num_new = plan.prefill_chunk(request.num_tokens - request.num_computed_tokens)
+            new_block_ids = self._kv.allocate_slots(
+                request_id, num_new, num_computed_tokens=request.num_computed_tokens
+            )
             if new_block_ids is None:
                 return None
-            plan.cached_requests.append(
-                CachedRequestData(
-                    request_id=request_id,
-                    new_token_ids=request.all_token_ids[request.num_sent_tokens :],
-                    new_block_ids=new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
-            request.num_sent_tokens = request.num_tokens
+            self._send_running(request, new_block_ids, plan)
             plan.take(request_id, num_new)
         elif self._try_admit(request, plan, now):
             self._waiting.remove_many([request])
         else:
             return None
-        finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(
-            new_requests=plan.new_requests,
-            cached_requests=plan.cached_requests,
-            num_scheduled_tokens=plan.num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
-            finished_request_ids=finished,
-        )
+        return self._output(plan)
 
     # -- schedule -------------------------------------------------------------------
 
@@ -262,7 +257,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.config.max_step_ms <= 0:
             return budget
-        num_decoding = sum(1 for r in self._running if r.num_tokens - r.num_computed_tokens == 1)
+        num_decoding = sum(1 for r in self._running if not r.is_prefilling)
         if not num_decoding:
             return budget
         fits = self.step_cost.tokens_within(self.config.max_step_ms / 1000.0)
@@ -273,10 +268,23 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         now = self._clock()
-        plan = _StepPlan(budget=self._step_budget())
-        self._schedule_running(plan, now)
-        if not plan.preempted_request_ids:
-            self._schedule_waiting(plan, now)
+        config = self.config
+        plan = StepPlan(
+            budget=self._step_budget(),
+            chunk_cap=config.prefill_chunk_cap,
+            # Unchunked, no prompt may be left unfinished: a chunk is the whole prompt or nothing.
+            partial_slots=config.max_num_partial_prefills if config.enable_chunked_prefill else 0,
+            long_slots=config.max_long_partial_prefills,
+        )
+        # Ranked, so preemption victims are the unscheduled requests nearest the end.
+        self._running.sort(key=lambda request: self._waiting.rank(request, now))
+        self._schedule_decodes(plan, now)
+        self._schedule_prefills(plan, now)
+        self._top_up_prefills(plan)
+        self._requeue(plan)
+        return self._output(plan)
+
+    def _output(self, plan: StepPlan) -> SchedulerOutput:
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             new_requests=plan.new_requests,
@@ -284,55 +292,122 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_request_ids=finished,
-            preempted_request_ids=plan.preempted_request_ids,
+            preempted_request_ids={r.request_id for r in plan.preempted},
         )
 
-    def _chunk(self, num_uncomputed: int, budget: int) -> int:
-        """Tokens one request computes this step: capped per request, then by the budget."""
-        if self.config.long_prefill_token_threshold > 0:
-            num_uncomputed = min(num_uncomputed, self.config.long_prefill_token_threshold)
-        return min(num_uncomputed, budget)
+    def _schedule_decodes(self, plan: StepPlan, now: float) -> None:
+        for request in list(self._running):  # a copy: preemption takes requests off the list
+            if plan.budget <= 0:
+                break
+            if request.is_prefilling or request.status is not RequestStatus.RUNNING:
+                continue  # a prompt (step 2), or preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            new_block_ids = self._allocate_or_preempt(request, num_new, plan, now)
+            if new_block_ids is not None:
+                self._send_running(request, new_block_ids, plan)
+                plan.take(request.request_id, num_new)
 
-    def _schedule_running(self, plan: _StepPlan, now: float) -> None:
-        # Sorted so that preemption victims can be popped from the end: everything after
-        # index i is lower priority (or later) than running[i] and not yet scheduled.
-        running = self._running = sorted(self._running, key=_running_key)
-        i = 0
-        while i < len(running) and plan.budget > 0:
-            request = running[i]
-            # >= 1: update() refuses a step that caught a request up without sampling.
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, plan.budget)
-            new_block_ids = self._allocate_or_preempt(request, num_new, running, plan, now)
-            if new_block_ids is None:
-                break  # it preempted itself: it was the last one left
-            plan.cached_requests.append(
-                CachedRequestData(
-                    request_id=request.request_id,
-                    new_token_ids=request.all_token_ids[request.num_sent_tokens :],
-                    new_block_ids=new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
-            request.num_sent_tokens = request.num_tokens
-            plan.take(request.request_id, num_new)
-            i += 1
+    def _schedule_prefills(self, plan: StepPlan, now: float) -> None:
+        """Running prompts mid-prefill and waiting requests, merged by (effective priority,
+        running first, arrival); see the module docstring, step 2."""
 
-    def _allocate_or_preempt(
-        self, request: Request, num_new: int, running: list[Request], plan: _StepPlan, now: float
-    ) -> list[int] | None:
+        def ranked(requests: Iterable[Request], is_waiting: int) -> Iterator[tuple[_PrefillRank, Request]]:
+            for request in requests:
+                priority, arrival_time, arrival_seq = self._waiting.rank(request, now)
+                yield (priority, is_waiting, arrival_time, arrival_seq), request
+
+        prefilling = [r for r in self._running if r.is_prefilling]  # step 1 scheduled none of them
+        num_prefilling_left = len(prefilling)
+        admitted: list[Request] = []
+        merged = heapq.merge(ranked(prefilling, 0), ranked(self._waiting.ordered(now), 1), key=itemgetter(0))
+        for (_, is_waiting, _, _), request in merged:
+            if plan.budget <= 0:
+                break
+            if not is_waiting:
+                num_prefilling_left -= 1
+                if request.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
+                    self._schedule_prefill_chunk(request, plan, now)
+            elif self._admission_open(plan):
+                if self._try_admit(request, plan, now):
+                    admitted.append(request)
+            elif not num_prefilling_left:
+                break  # nobody can be admitted: stop before walking a long queue for nothing
+        self._waiting.remove_many(admitted)
+
+    def _admission_open(self, plan: StepPlan) -> bool:
+        # New tokens always need a fresh block (a prefix hit covers full blocks only).
+        return not plan.preempted and len(self._running) < self.config.max_num_seqs and self._kv.num_free_blocks > 0
+
+    def _schedule_prefill_chunk(self, request: Request, plan: StepPlan, now: float) -> None:
+        num_uncomputed = request.num_tokens - request.num_computed_tokens
+        num_new = plan.prefill_chunk(num_uncomputed)
+        if not num_new:
+            plan.sat_out.append(request)  # no slot: it keeps its KV; only the top-up may move it
+            return
+        new_block_ids = self._allocate_or_preempt(request, num_new, plan, now)
+        if new_block_ids is not None:
+            sent = self._send_running(request, new_block_ids, plan)
+            plan.take_prefill(request, num_new, num_uncomputed, sent.new_block_ids)
+
+    def _top_up_prefills(self, plan: StepPlan) -> None:
+        """Budget nobody else could use: to the chunks that left their prompt unfinished, then
+        to the running prompts that sat the step out, in schedule order, as far as blocks go."""
+        for request, block_ids in plan.unfinished_prefills:
+            more = self._grow_chunk(request, plan)
+            if more is not None:
+                block_ids.extend(more)
+        for request in plan.sat_out:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # a later chunk preempted it
+            more = self._grow_chunk(request, plan)
+            if more is not None:
+                self._send_running(request, more, plan)
+
+    def _grow_chunk(self, request: Request, plan: StepPlan) -> list[int] | None:
+        """Add to `request`'s chunk this step what the budget left and the free blocks allow.
+        Returns the blocks that took, or None when it cannot grow."""
+        num_scheduled = plan.num_scheduled_tokens.get(request.request_id, 0)
+        room = self._kv.max_new_tokens(request.request_id, num_computed_tokens=request.num_computed_tokens)
+        num_total = min(request.num_tokens - request.num_computed_tokens, num_scheduled + plan.budget, room)
+        if num_total <= num_scheduled:
+            return None
+        more = self._kv.allocate_slots(request.request_id, num_total, num_computed_tokens=request.num_computed_tokens)
+        if more is None:
+            raise SchedulerInvariantError(f"{request.request_id!r}: {num_total} tokens fit but could not be allocated")
+        plan.take(request.request_id, num_total - num_scheduled)
+        return more
+
+    def _send_running(self, request: Request, new_block_ids: list[int], plan: StepPlan) -> CachedRequestData:
+        """Tell the runner what a running request gained since it last saw it."""
+        sent = CachedRequestData(
+            request_id=request.request_id,
+            new_token_ids=request.all_token_ids[request.num_sent_tokens :],
+            new_block_ids=new_block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+        plan.cached_requests.append(sent)
+        request.num_sent_tokens = request.num_tokens
+        return sent
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan, now: float) -> list[int] | None:
+        """Blocks for `num_new` more tokens of a running request, preempting the worst-ranked
+        running requests not yet scheduled this step (perhaps itself: then None)."""
         while True:
             new_block_ids = self._kv.allocate_slots(
                 request.request_id, num_new, num_computed_tokens=request.num_computed_tokens
             )
             if new_block_ids is not None:
                 return new_block_ids
-            victim = running.pop()  # lowest priority, latest arrival
+            # `request` itself is unscheduled, so there is always a victim.
+            victim = next(r for r in reversed(self._running) if r.request_id not in plan.num_scheduled_tokens)
+            self._running.remove(victim)
             self._preempt(victim, plan, now)
             if victim is request:
                 return None
 
-    def _preempt(self, request: Request, plan: _StepPlan, now: float) -> None:
-        """Drop its KV; it recomputes prompt + output later (it keeps its output tokens)."""
+    def _preempt(self, request: Request, plan: StepPlan, now: float) -> None:
+        """Drop its KV; it recomputes prompt + output later (it keeps its output tokens). The
+        caller takes it off the running list; _requeue puts it back to waiting."""
         self._kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -340,36 +415,32 @@ class Scheduler:
         request.num_sent_tokens = 0  # the runner drops its mirror; it is re-sent in full
         request.record(EventType.PREEMPTED, now)
         request.record(EventType.QUEUED, now)
-        plan.preempted_request_ids.add(request.request_id)
-        self._waiting.add(request)
+        plan.preempted.append(request)
 
-    def _schedule_waiting(self, plan: _StepPlan, now: float) -> None:
-        admitted: list[Request] = []
-        for request in self._waiting.ordered(now):
-            # No free block: nobody can be admitted (new tokens always need a fresh block),
-            # so stop before hashing the rest of a long queue for nothing.
-            if plan.budget <= 0 or len(self._running) >= self.config.max_num_seqs or not self._kv.num_free_blocks:
-                break
-            if self._try_admit(request, plan, now):
-                admitted.append(request)
-            elif self._is_starving(request, now):
-                break  # the free blocks and budget are now kept for it
-        self._waiting.remove_many(admitted)
+    def _requeue(self, plan: StepPlan) -> None:
+        # After the step is planned: the waiting queue must not change while step 2 walks it.
+        for request in plan.preempted:
+            self._waiting.add(request)
 
     def _is_starving(self, request: Request, now: float) -> bool:
         return self.config.aging_s > 0 and now - request.arrival_time >= self.config.aging_s
 
-    def _try_admit(self, request: Request, plan: _StepPlan, now: float) -> bool:
+    def _try_admit(self, request: Request, plan: StepPlan, now: float) -> bool:
         hit = self._lookup(request)
-        num_new = request.num_tokens - hit.num_computed_tokens
-        if not self.config.enable_chunked_prefill and num_new > plan.budget:
+        num_uncomputed = request.num_tokens - hit.num_computed_tokens
+        num_new = plan.prefill_chunk(num_uncomputed)
+        room = self._kv.max_new_tokens(
+            request.request_id, num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit
+        )
+        if num_new > room and self._is_starving(request, now) and plan.has_slot(num_uncomputed):
+            num_new = room  # the aging guarantee: it starts in what is free instead of waiting for more
+        if not 0 < num_new <= room:
             return False
-        num_new = self._chunk(num_new, plan.budget)
         block_ids = self._kv.allocate_slots(
             request.request_id, num_new, num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit
         )
         if block_ids is None:
-            return False
+            raise SchedulerInvariantError(f"{request.request_id!r}: {num_new} tokens fit but could not be allocated")
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = hit.num_computed_tokens
         if request.num_cached_tokens is None:
@@ -388,7 +459,7 @@ class Scheduler:
             )
         )
         request.num_sent_tokens = request.num_tokens
-        plan.take(request.request_id, num_new)
+        plan.take_prefill(request, num_new, num_uncomputed, block_ids)
         return True
 
     def _lookup(self, request: Request) -> ComputedBlocks:

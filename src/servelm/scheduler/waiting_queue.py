@@ -60,10 +60,11 @@ class WaitingQueue:
         waited = max(0.0, now - request.arrival_time)  # clamp: another host's clock may run ahead
         return request.priority - math.floor(waited / self.aging_s)
 
+    def rank(self, request: Request, now: float) -> tuple[int, float, int]:
+        """(effective priority, arrival): lower goes first. The scheduler ranks running requests
+        by it too, so an aged request also stops being the first preemption victim."""
+        return (self.effective_priority(request, now), request.arrival_time, request.arrival_seq)
+
     def ordered(self, now: float) -> Iterator[Request]:
         """Best first. Do not add or remove while iterating; collect, then remove_many."""
-
-        def key(request: Request) -> tuple[int, float, int]:
-            return (self.effective_priority(request, now), request.arrival_time, request.arrival_seq)
-
-        return heapq.merge(*self._classes.values(), key=key)
+        return heapq.merge(*self._classes.values(), key=lambda request: self.rank(request, now))
