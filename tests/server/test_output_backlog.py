@@ -4,8 +4,9 @@ output backlog grows for a client that stops reading a stream while it stays nea
 A client that does not read: its socket's receive window fills, then the server's send buffer
 and the transport's, then each SSE write blocks; the engine keeps generating, so outputs pile
 up in the stream's queue (the gauge, now) and the stream ends with them untaken (the histogram).
-The stream is made heavy (16 choices, 20 logprobs each: ~10 kB per engine step) so the few MB
-of socket buffers on loopback fill in a few hundred steps.
+The stream is made heavy (16 choices, 20 logprobs each: ~10 kB per engine step, ~9 MB in all)
+so the socket buffers on loopback (the server's send buffer grows to Linux's default cap of
+4 MB, `net.ipv4.tcp_wmem`) fill within a few hundred of its 900 steps.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def test_a_client_that_stops_reading_builds_a_backlog(server):
             time.sleep(0.2)
             queued = metric_value(scrape(server), "servelm:num_outputs_queued_in_api")
         if queued < 1000:
-            pytest.fail(f"outputs queued for a client that reads nothing stayed at {queued:.0f}")
+            pytest.fail(f"outputs queued for a client that reads nothing stayed at {queued:.0f} "
+                        "(a send buffer cap above 4 MB, net.ipv4.tcp_wmem, can absorb the whole stream)")  # fmt: skip
     # The client left: the stream is cancelled with its outputs untaken, and that is one sample.
     after = wait_idle(server)
     new = _new_samples(before, after)
