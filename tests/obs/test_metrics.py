@@ -28,7 +28,7 @@ def test_buckets_and_priority_classes():
 def test_request_and_core_metrics():
     stats = CoreStats(num_running=3, num_waiting=2, kv_usage=0.25, num_used_blocks=16, prefix_queries=100,
                       prefix_hits=40, num_preemptions=1)  # fmt: skip
-    metrics = ServerMetrics("tiny", 1024, lambda: stats, num_blocks=64, num_in_api=lambda: 5)
+    metrics = ServerMetrics("tiny", 1024, lambda: stats, num_blocks=64, num_in_api=lambda: 5, num_outputs_queued=lambda: 7)
     events = [RequestEvent(E.ARRIVED, 10.0), RequestEvent(E.SCHEDULED, 10.5), RequestEvent(E.FIRST_TOKEN, 11.0),
               RequestEvent(E.FINISHED, 13.0)]  # fmt: skip
     metrics.observe_finished(FinishedRequest(priority=5, finish_reason="length", num_prompt_tokens=7,
@@ -53,3 +53,23 @@ def test_request_and_core_metrics():
     assert s[("servelm:kv_cache_usage_perc", model)] == 0.25 and s[("servelm:kv_cache_used_blocks", model)] == 16
     assert s[("servelm:prefix_cache_queries_total", model)] == 100 and s[("servelm:prefix_cache_hits_total", model)] == 40
     assert s[("servelm:num_preemptions_total", model)] == 1 and s[("servelm:num_requests_in_api", model)] == 5
+
+
+def test_api_process_metrics():
+    """Event-loop lag, and the output backlog both as a histogram per stream batch and as a gauge now."""
+    metrics = ServerMetrics("tiny", 1024, CoreStats, num_blocks=8, num_in_api=lambda: 0, num_outputs_queued=lambda: 42)
+    metrics.observe_loop_lag(0.3)
+    for num_outputs in (0, 0, 3, 120):
+        metrics.observe_output_backlog(0, num_outputs)
+    s = _samples(metrics)
+    model = (("model_name", "tiny"),)
+    assert s[("servelm:num_outputs_queued_in_api", model)] == 42
+    assert s[("servelm:api_event_loop_lag_seconds_count", model)] == 1
+    assert s[("servelm:api_event_loop_lag_seconds_bucket", (("le", "0.25"), *model))] == 0
+    assert s[("servelm:api_event_loop_lag_seconds_bucket", (("le", "0.5"), *model))] == 1
+    interactive = (*model, ("priority", "interactive"))
+    bucket = "servelm:stream_output_backlog_bucket"
+    assert s[(bucket, (("le", "0.0"), *interactive))] == 2  # a stream that keeps up: its own bucket
+    assert s[(bucket, (("le", "5.0"), *interactive))] == 3
+    assert s[(bucket, (("le", "100.0"), *interactive))] == 3 and s[(bucket, (("le", "200.0"), *interactive))] == 4
+    assert s[("servelm:stream_output_backlog_sum", interactive)] == 123

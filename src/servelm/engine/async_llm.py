@@ -49,6 +49,8 @@ class GenerationObserver(Protocol):
 
     def observe_token_gap(self, priority: int, gap_s: float) -> None: ...
 
+    def observe_output_backlog(self, priority: int, num_outputs: int) -> None: ...
+
     def observe_finished(self, request: FinishedRequest) -> None: ...
 
 
@@ -75,6 +77,7 @@ class AsyncLLM:
         self.block_size = client.ready.block_size
         # Fire-and-forget aborts from close(), referenced until done so they are not GC'd.
         self._background: set[asyncio.Task[Any]] = set()
+        self._live_streams: dict[str, GenerationStream] = {}  # started and not closed, by request id
 
     @classmethod
     async def start(cls, config: EngineConfig, tokenizer_threads: int = 2) -> AsyncLLM:
@@ -93,6 +96,11 @@ class AsyncLLM:
     def dead_error(self) -> str | None:
         """Why the engine core is not running, or None while it is."""
         return self.client.dead_error
+
+    @property
+    def num_outputs_queued(self) -> int:
+        """Engine outputs received here that their streams have not taken yet (the output backlog, now)."""
+        return sum(stream.num_outputs_queued for stream in self._live_streams.values())
 
     async def shutdown(self) -> None:
         await self.client.shutdown()
@@ -196,9 +204,14 @@ class GenerationStream:
     def error(self) -> str | None:
         return self.fan_out.error
 
+    @property
+    def num_outputs_queued(self) -> int:
+        return self._queue.qsize()
+
     async def start(self) -> None:
         """Send the first engine requests; on any failure close() so nothing half-sent stays in the core.
         EngineDeadError when the core is not running."""
+        self.engine._live_streams[self.request_id] = self
         try:
             await self._submit_all(self.fan_out.first_requests())
         except BaseException:
@@ -246,6 +259,8 @@ class GenerationStream:
         outputs = [await self._queue.get()]
         while not self._queue.empty():  # coalesce whatever else is already here: one chunk, not several
             outputs.append(self._queue.get_nowait())
+        if self.observer is not None:
+            self.observer.observe_output_backlog(self.priority, _num_behind(outputs))
         wall, mono = time.time(), time.perf_counter()
         if any(o.new_token_ids for o in outputs):
             self.timeline.stamp(ApiStamp.FIRST_OUTPUT_RECEIVED, wall, mono)
@@ -287,14 +302,23 @@ class GenerationStream:
         if self._closed:
             return
         self._closed = True
+        self.engine._live_streams.pop(self.request_id, None)
         for task in self._forwarders:
             task.cancel()
         live = self.fan_out.close()
+        if live and self.observer is not None:  # ended early (the client left): what it never took
+            self.observer.observe_output_backlog(self.priority, self.num_outputs_queued)
         mono = time.perf_counter()
         for choice in live:
             self._finished(choice, "abort", mono)  # its own ABORT output will never reach us: count it here
         if live:
             self.engine._spawn(self.engine.client.abort([c.engine_id for c in live]))
+
+
+def _num_behind(outputs: list[EngineOutput]) -> int:
+    """Outputs taken at once beyond the newest one per choice: how many engine steps' worth
+    (times choices) the stream fell behind. One output (the common case) is 0, without a set."""
+    return 0 if len(outputs) == 1 else len(outputs) - len({output.request_id for output in outputs})
 
 
 async def _forward(source: asyncio.Queue[EngineOutput], target: asyncio.Queue[EngineOutput]) -> None:

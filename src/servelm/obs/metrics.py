@@ -6,7 +6,9 @@ Two sources:
 - the engine core's own counters and gauges (running / waiting requests, KV usage,
   prefix-cache queries and hits, preemptions), which arrive with every output batch as
   `CoreStats` and are read at scrape time by a custom collector, so they are never stale
-  by more than one engine step (or one abort, see core_process).
+  by more than one engine step (or one abort, see core_process);
+- the API process's own health: its event loop's lag (obs.loop_lag) and the output backlog,
+  engine outputs that wait in the API for a client (or the API itself) to take them.
 
 Each server owns its own CollectorRegistry: two servers in one process (tests) never collide.
 """
@@ -31,6 +33,9 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15,
                       5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# 0 is its own bucket: a stream that keeps up never has an output waiting.
+_BACKLOG_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 50000.0)
 
 
 def priority_class(priority: int) -> str:
@@ -71,7 +76,9 @@ class ServerMetrics:
         core_stats: Callable[[], CoreStats],
         num_blocks: int,
         num_in_api: Callable[[], int],
+        num_outputs_queued: Callable[[], int],
     ) -> None:
+        """`core_stats`, `num_in_api` and `num_outputs_queued` are read at every scrape (on the event loop)."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "priority"]
@@ -98,14 +105,28 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.request_success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
-        self.registry.register(_CoreCollector(model_name, core_stats, num_blocks, num_in_api))
-        self._itl_children: dict[str, Histogram] = {}
+        self.output_backlog = histogram(
+            "stream_output_backlog",
+            "Engine outputs waiting in a stream's queue each time the stream takes them, beyond the newest one per "
+            "choice; and, when a stream ends before its choices did (the client left), the outputs it never took. "
+            "0 while the client and the API keep up with the engine; grows by one per choice per engine step "
+            "while a client does not read (its SSE writes block, the engine keeps generating).",
+            _BACKLOG_BUCKETS,
+        )
+        self.registry.register(_CoreCollector(model_name, core_stats, num_blocks, num_in_api, num_outputs_queued))
+        # Observed per output batch of every stream: their labelled children are cached.
+        self._itl_by_class = _ByClass(self.itl, model_name)
+        self._backlog_by_class = _ByClass(self.output_backlog, model_name)
         # Per engine step (no priority: a step serves every class at once). A long TBT is a long
         # step; these say how long steps run and how many tokens they carry (vLLM: iteration_tokens).
         self.step_seconds = Histogram(PREFIX + "engine_step_seconds", "Model runner time per engine step.",
                                       ["model_name"], buckets=_TOKEN_GAP_BUCKETS, registry=self.registry).labels(model_name)  # fmt: skip
         self.step_tokens = Histogram(PREFIX + "iteration_tokens", "Tokens scheduled per engine step (prefill + decode).",
                                      ["model_name"], buckets=length_buckets(max_model_len), registry=self.registry).labels(model_name)  # fmt: skip
+        self.loop_lag = Histogram(PREFIX + "api_event_loop_lag_seconds",
+                                  "How late the API event loop ran a timer that was due (obs.loop_lag): how long every "
+                                  "ready callback (SSE writes, request parsing, engine outputs) waited behind others.",
+                                  ["model_name"], buckets=_LOOP_LAG_BUCKETS, registry=self.registry).labels(model_name)  # fmt: skip
 
     def observe_steps(self, stats: CoreStats) -> None:
         for num_tokens, seconds in stats.recent_steps:
@@ -113,12 +134,13 @@ class ServerMetrics:
             self.step_seconds.observe(seconds)
 
     def observe_token_gap(self, priority: int, gap_s: float) -> None:
-        """Hot path (every output of every stream): the labelled child is cached."""
-        label = priority_class(priority)
-        child = self._itl_children.get(label)
-        if child is None:
-            child = self._itl_children[label] = self.itl.labels(self.model_name, label)
-        child.observe(gap_s)
+        self._itl_by_class.observe(priority, gap_s)
+
+    def observe_output_backlog(self, priority: int, num_outputs: int) -> None:
+        self._backlog_by_class.observe(priority, num_outputs)
+
+    def observe_loop_lag(self, lag_s: float) -> None:
+        self.loop_lag.observe(lag_s)
 
     def observe_ttft(self, priority: int, breakdown: TTFTBreakdown) -> None:
         label = priority_class(priority)
@@ -151,6 +173,22 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+class _ByClass:
+    """A (model_name, priority) histogram's children, looked up once per class."""
+
+    def __init__(self, family: Histogram, model_name: str) -> None:
+        self.family = family
+        self.model_name = model_name
+        self.children: dict[str, Histogram] = {}
+
+    def observe(self, priority: int, value: float) -> None:
+        label = priority_class(priority)
+        child = self.children.get(label)
+        if child is None:
+            child = self.children[label] = self.family.labels(self.model_name, label)
+        child.observe(value)
+
+
 def _first_stamps(events: list[RequestEvent]) -> dict[EventType, float]:
     stamps: dict[EventType, float] = {}
     for event in events:
@@ -162,12 +200,18 @@ class _CoreCollector(Collector):
     """Gauges and cumulative counters straight from the latest CoreStats, read at scrape time."""
 
     def __init__(
-        self, model_name: str, core_stats: Callable[[], CoreStats], num_blocks: int, num_in_api: Callable[[], int]
+        self,
+        model_name: str,
+        core_stats: Callable[[], CoreStats],
+        num_blocks: int,
+        num_in_api: Callable[[], int],
+        num_outputs_queued: Callable[[], int],
     ) -> None:
         self.model_name = model_name
         self.core_stats = core_stats
         self.num_blocks = num_blocks
         self.num_in_api = num_in_api
+        self.num_outputs_queued = num_outputs_queued
 
     def collect(self) -> Iterable[Metric]:
         stats = self.core_stats()
@@ -178,6 +222,8 @@ class _CoreCollector(Collector):
             ("kv_cache_used_blocks", "KV blocks held by requests.", stats.num_used_blocks),
             ("kv_cache_total_blocks", "KV blocks in the pool.", self.num_blocks),
             ("num_requests_in_api", "Engine requests the API process has in flight.", self.num_in_api()),
+            ("num_outputs_queued_in_api", "Engine outputs the API process received that their streams have not taken "
+             "yet, summed over streams: near 0 while clients read; grows while one does not.", self.num_outputs_queued()),
         )
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])

@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from servelm import envs
 from servelm.config import EngineConfig
 from servelm.engine.async_llm import AsyncLLM
+from servelm.obs.loop_lag import EventLoopLagMonitor
 from servelm.obs.metrics import ServerMetrics
 from servelm.obs.request_log import RequestLogger
 from servelm.openai_api.auth import ApiKeyMiddleware
@@ -114,7 +115,8 @@ async def _start_context(engine_config: EngineConfig, options: ServerOptions) ->
     client, ready = engine.client, engine.client.ready
     assert ready is not None
     name = model_name_for(engine_config, options)
-    metrics = ServerMetrics(name, ready.max_model_len, lambda: client.stats, ready.num_blocks, lambda: client.num_in_flight)
+    metrics = ServerMetrics(name, ready.max_model_len, lambda: client.stats, ready.num_blocks,
+                            num_in_api=lambda: client.num_in_flight, num_outputs_queued=lambda: engine.num_outputs_queued)  # fmt: skip
     client.on_stats = metrics.observe_steps
     admission = Admission(
         max_waiting=options.max_waiting_requests,
@@ -135,7 +137,8 @@ async def _start_context(engine_config: EngineConfig, options: ServerOptions) ->
 
 
 def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
-    """The ASGI app; its lifespan starts the engine core process and stops it at shutdown."""
+    """The ASGI app; its lifespan starts the engine core process (and the event-loop lag
+    monitor) and stops them at shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -143,9 +146,12 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
         app.state.ctx = ctx
         gc.collect()
         gc.freeze()  # start-up objects (tokenizer, modules) never need scanning again: shorter GC pauses
+        loop_lag = EventLoopLagMonitor(ctx.metrics.observe_loop_lag)
+        loop_lag.start()
         try:
             yield
         finally:
+            loop_lag.stop()
             ctx.admission.draining = True
             await ctx.engine.shutdown()
 

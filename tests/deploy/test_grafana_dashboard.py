@@ -1,0 +1,291 @@
+"""deploy/grafana/servelm.json is a Grafana dashboard whose every query names metrics and labels
+that a real `servelm serve` exports.
+
+A real server on a tiny model serves a few requests (both priority classes, streamed and not),
+then its /metrics is the reference: every metric a panel's PromQL selects must be a sample name
+there (suffixes included, as Prometheus stores them: `_bucket`, `_sum`, `_count`, `_total`),
+every label a selector matches or a `by (...)` groups on must be a label of that metric, and a
+literal label value must be one the server produced. The PromQL is read by a small lexer for
+the subset dashboards use; anything outside it fails loudly rather than passing unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from servelm.server.launcher import launch_server
+from servelm.testing.tiny_model import write_tiny_checkpoint
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "servelm.json"
+MODEL_FILTER = ("model_name", "=~", "$model_name")
+# What the dashboard is for (issue 11): each of these must be on some panel.
+REQUIRED_METRICS = {
+    "servelm:time_to_first_token_seconds_bucket", "servelm:inter_token_latency_seconds_bucket",
+    "servelm:ttft_component_seconds_sum", "servelm:request_queue_time_seconds_bucket",
+    "servelm:num_requests_waiting", "servelm:num_requests_running", "servelm:kv_cache_usage_perc",
+    "servelm:prefix_cache_hits_total", "servelm:prefix_cache_queries_total", "servelm:engine_step_seconds_bucket",
+    "servelm:iteration_tokens_sum", "servelm:num_preemptions_total", "servelm:request_success_total",
+    "servelm:api_event_loop_lag_seconds_bucket", "servelm:stream_output_backlog_bucket",
+    "servelm:num_outputs_queued_in_api",
+}  # fmt: skip
+
+# -- a reader for the PromQL subset the dashboard uses ------------------------------------------
+
+_TOKEN = re.compile(
+    r"""(?P<space>\s+)
+      | (?P<string>"(?:[^"\\]|\\.)*")
+      | (?P<range>\[[^\]]*\])
+      | (?P<number>\d+(?:\.\d+)?)
+      | (?P<ident>[A-Za-z_:][A-Za-z0-9_:]*)
+      | (?P<op>=~|!~|!=|==|<=|>=|[-+*/<>=,(){}])""",
+    re.VERBOSE,
+)
+_AGGREGATIONS = {"sum", "avg", "max", "min", "count", "topk", "bottomk", "quantile", "stddev", "stdvar", "group"}
+_FUNCTIONS = _AGGREGATIONS | {"rate", "irate", "increase", "histogram_quantile", "clamp_min", "clamp_max", "abs"}
+_GROUPING = {"by", "without"}
+_UNSUPPORTED = {"on", "ignoring", "group_left", "group_right", "offset", "bool"}
+
+
+@dataclass
+class Selector:
+    metric: str
+    matchers: list[tuple[str, str, str]] = field(default_factory=list)  # (label, operator, value)
+
+
+@dataclass
+class QueryRefs:
+    """The metrics and labels one PromQL expression refers to."""
+
+    selectors: list[Selector]
+    groupings: list[tuple[list[str], list[str]]]  # (labels of a by/without, metrics of its aggregation)
+
+
+def _lex(expr: str) -> list[tuple[str, str]]:
+    tokens, position = [], 0
+    while position < len(expr):
+        match = _TOKEN.match(expr, position)
+        if match is None:
+            raise ValueError(f"PromQL this test does not read, at {expr[position:]!r} in {expr!r}")
+        if match.lastgroup != "space":
+            tokens.append((match.lastgroup or "", match.group()))
+        position = match.end()
+    return tokens
+
+
+def _closing(tokens: list[tuple[str, str]], start: int) -> int:
+    """Index of the bracket that closes the one at `start`."""
+    depth = 0
+    for index in range(start, len(tokens)):
+        depth += {"(": 1, "{": 1, ")": -1, "}": -1}.get(tokens[index][1], 0) if tokens[index][0] == "op" else 0
+        if depth == 0:
+            return index
+    raise ValueError(f"unbalanced brackets in {tokens}")
+
+
+def parse_refs(expr: str) -> QueryRefs:
+    tokens = _lex(expr)
+    selectors: dict[int, Selector] = {}  # by token index
+    clauses: dict[int, tuple[list[str], int]] = {}  # by/without index → (labels, index after the list)
+    index = 0
+    while index < len(tokens):
+        kind, text = tokens[index]
+        following = tokens[index + 1][1] if index + 1 < len(tokens) else None
+        if kind != "ident":
+            index += 1
+        elif text in _UNSUPPORTED:
+            raise ValueError(f"`{text}` is outside the PromQL subset this test reads: extend it ({expr!r})")
+        elif text in _GROUPING:
+            end = _closing(tokens, index + 1)
+            clauses[index] = ([t for k, t in tokens[index + 2 : end] if k == "ident"], end + 1)
+            index = end + 1
+        elif text in _FUNCTIONS and following in ("(", *_GROUPING):
+            index += 1
+        elif following == "(":
+            raise ValueError(f"unknown PromQL function {text!r} in {expr!r}")
+        else:
+            selector = Selector(text)
+            index += 1
+            if following == "{":
+                end = _closing(tokens, index)
+                inner = [t for t in tokens[index + 1 : end] if t[1] != ","]
+                selector.matchers = [
+                    (inner[i][1], inner[i + 1][1], json.loads(inner[i + 2][1])) for i in range(0, len(inner), 3)
+                ]
+                index = end + 1
+            selectors[index - 1] = selector
+    return QueryRefs(list(selectors.values()), _groupings(tokens, selectors, clauses))
+
+
+def _groupings(
+    tokens: list[tuple[str, str]], selectors: dict[int, Selector], clauses: dict[int, tuple[list[str], int]]
+) -> list[tuple[list[str], list[str]]]:
+    """Each by/without clause with the metrics of the aggregation it belongs to, written either
+    `sum by (l) (body)` or `sum (body) by (l)`."""
+    out = []
+    for index, (kind, text) in enumerate(tokens):
+        if kind != "ident" or text not in _AGGREGATIONS:
+            continue
+        before = clauses.get(index + 1)
+        body_start = before[1] if before else index + 1
+        body_end = _closing(tokens, body_start)
+        after = clauses.get(body_end + 1)
+        clause = before or after
+        if clause is not None:
+            metrics = [s.metric for i, s in selectors.items() if body_start < i < body_end]
+            out.append((clause[0], metrics))
+    return out
+
+
+def _label_values_refs(query: str) -> QueryRefs:
+    match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query.strip())
+    assert match, f"a query variable should be label_values(metric, label): {query!r}"
+    refs = parse_refs(match.group(1))
+    return QueryRefs(refs.selectors, [([match.group(2)], [s.metric for s in refs.selectors])])
+
+
+# -- the dashboard and the exposition --------------------------------------------------------------
+
+
+def _panels(panels: list[dict]) -> Iterator[dict]:
+    """Every panel, rows' nested (collapsed) panels included."""
+    for panel in panels:
+        yield panel
+        yield from _panels(panel.get("panels", []))
+
+
+def _load() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def _queries(dashboard: dict) -> list[tuple[str, QueryRefs]]:
+    """(where, refs) of every panel target and every query variable."""
+    out = [
+        (f"panel {panel['title']!r} target {target['refId']}", parse_refs(target["expr"]))
+        for panel in _panels(dashboard["panels"])
+        for target in panel.get("targets", [])
+    ]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            out.append((f"variable {variable['name']}", _label_values_refs(variable["definition"])))
+    return out
+
+
+Exposition = dict[str, list[dict[str, str]]]  # sample name → the label sets it has
+
+
+def _exposition(text: str) -> Exposition:
+    samples: Exposition = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample.labels)
+    return samples
+
+
+def problems(refs: QueryRefs, exposition: Exposition) -> list[str]:
+    """What in `refs` the server does not export (empty: all of it is there)."""
+    found = []
+    labels_of = {name: {label for labels in sets for label in labels} for name, sets in exposition.items()}
+    for selector in refs.selectors:
+        if selector.metric not in exposition:
+            found.append(f"metric {selector.metric} is not exported")
+            continue
+        for label, operator, value in selector.matchers:
+            if label not in labels_of[selector.metric]:
+                found.append(f"{selector.metric} has no label {label}")
+            elif (
+                operator == "=" and "$" not in value and all(s.get(label) != value for s in exposition[selector.metric])
+            ):
+                found.append(f"{selector.metric} never has {label}={value!r}")
+    for labels, metrics in refs.groupings:
+        for metric in metrics:
+            missing = [label for label in labels if metric in labels_of and label not in labels_of[metric]]
+            if missing:
+                found.append(f"{metric} is grouped by {missing}, labels it does not have")
+    return found
+
+
+@pytest.fixture(scope="module")
+def exposition(tmp_path_factory: pytest.TempPathFactory) -> Exposition:
+    """/metrics of a real server after streamed and whole requests of both priority classes."""
+    model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-dashboard") / "model", seed=3)
+    server = launch_server(model, ["--num-blocks", "256", "--max-num-seqs", "8", "--num-threads", "1"])
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            for priority, stream in ((0, True), (5, False), (0, False), (5, True)):
+                body = {
+                    "prompt": "The same prompt, twice or more",
+                    "max_tokens": 6,
+                    "priority": priority,
+                    "stream": stream,
+                }
+                response = client.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+            text = client.get("/metrics").text
+    finally:
+        code = server.stop()
+    assert code == 0, server.log_tail()
+    return _exposition(text)
+
+
+# -- tests -----------------------------------------------------------------------------------------
+
+
+def test_dashboard_is_a_grafana_dashboard_over_a_chosen_datasource_and_model():
+    dashboard = _load()
+    assert isinstance(dashboard["schemaVersion"], int) and dashboard["uid"] and dashboard["title"]
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert variables["model_name"]["definition"].startswith("label_values(")
+    panels = list(_panels(dashboard["panels"]))
+    assert len({p["id"] for p in panels}) == len(panels), "panel ids must be unique"
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert len(set(ref_ids)) == len(ref_ids), f"{panel['title']}: refIds must be unique"
+    for where, refs in _queries(dashboard):
+        for selector in refs.selectors:
+            if where.startswith("panel"):
+                assert MODEL_FILTER in selector.matchers, f"{where}: {selector.metric} ignores the model variable"
+    referenced = {s.metric for _, refs in _queries(dashboard) for s in refs.selectors}
+    assert REQUIRED_METRICS <= referenced, f"no panel shows {sorted(REQUIRED_METRICS - referenced)}"
+
+
+def test_every_query_names_metrics_and_labels_the_server_exports(exposition):
+    found = {where: problems(refs, exposition) for where, refs in _queries(_load())}
+    assert not {where: p for where, p in found.items() if p}
+
+
+@pytest.mark.parametrize(
+    "expr, expected",
+    [
+        ("sum(rate(servelm:no_such_metric_total[5m]))", "servelm:no_such_metric_total is not exported"),
+        ("rate(servelm:request_success[5m])", "request_success is not exported"),  # a counter's samples end in _total
+        ("histogram_quantile(0.9, rate(servelm:time_to_first_token_seconds[5m]))", "is not exported"),  # no _bucket
+        ("sum by (tenant) (rate(servelm:request_success_total[5m]))", "grouped by ['tenant']"),
+        ("sum(rate(servelm:prompt_tokens_total[5m])) by (le)", "grouped by ['le']"),
+        ('servelm:ttft_component_seconds_count{component="decode"}', "never has component='decode'"),
+        ('servelm:num_requests_running{priority="batch"}', "has no label priority"),
+    ],
+)
+def test_the_check_finds_what_the_server_does_not_export(exposition, expr, expected):
+    assert any(expected in problem for problem in problems(parse_refs(expr), exposition))
+
+
+def test_the_check_passes_what_the_server_exports(exposition):
+    expr = ('histogram_quantile(0.5, sum by (le, priority) (rate(servelm:ttft_component_seconds_bucket'
+            '{component="queue", priority="batch"}[5m])))')  # fmt: skip
+    assert problems(parse_refs(expr), exposition) == []
+    with pytest.raises(ValueError, match="unknown PromQL function"):
+        parse_refs("rat(servelm:request_success_total[5m])")
