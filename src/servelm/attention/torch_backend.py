@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -65,16 +65,21 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
 
 
 class PagedDecodeKernel(Protocol):
-    """The compiled CPU decode kernel's entry point (what `cpu_kernels.load()` returns)."""
+    """The compiled CPU decode kernel's entry points (what `cpu_kernels.load()` returns)."""
 
-    def decode_attention(
+    def prepare_decode(
+        self,
+        block_tables: torch.Tensor,  # [B, max_blocks] int32 contiguous
+        seq_lens: torch.Tensor,  # [B] int32
+        max_len: int,
+    ) -> Any: ...  # a checked batch for decode_prepared, once per step
+
+    def decode_prepared(
         self,
         query: torch.Tensor,  # [B, H, D] float32 contiguous
         k_pool: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32 contiguous
         v_pool: torch.Tensor,
-        block_tables: torch.Tensor,  # [B, max_blocks] int32 contiguous
-        seq_lens: torch.Tensor,  # [B] int32
-        max_len: int,
+        batch: Any,
         scale: float,
     ) -> torch.Tensor: ...  # [B, H, D]
 
@@ -96,17 +101,15 @@ class KernelDecodes:
     kernel: PagedDecodeKernel
     rows: torch.Tensor  # [B] long: each decode's token row in the flattened batch
     covers_batch: bool  # every token of the step is a decode (rows == 0..B-1)
-    block_tables: torch.Tensor  # [B, ceil(max_seq_len / block_size)] int32 contiguous, CPU
-    seq_lens: torch.Tensor  # [B] int32, CPU
-    max_seq_len: int
+    # The kernel's checked batch: block tables [B, ceil(max_seq_len / block_size)] int32 and
+    # seq lens [B] int32 on CPU, prepared once here for every layer's call.
+    batch: Any
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:  # [B, H, D]
         if not kv_cache.is_contiguous():
             raise ValueError("the CPU paged decode kernel needs a contiguous KV pool tensor")
         q = query.contiguous() if self.covers_batch else query.index_select(0, self.rows)
-        return self.kernel.decode_attention(
-            q, kv_cache[0], kv_cache[1], self.block_tables, self.seq_lens, self.max_seq_len, scale
-        )
+        return self.kernel.decode_prepared(q, kv_cache[0], kv_cache[1], self.batch, scale)
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ def _build_decodes(common: CommonAttentionInputs, indices: torch.Tensor) -> Kern
         # Only the blocks a request's seq_len reaches are read; the columns past them never are.
         width = (max_seq_len + bs - 1) // bs
         tables = common.block_table[indices, :width].contiguous()
-        return KernelDecodes(kernel, rows, covers_batch, tables, seq_lens.contiguous(), max_seq_len)
+        return KernelDecodes(kernel, rows, covers_batch, kernel.prepare_decode(tables, seq_lens.contiguous(), max_seq_len))
     positions = torch.arange(max_seq_len)  # [max_len]
     valid = positions.unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, max_len]
     width = common.block_table.shape[1]

@@ -94,13 +94,26 @@ class CpuKernels:
         scale: float,
     ) -> torch.Tensor:  # [B, H, D] float32
         """softmax(scale * q . K) . V over each request's own K/V rows, read from its blocks."""
-        check_tensor("query", query, torch.float32, 3)
-        check_tensor("k_pool", k_pool, torch.float32, 4)
-        check_tensor("v_pool", v_pool, torch.float32, 4)
+        return self.decode_prepared(query, k_pool, v_pool, self.prepare_decode(block_tables, seq_lens, max_len), scale)
+
+    def prepare_decode(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int) -> DecodeBatch:
+        """A step's decode batch checked once, for the `decode_prepared` call of every layer (the
+        tables and lengths are the same for all of them; checking them per layer was a measurable
+        part of a small decode step)."""
         check_tensor("block_tables", block_tables, torch.int32, 2)
         check_tensor("seq_lens", seq_lens, torch.int32, 1)
         max_len = check_int("max_len", max_len, minimum=1)
-        batch, heads, head_dim = query.shape
+        check_shape("seq_lens", seq_lens, (block_tables.shape[0],), "[batch], batch as in block_tables")
+        return DecodeBatch(block_tables, seq_lens, max_len)
+
+    def decode_prepared(
+        self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DecodeBatch, scale: float
+    ) -> torch.Tensor:  # [B, H, D] float32
+        """`decode_attention` for a batch from `prepare_decode`: only the query and this layer's pools are checked."""
+        check_tensor("query", query, torch.float32, 3)
+        check_tensor("k_pool", k_pool, torch.float32, 4)
+        check_tensor("v_pool", v_pool, torch.float32, 4)
+        num_requests, heads, head_dim = query.shape
         num_blocks, block_size, kv_heads, pool_head_dim = k_pool.shape
         if pool_head_dim != head_dim or block_size < 1 or kv_heads < 1 or heads % kv_heads:
             raise KernelArgumentError(
@@ -108,26 +121,30 @@ class CpuKernels:
                 f"head_dim {head_dim} as in query], found {tuple(k_pool.shape)}"
             )
         check_shape("v_pool", v_pool, tuple(k_pool.shape), "k_pool's")
-        max_blocks = block_tables.shape[1]
-        check_shape("block_tables", block_tables, (batch, max_blocks), "[batch, max_blocks], batch as in query")
-        check_shape("seq_lens", seq_lens, (batch,), "[batch], batch as in query")
+        if num_requests != batch.batch:
+            raise KernelArgumentError(
+                f"block_tables: expected [batch, max_blocks] with batch {num_requests} as in query, "
+                f"found {tuple(batch.block_tables.shape)}"
+            )
+        max_len, max_blocks = batch.max_len, batch.max_blocks
         threads = torch.get_num_threads()
-        scores = torch.empty(batch, heads, max_len, dtype=torch.float32)
+        scores = torch.empty(num_requests, heads, max_len, dtype=torch.float32)
         bad = self._lib.decode_scores(  # checks seq_lens and the used table entries before any read
-            query.data_ptr(), k_pool.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), scores.data_ptr(),
-            batch, heads, kv_heads, head_dim, block_size, max_blocks, max_len, num_blocks, float(scale), threads,
-        )
+            query.data_ptr(), k_pool.data_ptr(), batch.tables_ptr, batch.lens_ptr, scores.data_ptr(),
+            num_requests, heads, kv_heads, head_dim, block_size, max_blocks, max_len, num_blocks, float(scale),
+            threads,
+        )  # fmt: skip
         if bad >= 0:
             raise KernelArgumentError(
-                f"request {bad}: seq_len {int(seq_lens[bad])} must lie in [1, min(max_len={max_len}, "
+                f"request {bad}: seq_len {int(batch.seq_lens[bad])} must lie in [1, min(max_len={max_len}, "
                 f"max_blocks * block_size={max_blocks * block_size})] and the block ids it reads in "
-                f"[0, {num_blocks}); its block table row is {block_tables[bad].tolist()}"
+                f"[0, {num_blocks}); its block table row is {batch.block_tables[bad].tolist()}"
             )
         probs = torch.softmax(scores, dim=-1)  # [B, H, max_len]; positions past a seq_len hold -inf -> 0
-        out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
+        out = torch.empty(num_requests, heads, head_dim, dtype=torch.float32)
         self._lib.decode_pv(
-            probs.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-            batch, heads, kv_heads, head_dim, block_size, max_blocks, max_len, threads,
+            probs.data_ptr(), v_pool.data_ptr(), batch.tables_ptr, batch.lens_ptr, out.data_ptr(),
+            num_requests, heads, kv_heads, head_dim, block_size, max_blocks, max_len, threads,
         )
         return out
 
@@ -186,4 +203,16 @@ class Int8Weight:
         self.mins_ptr = (scales if mins is None else mins).data_ptr()  # never read when has_min is 0
         self.has_min = int(mins is not None)
         self.out_features, self.in_features = codes.shape
+
+
+class DecodeBatch:
+    """One step's decode block tables and lengths, checked, with their pointers read once.
+    Holds the tensors, so the memory the pointers name stays alive while the batch does."""
+
+    __slots__ = ("block_tables", "seq_lens", "max_len", "tables_ptr", "lens_ptr", "batch", "max_blocks")
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int) -> None:
+        self.block_tables, self.seq_lens, self.max_len = block_tables, seq_lens, max_len
+        self.tables_ptr, self.lens_ptr = block_tables.data_ptr(), seq_lens.data_ptr()
+        self.batch, self.max_blocks = block_tables.shape
 

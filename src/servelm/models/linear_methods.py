@@ -105,6 +105,7 @@ class Int8BlockLinearMethod(DenseLinearMethod):
         if weight.mins is not None and not self.with_mins:
             raise ValueError("a part with per-block offsets (Q4_1) in a layer built without them")
         rows = slice(row_offset, row_offset + weight.shape[0])
+        self._prepared_weight = None  # the kernel's handle is made again from the loaded tensors
         layer.codes[rows].copy_(weight.codes)
         layer.scales[rows].copy_(weight.scales)
         if layer.mins is not None:  # the layer keeps offsets (with_mins)
@@ -116,10 +117,12 @@ class Int8BlockLinearMethod(DenseLinearMethod):
         weight.dequantize(out=layer.weight[rows])
 
     def _prepared(self, layer: Linear, kernel: Any) -> Any:
-        """The layer's weight as the kernel's checked handle (one per method instance, which the
-        factory makes per layer), prepared again whenever the layer's tensors are not the ones it holds."""
+        """The layer's weight as the kernel's checked handle: one per method instance (the factory
+        makes one per layer), made on first use and dropped by load_rows. It holds the tensors it
+        checked, so a layer whose buffers were later replaced wholesale would keep reading the old
+        (still alive, never garbage) ones: int8 layers live on CPU in float32 and are not moved."""
         prepared = self._prepared_weight
-        if prepared is None or prepared.codes is not layer.codes or prepared.scales is not layer.scales:
+        if prepared is None:
             prepared = self._prepared_weight = kernel.prepare_int8_weight(layer.codes, layer.scales, layer.mins)
         return prepared
 
