@@ -174,9 +174,7 @@ class Scheduler:
         aborted = [self._requests[rid] for rid in dict.fromkeys(request_ids) if rid in self._requests]
         if not aborted:
             return
-        self._waiting.remove_many(r for r in aborted if r.status is not RequestStatus.RUNNING)
-        gone = {id(r) for r in aborted}
-        self._running = [r for r in self._running if id(r) not in gone]
+        self._take_off_lists(aborted)
         for request in aborted:
             self._finish(request, RequestStatus.FINISHED_ABORTED, now)
             self._pending_outputs.append(self._make_output(request, [], None))
@@ -187,19 +185,13 @@ class Scheduler:
         preempted requests next step (its mirrors may be half-applied). Returns the outputs (pending
         aborts included) in update()'s place; other requests are untouched and run on."""
         now = self._clock()
-        failed = [self._requests[rid] for rid in scheduler_output.num_scheduled_tokens if rid in self._requests]
-        gone = {id(r) for r in failed}
-        self._running = [r for r in self._running if id(r) not in gone]
-        self._waiting.remove_many(r for r in failed if r.status is not RequestStatus.RUNNING)
+        failed = self._take_back_step(scheduler_output)
         outputs, self._pending_outputs = self._pending_outputs, []
         for request in failed:
             self._finish(request, RequestStatus.FINISHED_ERROR, now)
             output = self._make_output(request, [], None)
             output.error = error
             outputs.append(output)
-        # Re-sent: forgetting is idempotent, and the runner may not have applied them.
-        self._finished_ids |= scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids
-        self._finished_ids |= {r.request_id for r in failed}
         return outputs
 
     def requeue_step(self, scheduler_output: SchedulerOutput) -> list[str]:
@@ -209,17 +201,21 @@ class Scheduler:
         them. Returns their ids in schedule order. Nothing is finished here."""
         now = self._clock()
         plan = StepPlan(budget=0)
-        requeued = [self._requests[rid] for rid in scheduler_output.num_scheduled_tokens if rid in self._requests]
-        gone = {id(r) for r in requeued}
-        self._running = [r for r in self._running if id(r) not in gone]
-        self._waiting.remove_many(r for r in requeued if r.status is not RequestStatus.RUNNING)
+        requeued = self._take_back_step(scheduler_output)
         for request in requeued:
             self._preempt(request, plan, now)
         self._requeue(plan)
-        # Re-sent: forgetting is idempotent, and the runner may not have applied them.
-        self._finished_ids |= scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids
-        self._finished_ids |= {r.request_id for r in requeued}
         return [r.request_id for r in requeued]
+
+    def _take_back_step(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """The live requests a failed step scheduled, taken off the running and waiting lists, and
+        the runner told to forget them and what the step had it forget (it may not have applied
+        the step: forgetting is idempotent). The caller finishes or requeues them."""
+        taken = [self._requests[rid] for rid in scheduler_output.num_scheduled_tokens if rid in self._requests]
+        self._take_off_lists(taken)
+        self._finished_ids |= scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids
+        self._finished_ids |= {r.request_id for r in taken}
+        return taken
 
     def schedule_alone(self, request_id: str) -> SchedulerOutput | None:
         """A step of `request_id` alone, up to its next sample: it is admitted (or continues its
@@ -416,6 +412,12 @@ class Scheduler:
         request.record(EventType.PREEMPTED, now)
         request.record(EventType.QUEUED, now)
         plan.preempted.append(request)
+
+    def _take_off_lists(self, requests: list[Request]) -> None:
+        """Remove live requests from the running list or the waiting queue, whichever holds each."""
+        self._waiting.remove_many(r for r in requests if r.status is not RequestStatus.RUNNING)
+        gone = {id(r) for r in requests}
+        self._running = [r for r in self._running if id(r) not in gone]
 
     def _requeue(self, plan: StepPlan) -> None:
         # After the step is planned: the waiting queue must not change while step 2 walks it.
