@@ -43,6 +43,20 @@ class RequestEvent(msgspec.Struct, array_like=True):
     detail: int = 0  # e.g. tokens in a prefill chunk
 
 
+class RequestSlo(msgspec.Struct, frozen=True, kw_only=True):
+    """Who sent a request and what latency its class promises: set by the API from the tenants
+    config (`--tenants`), read by the scheduler (deadline order, fair share, step-time target)
+    and by metrics (tenant/class labels). Targets None: the class promises nothing."""
+
+    tenant: str = "default"
+    slo_class: str = "default"
+    ttft_target_s: float | None = None  # the class's time to first token target
+    tbt_target_s: float | None = None  # the class's time between tokens target
+
+
+DEFAULT_SLO = RequestSlo()
+
+
 class EngineRequest(msgspec.Struct, kw_only=True):
     """A request as the engine core receives it: already tokenized."""
 
@@ -52,6 +66,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     priority: int = 0  # lower value runs first (vLLM convention); 0 interactive, larger = batch
     arrival_time: float = 0.0  # time.time() when the API process received it
     cache_salt: str | None = None  # isolates prefix caching between tenants
+    slo: RequestSlo = DEFAULT_SLO
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
