@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from servelm.cli import main
 from servelm.diagnose.capture import (
     BENCH_FILE,
     GAUGES_FILE,
@@ -19,6 +20,8 @@ from servelm.diagnose.capture import (
     WindowRecorder,
 )
 from servelm.diagnose.prom import parse_text
+from servelm.diagnose.signals import window_signals
+from servelm.diagnose.window import read_window
 
 
 def _successes(text: str) -> float:
@@ -64,3 +67,46 @@ def test_errors_are_named(server, tmp_path: Path):
         WindowRecorder(server.base_url, tmp_path / "y", "y").write_bench_report({"schema": "other"})
     with pytest.raises(ValueError, match="sample_interval_s"):
         WindowRecorder(server.base_url, tmp_path / "z", "z", sample_interval_s=0)
+
+
+def test_window_numbers_match_what_was_sent(server, tmp_path: Path):
+    out = tmp_path / "window"
+    prompts = [f"Request {i} of the arithmetic window, " + "word " * (10 * i) for i in range(1, 7)]
+
+    async def record() -> list[dict]:
+        async with WindowRecorder(server.base_url, out, "arithmetic", sample_interval_s=0.2):
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+                bodies = [{"prompt": p, "max_tokens": 3, "temperature": 0, "ignore_eos": True} for p in prompts]
+                responses = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+        return [r.json()["usage"] for r in responses]
+
+    usages = asyncio.run(record())
+    window = read_window(out)
+    signals = window_signals(window)
+    assert window.counter("servelm:request_success") == 6
+    assert window.counter("servelm:prompt_tokens") == sum(u["prompt_tokens"] for u in usages)
+    ttft = window.histogram("servelm:time_to_first_token_seconds")
+    assert ttft is not None and ttft.count == 6 and ttft.mean is not None
+    components = [signals.components[c] for c in ("ingress", "queue", "prefill", "preemption", "output")]
+    assert sum(c or 0.0 for c in components) == pytest.approx(ttft.mean, rel=1e-6), "the split adds up to TTFT"
+    assert signals.ttft_mean_s == pytest.approx(ttft.mean) and signals.components["network"] is None
+    assert signals.values["request_rate"] == pytest.approx(6 / window.duration_s)
+    assert signals.values["generation_tokens_per_request"] == 3.0
+    assert signals.values["kv_usage_max"] is not None and 0.0 <= signals.values["kv_usage_max"] <= 1.0
+    assert signals.values["waiting_mean"] is not None and signals.values["step_time_mean_s"] is not None
+    steps = window.histogram("servelm:iteration_tokens")
+    assert steps is not None and steps.sum >= sum(u["prompt_tokens"] for u in usages), (
+        "every prompt token ran in a step"
+    )
+    assert "interactive" in signals.classes
+
+
+def test_cli_capture_then_live_compare(server, tmp_path: Path, capsys):
+    assert main(["diagnose", "capture", server.base_url, "--seconds", "0.6", "--out", str(tmp_path / "base")]) == 0
+    assert json.loads((tmp_path / "base" / WINDOW_FILE).read_text())["label"] == "base"
+    capsys.readouterr()
+    live = ["diagnose", server.base_url, "--baseline", str(tmp_path / "base"), "--seconds", "0.6", "--json"]
+    assert main([*live, "--out", str(tmp_path / "now")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["top_cause"] == "none", "no traffic in either window: nothing grew"
+    assert report["windows"]["current"]["label"] == "current" and (tmp_path / "now" / METRICS_END_FILE).is_file()

@@ -36,9 +36,12 @@ def parse_text(text: str) -> dict[str, Family]:
 
 
 def gauge_totals(families: dict[str, Family]) -> dict[str, float]:
-    """Each gauge family's value summed over its label sets (one series on a server; per replica on a router)."""
+    """Each gauge family's value summed over its label sets (one series on a server; per replica on a router).
+
+    prometheus_client's `*_created` gauges (a counter's creation time) are not gauges of anything: left out.
+    """
     return {
         family.name: sum(s.value for s in family.samples)
         for family in families.values()
-        if family.type == "gauge" and family.samples
+        if family.type == "gauge" and family.samples and not family.name.endswith("_created")
     }
