@@ -145,15 +145,24 @@ class PrefixCacheStats:
     num_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
     num_hit_tokens: int = 0  # of those, tokens served from cached blocks
     num_evicted_blocks: int = 0  # cached blocks whose hash was dropped to reuse the block
-    # ... by the tenant whose request cached each (at most MAX_COUNTED_TENANTS + 1 keys)
-    evicted_blocks_by_tenant: dict[str, int] = field(default_factory=dict)
+    # ... by the tenant whose request cached each. A tenant gets its key (at 0) when it first
+    # caches a block, the default tenant from the start: a counter that exists reads 0, not
+    # "absent". At most MAX_COUNTED_TENANTS + 1 keys.
+    evicted_blocks_by_tenant: dict[str, int] = field(default_factory=lambda: {DEFAULT_TENANT: 0})
 
-    def count_eviction(self, tenant: str) -> None:
-        self.num_evicted_blocks += 1
+    def tenant_key(self, tenant: str) -> str:
+        """The key `tenant`'s evictions count under: its own (added at 0), or OTHER_TENANTS once
+        MAX_COUNTED_TENANTS are counted."""
         counts = self.evicted_blocks_by_tenant
-        if tenant not in counts and len(counts) >= MAX_COUNTED_TENANTS:
-            tenant = OTHER_TENANTS
-        counts[tenant] = counts.get(tenant, 0) + 1
+        if tenant not in counts:
+            if len(counts) >= MAX_COUNTED_TENANTS:
+                return OTHER_TENANTS
+            counts[tenant] = 0
+        return tenant
+
+    def count_eviction(self, tenant_key: str) -> None:
+        self.num_evicted_blocks += 1
+        self.evicted_blocks_by_tenant[tenant_key] = self.evicted_blocks_by_tenant.get(tenant_key, 0) + 1
 
     @property
     def hit_rate(self) -> float:
@@ -233,7 +242,7 @@ class BlockPool:
         if block_hash in self._cached:
             return False
         block.block_hash = block_hash
-        block.cached_by = tenant
+        block.cached_by = self.stats.tenant_key(tenant)
         self._cached[block_hash] = block
         self._emit(KVEventType.STORED, block)
         return True
