@@ -10,15 +10,16 @@ arrival + the class's TTFT target, with fair share between the tenants of a clas
        running request not yet scheduled this step (perhaps itself) and retry.
     2. PREFILL CHUNKS: running prompts mid-prefill and WAITING requests in one order, by
        (effective priority, deadline, running before waiting). So a better or more urgent
-       class goes first even against a prompt already running: the running one's chunk shrinks
-       or skips the step and keeps its KV. Each chunk is capped at long_prefill_token_threshold, then by the
-       budget left. A chunk that leaves its prompt unfinished takes one of
-       max_num_partial_prefills slots (of max_long_partial_prefills if the prompt has more than
-       the cap left); with no slot left the prompt sits this step out. A prompt finished by its
-       chunk takes no slot: short prompts are admitted next to long chunks. Waiting requests
-       are admitted only while nobody was preempted (blocks are short then: admitting would
-       thrash), a seat and a free block remain. A running chunk without blocks preempts as in
-       1; a waiting request that does not fit is SKIPPED, never waited for.
+       class goes first even against a prompt already running: the running one's chunk
+       shrinks or skips the step and keeps its KV. Each chunk is capped at
+       long_prefill_token_threshold, then by the budget left. A chunk that leaves its prompt
+       unfinished takes one of max_num_partial_prefills slots (of max_long_partial_prefills if
+       the prompt has more than the cap left); with no slot left the prompt sits this step
+       out. A prompt finished by its chunk takes no slot: short prompts are admitted next to
+       long chunks. Waiting requests are admitted only while nobody was preempted (blocks are
+       short then: admitting would thrash), a seat and a free block remain. A running chunk
+       without blocks preempts as in 1; a waiting request that does not fit is SKIPPED, never
+       waited for.
     3. TOP-UP: budget left over goes back to the chunks that left their prompt unfinished,
        then to the running prompts that sat the step out, in the order of 2, as far as free
        blocks go: the cap and the slots share a contended budget, they never leave it idle (a
@@ -28,10 +29,10 @@ Aging never blocks: nothing waits behind a request that does not fit. Instead a 
 that has waited aging_s is admitted with a first chunk shrunk to the free blocks (with
 chunked prefill), so it runs as soon as any block, a seat and budget are free; once running,
 its rank keeps improving with its age, so it eventually outranks every request that arrived
-after it (those before it finish by the same argument) and is no longer their preemption
-victim nor left without a slot: it finishes. Without chunked
-prefill a prompt needs all its blocks at once and cannot shrink: a starving one is still
-skipped while it does not fit, and ranks first whenever it does.
+more than aging_s after it, whatever their deadlines (those before it or less later finish by
+the same argument), and is no longer their preemption victim nor left without a slot: it
+finishes. Without chunked prefill a prompt needs all its blocks at once and cannot shrink: a
+starving one is still skipped while it does not fit, and ranks first whenever it does.
 
 update() then advances num_computed_tokens by what was scheduled, caches newly full
 blocks, appends sampled tokens, checks stop conditions and frees finished requests; it
