@@ -74,6 +74,8 @@ class SchedulerConfig:
     # fit in this time: a long prompt is then prefilled in smaller chunks and running streams
     # keep their pace. Each step still takes every decode plus at least one block of prefill,
     # so prompts always progress. Steps with no decode keep the full budget (TTFT first).
+    # Requests whose class has a TBT target (RequestSlo.tbt_target_s) tighten it while they
+    # decode, set or not (step_cost.step_time_target_s).
     max_step_ms: float = 0.0
 
     def __post_init__(self) -> None:

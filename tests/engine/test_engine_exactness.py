@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from servelm.config import EngineConfig
-from servelm.datatypes import EngineRequest, FinishReason
+from servelm.datatypes import DEFAULT_SLO, EngineRequest, FinishReason, RequestSlo
 from servelm.engine.builder import build_engine
 from servelm.models.factory import build_model
 from servelm.models.loader import load_checkpoint
@@ -49,9 +49,9 @@ def _workload(seed: int, count: int, vocab: int):
     return prompts
 
 
-def _run(core, workload, max_steps: int = 20000, priorities=None):
-    """Feed requests in at their arrival steps (with priorities[i], default 0); collect tokens
-    and finish reasons per request, and count the steps it took."""
+def _run(core, workload, max_steps: int = 20000, priorities=None, slos=None):
+    """Feed requests in at their arrival steps (with priorities[i], default 0, and slos[i], default
+    DEFAULT_SLO); collect tokens and finish reasons per request, and count the steps it took."""
     tokens = {str(i): [] for i in range(len(workload))}
     finish = {}
     step = 0
@@ -60,8 +60,11 @@ def _run(core, workload, max_steps: int = 20000, priorities=None):
             if arrival == step:
                 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
                 priority = priorities[i] if priorities else 0
+                slo = slos[i] if slos else DEFAULT_SLO
                 core.add_request(
-                    EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params, priority=priority)
+                    EngineRequest(
+                        request_id=str(i), prompt_token_ids=prompt, sampling_params=params, priority=priority, slo=slo
+                    )
                 )
         for output in core.step():
             tokens[output.request_id].extend(output.new_token_ids)
@@ -111,6 +114,32 @@ def test_classes_slots_and_aging_change_order_not_results(tiny_dir, reference_mo
         assert tokens[str(i)] == greedy_decode(reference_model, prompt, max_tokens), f"request {i} diverged"
         assert finish[str(i)] == FinishReason.LENGTH
     assert built.core.stats().num_used_blocks == 0
+
+
+def test_slo_classes_and_tenants_change_order_not_results(tiny_dir, reference_model):
+    """Deadline order across classes, fair share between tenants of a class and the step-time
+    target from a realtime TBT target: the same greedy tokens; evictions counted per tenant."""
+    vocab = reference_model.arch.vocab_size
+    workload = _workload(seed=31, count=24, vocab=vocab)
+    classes = [("realtime", 0.3, 0.05), ("batch", 30.0, None), ("default", None, None)]
+    rng = random.Random(31)
+    slos = []
+    for _ in workload:
+        name, ttft, tbt = rng.choice(classes)
+        slos.append(RequestSlo(tenant=rng.choice(["t0", "t1", "t2"]), slo_class=name, ttft_target_s=ttft, tbt_target_s=tbt))
+    config = EngineConfig.from_flat(
+        model=str(tiny_dir), num_blocks=48, block_size=16, max_num_batched_tokens=96, max_num_seqs=16,
+        max_num_partial_prefills=2, long_prefill_token_threshold=16, aging_s=0.05,
+    )  # fmt: skip
+    built = build_engine(config)
+    tokens, finish, _ = _run(built.core, workload, slos=slos)
+    stats = built.core.stats()
+    assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    assert {"t0", "t1", "t2"} <= set(stats.prefix_evictions_by_tenant) and sum(stats.prefix_evictions_by_tenant.values()) > 0
+    for i, (prompt, max_tokens, _) in enumerate(workload):
+        assert tokens[str(i)] == greedy_decode(reference_model, prompt, max_tokens), f"request {i} diverged"
+        assert finish[str(i)] == FinishReason.LENGTH
+    assert stats.num_used_blocks == 0 and stats.num_prefilling == 0
 
 
 def test_prefix_cache_skips_work_not_results(tiny_dir):

@@ -3,7 +3,8 @@
 A tiny reference runner mirror is rebuilt from SchedulerOutputs alone, checking the diff
 protocol: what the runner would see must match what the scheduler holds. After every
 schedule() the admission guarantees are checked too: aging never blocks admission, and a
-request that waited aging_s starts as soon as blocks for a first chunk are free.
+request that waited aging_s starts as soon as blocks for a first chunk are free. Requests come
+from random tenants in random SLO classes, so the deadline order and fair share are exercised.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from servelm.config import SchedulerConfig
-from servelm.datatypes import EngineRequest, ModelOutput, SchedulerOutput
+from servelm.datatypes import EngineRequest, ModelOutput, RequestSlo, SchedulerOutput
 from servelm.kv import KVCacheManager
 from servelm.sampling_params import SamplingParams
 from servelm.scheduler.request import RequestStatus
@@ -26,10 +27,18 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 12
 MAX_NUM_SEQS = 4
 PREFIXES = [[3] * 12, [3] * 4 + [4] * 8, [5, 6, 5, 6, 5, 6, 5, 6]]
+# (class, TTFT target, TBT target): tight, loose and none (the deadline is then arrival + aging_s)
+CLASSES = [("realtime", 0.3, 0.1), ("batch", 30.0, None), ("default", None, None)]
+SLOS = st.builds(
+    lambda tenant, cls: RequestSlo(tenant=tenant, slo_class=cls[0], ttft_target_s=cls[1], tbt_target_s=cls[2]),
+    st.sampled_from(["t1", "t2", "t3"]),
+    st.sampled_from(CLASSES),
+)
+Drawn = tuple[list[int], int, SamplingParams, str | None, RequestSlo]
 
 
 @st.composite
-def _request(draw: st.DrawFn) -> tuple[list[int], int, SamplingParams, str | None]:
+def _request(draw: st.DrawFn) -> Drawn:
     prefix = draw(st.sampled_from(PREFIXES))
     prompt = prefix[: draw(st.integers(0, 12))] + draw(st.lists(st.integers(3, 6), min_size=1, max_size=14))
     max_tokens = draw(st.integers(1, 20))
@@ -39,7 +48,7 @@ def _request(draw: st.DrawFn) -> tuple[list[int], int, SamplingParams, str | Non
         min_tokens=draw(st.integers(0, min(2, max_tokens))),
         stop_token_ids=draw(st.sampled_from([[], [6]])),
     )
-    return prompt, draw(st.integers(0, 2)), params, draw(st.sampled_from([None, "t1"]))
+    return prompt, draw(st.integers(0, 2)), params, draw(st.sampled_from([None, "t1"])), draw(SLOS)
 
 
 REQUESTS = _request()
@@ -95,9 +104,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler = self._make(chunked, cap, slots, prefix_caching)
 
     @rule(requests=st.lists(REQUESTS, min_size=1, max_size=3))
-    def add(self, requests: list[tuple[list[int], int, SamplingParams, str | None]]) -> None:
+    def add(self, requests: list[Drawn]) -> None:
         """A burst of arrivals: several at once is what fills the cache and forces preemption."""
-        for prompt, priority, params, salt in requests:
+        for prompt, priority, params, salt, slo in requests:
             self.next_id += 1
             self.scheduler.add_request(
                 EngineRequest(
@@ -106,6 +115,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     sampling_params=params,
                     priority=priority,
                     cache_salt=salt,
+                    slo=slo,
                 )
             )
 

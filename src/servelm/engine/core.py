@@ -72,10 +72,12 @@ class EngineCore:
         return CoreStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
+            num_prefilling=self.scheduler.num_prefilling,
             kv_usage=kv.usage,
             num_used_blocks=kv.num_blocks - kv.num_free_blocks,
             prefix_queries=prefix.num_queried_tokens,
             prefix_hits=prefix.num_hit_tokens,
+            prefix_evictions_by_tenant=dict(prefix.evicted_blocks_by_tenant),
             num_preemptions=self.scheduler.step_log.num_preemptions,
         )
 

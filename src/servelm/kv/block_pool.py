@@ -10,7 +10,8 @@ Free queue (doubly linked, O(1) append / pop / remove from the middle):
 
 - A freed block keeps its hash and stays findable in the cache map (lazy eviction):
   a prefix hit takes it back out of the queue from wherever it sits. Its hash is
-  dropped only when `allocate` reuses it, which counts one eviction.
+  dropped only when `allocate` reuses it, which counts one eviction, under the tenant
+  whose request cached the block (PrefixCacheStats.evicted_blocks_by_tenant).
 - A freed block WITHOUT a hash (a partial last block, a duplicate, or prefix caching
   off) holds nothing anyone can hit, so it goes to the head and is reused before
   any cached block.
@@ -23,6 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from servelm.datatypes import DEFAULT_SLO
 from servelm.kv.block_hash import BlockHash
 
 
@@ -35,6 +37,7 @@ class KVBlock:
     block_id: int
     ref_count: int = 0  # number of request block tables holding this block
     block_hash: BlockHash | None = None  # set once full and computed; kept while free (lazy eviction)
+    cached_by: str | None = None  # tenant of the request that cached it; set and cleared with block_hash
     # Free-queue links: both None exactly when the block is not in the free queue.
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -128,6 +131,13 @@ class KVCacheEvent:
     block_id: int
 
 
+DEFAULT_TENANT = DEFAULT_SLO.tenant  # the tenant of requests without a tenants config
+# Tenants counted by name in evicted_blocks_by_tenant; evictions of any further tenant count
+# under OTHER_TENANTS, so a stream of made-up tenant names cannot grow the counters without bound.
+MAX_COUNTED_TENANTS = 256
+OTHER_TENANTS = "other"
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Cumulative counters (Prometheus-counter style; never reset)."""
@@ -135,6 +145,24 @@ class PrefixCacheStats:
     num_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
     num_hit_tokens: int = 0  # of those, tokens served from cached blocks
     num_evicted_blocks: int = 0  # cached blocks whose hash was dropped to reuse the block
+    # ... by the tenant whose request cached each. A tenant gets its key (at 0) when it first
+    # caches a block, the default tenant from the start: a counter that exists reads 0, not
+    # "absent". At most MAX_COUNTED_TENANTS + 1 keys.
+    evicted_blocks_by_tenant: dict[str, int] = field(default_factory=lambda: {DEFAULT_TENANT: 0})
+
+    def tenant_key(self, tenant: str) -> str:
+        """The key `tenant`'s evictions count under: its own (added at 0), or OTHER_TENANTS once
+        MAX_COUNTED_TENANTS are counted."""
+        counts = self.evicted_blocks_by_tenant
+        if tenant not in counts:
+            if len(counts) >= MAX_COUNTED_TENANTS:
+                return OTHER_TENANTS
+            counts[tenant] = 0
+        return tenant
+
+    def count_eviction(self, tenant_key: str) -> None:
+        self.num_evicted_blocks += 1
+        self.evicted_blocks_by_tenant[tenant_key] = self.evicted_blocks_by_tenant.get(tenant_key, 0) + 1
 
     @property
     def hit_rate(self) -> float:
@@ -199,8 +227,9 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
-        """Make a full, computed, held block findable under `block_hash`.
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, tenant: str = DEFAULT_TENANT) -> bool:
+        """Make a full, computed, held block findable under `block_hash`; its eviction will
+        count under `tenant` (the tenant of the request that computed it).
 
         Returns False (and leaves the block unhashed) when another block already holds
         that content: two requests computed the same block at once. Keeping one block
@@ -213,6 +242,7 @@ class BlockPool:
         if block_hash in self._cached:
             return False
         block.block_hash = block_hash
+        block.cached_by = self.stats.tenant_key(tenant)
         self._cached[block_hash] = block
         self._emit(KVEventType.STORED, block)
         return True
@@ -227,11 +257,11 @@ class BlockPool:
         return events
 
     def _evict(self, block: KVBlock) -> None:
-        assert block.block_hash is not None
+        assert block.block_hash is not None and block.cached_by is not None
         del self._cached[block.block_hash]
         self._emit(KVEventType.REMOVED, block)
-        block.block_hash = None
-        self.stats.num_evicted_blocks += 1
+        self.stats.count_eviction(block.cached_by)
+        block.block_hash = block.cached_by = None
 
     def _emit(self, event_type: KVEventType, block: KVBlock) -> None:
         if self.enable_kv_events:
@@ -264,3 +294,5 @@ class BlockPool:
             raise KVCacheInvariantError(f"block {block.block_id} is held but still linked in the free queue")
         if block.block_hash is not None and self._cached.get(block.block_hash) is not block:
             raise KVCacheInvariantError(f"block {block.block_id} has a hash the cache map does not point back to")
+        if (block.block_hash is None) != (block.cached_by is None):
+            raise KVCacheInvariantError(f"block {block.block_id}: hash and caching tenant out of step: {block}")

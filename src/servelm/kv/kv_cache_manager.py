@@ -27,7 +27,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from servelm.kv.block_hash import BlockHash, extend_block_hashes
-from servelm.kv.block_pool import BlockPool, KVBlock, KVCacheEvent, KVCacheInvariantError, PrefixCacheStats
+from servelm.kv.block_pool import (
+    DEFAULT_TENANT,
+    BlockPool,
+    KVBlock,
+    KVCacheEvent,
+    KVCacheInvariantError,
+    PrefixCacheStats,
+)
 
 
 @dataclass
@@ -205,11 +212,14 @@ class KVCacheManager:
         num_fresh = self.pool.num_free_blocks - sum(1 for block in hit if block.ref_count == 0)
         return (num_held + len(hit) + num_fresh) * self.block_size - num_computed_tokens
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, tenant: str = DEFAULT_TENANT
+    ) -> None:
         """Offer the request's blocks that became full and computed to the prefix cache.
 
-        Call after a step with the request's tokens so far (prompt + output) and its new
-        num_computed_tokens. Idempotent; a no-op with prefix caching off.
+        Call after a step with the request's tokens so far (prompt + output), its new
+        num_computed_tokens and its tenant (their evictions count under it). Idempotent; a
+        no-op with prefix caching off.
         """
         if not self.enable_prefix_caching:
             return
@@ -219,7 +229,7 @@ class KVCacheManager:
             return
         extend_block_hashes(state.block_hashes, token_ids, self.block_size, state.extra_key)
         for i in range(state.num_cached_blocks, num_full):
-            self.pool.cache_block(state.blocks[i], state.block_hashes[i])
+            self.pool.cache_block(state.blocks[i], state.block_hashes[i], tenant)
         state.num_cached_blocks = num_full
 
     def free(self, request_id: str) -> None:

@@ -218,6 +218,7 @@ class _CoreCollector(Collector):
         gauges = (
             ("num_requests_running", "Requests in the engine's running set.", stats.num_running),
             ("num_requests_waiting", "Requests in the engine's waiting queue.", stats.num_waiting),
+            ("num_requests_prefilling", "Running prompts mid-prefill (partial prefills).", stats.num_prefilling),
             ("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).", stats.kv_usage),
             ("kv_cache_used_blocks", "KV blocks held by requests.", stats.num_used_blocks),
             ("kv_cache_total_blocks", "KV blocks in the pool.", self.num_blocks),
@@ -238,3 +239,8 @@ class _CoreCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], float(value))
             yield counter
+        evicted = CounterMetricFamily(PREFIX + "prefix_cache_evicted_blocks", "Hashed blocks evicted from the "
+                                      "prefix cache, by the tenant whose request cached them.", labels=["model_name", "tenant"])  # fmt: skip
+        for tenant, count in sorted(stats.prefix_evictions_by_tenant.items()):
+            evicted.add_metric([self.model_name, tenant], float(count))
+        yield evicted

@@ -13,7 +13,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from servelm.datatypes import EngineRequest, EventType, FinishReason, PositionLogprobs, RequestEvent
+from servelm.datatypes import (
+    DEFAULT_SLO,
+    EngineRequest,
+    EventType,
+    FinishReason,
+    PositionLogprobs,
+    RequestEvent,
+    RequestSlo,
+)
 from servelm.kv.block_hash import extra_key_from_salt
 from servelm.sampling_params import SamplingParams
 
@@ -53,6 +61,8 @@ class Request:
     arrival_time: float  # wall clock; orders requests of one priority and drives aging
     arrival_seq: int  # add_request order: breaks ties between equal arrival times
     cache_salt: str | None = None
+    # Tenant and class targets: the deadline order, fair share and step-time target (ranking.py).
+    slo: RequestSlo = DEFAULT_SLO
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     # prompt + output as one list, so hashing blocks and slicing diffs need no concatenation
@@ -86,6 +96,7 @@ class Request:
             arrival_time=request.arrival_time if request.arrival_time > 0 else now,
             arrival_seq=arrival_seq,
             cache_salt=request.cache_salt,
+            slo=request.slo,
         )
 
     @property

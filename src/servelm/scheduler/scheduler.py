@@ -1,23 +1,25 @@
 """Scheduler: token catch-up scheduling over a paged KV cache. The one writer of request state.
 
 Each step hands out a token budget (max_num_batched_tokens). Requests are ranked by
-(effective priority, arrival), effective priority = priority - floor(age / aging_s):
+(effective priority, deadline), effective priority = priority - floor(age / aging_s), deadline =
+arrival + the class's TTFT target, with fair share between the tenants of a class (ranking.py):
 
     1. DECODES: running requests whose prompt is computed, best rank first, each get
        min(num_tokens - num_computed_tokens, budget left). They go before any prefill, so a
        prompt's chunk never takes budget a decode needs. No blocks → preempt the worst-ranked
        running request not yet scheduled this step (perhaps itself) and retry.
     2. PREFILL CHUNKS: running prompts mid-prefill and WAITING requests in one order, by
-       (effective priority, running before waiting, arrival). So a better class goes first
-       even against a prompt already running: the running one's chunk shrinks or skips the
-       step and keeps its KV. Each chunk is capped at long_prefill_token_threshold, then by the
-       budget left. A chunk that leaves its prompt unfinished takes one of
-       max_num_partial_prefills slots (of max_long_partial_prefills if the prompt has more than
-       the cap left); with no slot left the prompt sits this step out. A prompt finished by its
-       chunk takes no slot: short prompts are admitted next to long chunks. Waiting requests
-       are admitted only while nobody was preempted (blocks are short then: admitting would
-       thrash), a seat and a free block remain. A running chunk without blocks preempts as in
-       1; a waiting request that does not fit is SKIPPED, never waited for.
+       (effective priority, deadline, running before waiting). So a better or more urgent
+       class goes first even against a prompt already running: the running one's chunk
+       shrinks or skips the step and keeps its KV. Each chunk is capped at
+       long_prefill_token_threshold, then by the budget left. A chunk that leaves its prompt
+       unfinished takes one of max_num_partial_prefills slots (of max_long_partial_prefills if
+       the prompt has more than the cap left); with no slot left the prompt sits this step
+       out. A prompt finished by its chunk takes no slot: short prompts are admitted next to
+       long chunks. Waiting requests are admitted only while nobody was preempted (blocks are
+       short then: admitting would thrash), a seat and a free block remain. A running chunk
+       without blocks preempts as in 1; a waiting request that does not fit is SKIPPED, never
+       waited for.
     3. TOP-UP: budget left over goes back to the chunks that left their prompt unfinished,
        then to the running prompts that sat the step out, in the order of 2, as far as free
        blocks go: the cap and the slots share a contended budget, they never leave it idle (a
@@ -27,15 +29,16 @@ Aging never blocks: nothing waits behind a request that does not fit. Instead a 
 that has waited aging_s is admitted with a first chunk shrunk to the free blocks (with
 chunked prefill), so it runs as soon as any block, a seat and budget are free; once running,
 its rank keeps improving with its age, so it eventually outranks every request that arrived
-after it (those before it finish by the same argument) and is no longer their preemption
-victim nor left without a slot: it finishes. Without chunked
-prefill a prompt needs all its blocks at once and cannot shrink: a starving one is still
-skipped while it does not fit, and ranks first whenever it does.
+more than aging_s after it, whatever their deadlines (those before it or less later finish by
+the same argument), and is no longer their preemption victim nor left without a slot: it
+finishes. Without chunked prefill a prompt needs all its blocks at once and cannot shrink: a
+starving one is still skipped while it does not fit, and ranks first whenever it does.
 
 update() then advances num_computed_tokens by what was scheduled, caches newly full
 blocks, appends sampled tokens, checks stop conditions and frees finished requests; it
-also feeds the runner's timing of the step to the step-cost model (max_step_ms) and the
-step log (metrics).
+also feeds the runner's timing of the step to the step-cost model, the scheduled tokens to
+fair share, and the step log (metrics). The step-time target (step_cost.step_time_target_s)
+is max_step_ms or, tighter, the smallest TBT target of the requests decoding.
 
 Calling protocol (one thread, the engine core's): schedule() → the runner executes the
 SchedulerOutput → update() with that output, before the next schedule(). add_request()
@@ -47,10 +50,8 @@ engine core's recovery), so the one to blame fails alone.
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
-from operator import itemgetter
+from collections.abc import Callable, Collection, Iterable
 
 from servelm.config import SchedulerConfig
 from servelm.datatypes import (
@@ -65,15 +66,13 @@ from servelm.datatypes import (
 )
 from servelm.kv.block_pool import KVCacheEvent, PrefixCacheStats
 from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
+from servelm.scheduler.ranking import FairShare, Ranking, prefill_order
 from servelm.scheduler.request import Request, RequestStatus
-from servelm.scheduler.step_cost import StepCostModel
+from servelm.scheduler.step_cost import StepCostModel, step_time_target_s
 from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.step_plan import StepPlan
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.waiting_queue import WaitingQueue
-
-# (effective priority, 0 running | 1 waiting, arrival time, arrival seq): the order of step 2.
-_PrefillRank = tuple[int, int, float, int]
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -107,7 +106,9 @@ class Scheduler:
         self._clock = clock
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._running: list[Request] = []
-        self._waiting = WaitingQueue(scheduler_config.aging_s)
+        self._ranking = Ranking(scheduler_config.aging_s)
+        self._fair_share = FairShare()  # fed by update(), read by the waiting queue's order
+        self._waiting = WaitingQueue(self._ranking, self._fair_share)
         self._finished_ids: set[str] = set()  # the runner must forget these next step
         self._pending_outputs: list[EngineOutput] = []  # aborts, delivered by the next update()
         self._next_arrival_seq = 0
@@ -131,6 +132,11 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         """An unfinished request, for inspection only: never mutate it."""
         return self._requests.get(request_id)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Running prompts mid-prefill (partial prefills)."""
+        return sum(1 for r in self._running if r.is_prefilling)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -249,18 +255,17 @@ class Scheduler:
     # -- schedule -------------------------------------------------------------------
 
     def _step_budget(self) -> int:
-        """max_num_batched_tokens, or less while requests decode and max_step_ms is set."""
+        """max_num_batched_tokens, or less while requests decode under a step-time target."""
         budget = self.config.max_num_batched_tokens
-        if self.config.max_step_ms <= 0:
+        decoding = [r for r in self._running if not r.is_prefilling]
+        target_s = step_time_target_s(self.config.max_step_ms, (r.slo.tbt_target_s for r in decoding))
+        if target_s is None or not decoding:
             return budget
-        num_decoding = sum(1 for r in self._running if not r.is_prefilling)
-        if not num_decoding:
-            return budget
-        fits = self.step_cost.tokens_within(self.config.max_step_ms / 1000.0)
+        fits = self.step_cost.tokens_within(target_s)
         if fits is None:
             return budget
         # Every decode, and at least one block of prefill so waiting prompts still move.
-        return min(budget, max(fits, num_decoding + self._kv.block_size))
+        return min(budget, max(fits, len(decoding) + self._kv.block_size))
 
     def schedule(self) -> SchedulerOutput:
         now = self._clock()
@@ -273,7 +278,7 @@ class Scheduler:
             long_slots=config.max_long_partial_prefills,
         )
         # Ranked, so preemption victims are the unscheduled requests nearest the end.
-        self._running.sort(key=lambda request: self._waiting.rank(request, now))
+        self._running.sort(key=lambda request: self._ranking.rank(request, now))
         self._schedule_decodes(plan, now)
         self._schedule_prefills(plan, now)
         self._top_up_prefills(plan)
@@ -305,18 +310,11 @@ class Scheduler:
 
     def _schedule_prefills(self, plan: StepPlan, now: float) -> None:
         """Running prompts mid-prefill and waiting requests, merged by (effective priority,
-        running first, arrival); see the module docstring, step 2."""
-
-        def ranked(requests: Iterable[Request], is_waiting: int) -> Iterator[tuple[_PrefillRank, Request]]:
-            for request in requests:
-                priority, arrival_time, arrival_seq = self._waiting.rank(request, now)
-                yield (priority, is_waiting, arrival_time, arrival_seq), request
-
+        deadline, running first); see the module docstring, step 2."""
         prefilling = [r for r in self._running if r.is_prefilling]  # step 1 scheduled none of them
         num_prefilling_left = len(prefilling)
         admitted: list[Request] = []
-        merged = heapq.merge(ranked(prefilling, 0), ranked(self._waiting.ordered(now), 1), key=itemgetter(0))
-        for (_, is_waiting, _, _), request in merged:
+        for is_waiting, request in prefill_order(prefilling, self._waiting.ordered(now), self._ranking, now):
             if plan.budget <= 0:
                 break
             if not is_waiting:
@@ -478,6 +476,7 @@ class Scheduler:
         now = self._clock()
         self.step_cost.observe(scheduler_output.total_num_scheduled_tokens, model_output.execute_seconds)
         self.step_log.record(scheduler_output, model_output)
+        self._fair_share.decay(now)
         outputs, self._pending_outputs = self._pending_outputs, []
         any_finished = False
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -503,7 +502,8 @@ class Scheduler:
             # It would have nothing left to compute and never finish: fail loudly instead.
             raise ValueError(f"ModelOutput has no sampled token for {request_id!r}, whose step reached its last token")
         request.num_computed_tokens += num_scheduled
-        self._kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+        self._fair_share.add(request.slo, num_scheduled)
+        self._kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens, request.slo.tenant)
         if computed_before < request.num_prefill_tokens:
             request.record(EventType.PREFILL_CHUNK, now, detail=num_scheduled)
         chunk_logprobs = model_output.prompt_logprobs.get(request_id)

@@ -17,10 +17,25 @@ target all have about the same size, and a window of equal sizes has no slope.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 MIN_OBSERVATIONS = 4  # steps seen before the fit is used
 MIN_TOKEN_SPREAD = 8  # the window's step sizes must differ by this much for a slope
+# Share of a TBT target a step may take. A token gap is the step plus what runs between steps
+# (scheduling, update, sending the output), and the fit predicts a mean step while the target
+# binds a tail: a fifth is left for both.
+TBT_STEP_SHARE = 0.8
+
+
+def step_time_target_s(max_step_ms: float, tbt_targets_s: Iterable[float | None]) -> float | None:
+    """Seconds a step carrying these decodes should take at most: max_step_ms (0 = none) or
+    TBT_STEP_SHARE of the smallest TBT target among them (None = no target), whichever is
+    smaller; None when neither applies."""
+    targets = [TBT_STEP_SHARE * t for t in tbt_targets_s if t is not None]
+    if max_step_ms > 0:
+        targets.append(max_step_ms / 1000.0)
+    return min(targets, default=None)
 
 
 @dataclass

@@ -1,31 +1,31 @@
-"""Waiting requests in (effective priority, arrival) order, with aging.
+"""Waiting requests in rank order, with fair share between the tenants of a class (ranking.py).
 
-    effective priority = priority - floor(waited / aging_s)
+    group (priority, slo_class, deadline offset) → tenant → its requests in arrival order
 
-One list per priority class, each sorted by arrival. Within a class the oldest request
-has aged the most, so arrival order IS effective-priority order there; a lazy k-way
-merge of the classes then yields the global order without sorting the whole queue
-each step (the scheduler usually stops after the first few).
+Within a group every member has the same priority and deadline offset, so arrival order IS
+rank order there (the oldest has aged the most and is due first); `fair_turns` hands the
+group's turns to its tenants, and a lazy k-way merge of the groups yields the global order
+without sorting the whole queue each step (the scheduler usually stops after the first few).
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-import math
 from collections.abc import Iterable, Iterator
+from operator import itemgetter
 
+from servelm.scheduler.ranking import FairShare, Ranking, RankKey, arrival_key, fair_turns
 from servelm.scheduler.request import Request
 
-
-def _arrival_key(request: Request) -> tuple[float, int]:
-    return (request.arrival_time, request.arrival_seq)
+_GroupKey = tuple[int, str, float]  # (priority, slo_class, deadline offset)
 
 
 class WaitingQueue:
-    def __init__(self, aging_s: float) -> None:
-        self.aging_s = aging_s  # 0: no aging
-        self._classes: dict[int, list[Request]] = {}
+    def __init__(self, ranking: Ranking, fair_share: FairShare) -> None:
+        self.ranking = ranking
+        self.fair_share = fair_share  # read only: the Scheduler feeds it
+        self._groups: dict[_GroupKey, dict[str, list[Request]]] = {}
         self._len = 0
 
     def __len__(self) -> int:
@@ -33,38 +33,38 @@ class WaitingQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """Every waiting request, in no particular order."""
-        for requests in self._classes.values():
-            yield from requests
+        for tenants in self._groups.values():
+            for members in tenants.values():
+                yield from members
+
+    def _group_key(self, request: Request) -> _GroupKey:
+        return (request.priority, request.slo.slo_class, self.ranking.deadline_offset(request))
 
     def add(self, request: Request) -> None:
         """Insert by arrival: a preempted request goes back ahead of later arrivals."""
-        bisect.insort(self._classes.setdefault(request.priority, []), request, key=_arrival_key)
+        tenants = self._groups.setdefault(self._group_key(request), {})
+        bisect.insort(tenants.setdefault(request.slo.tenant, []), request, key=arrival_key)
         self._len += 1
-
-    def remove(self, request: Request) -> None:
-        self.remove_many([request])
 
     def remove_many(self, requests: Iterable[Request]) -> None:
         gone = {id(r) for r in requests}
-        for priority, members in list(self._classes.items()):
-            kept = [r for r in members if id(r) not in gone]
-            self._len -= len(members) - len(kept)
-            if kept:
-                self._classes[priority] = kept
-            else:
-                del self._classes[priority]
+        for group_key, tenants in list(self._groups.items()):
+            for tenant, members in list(tenants.items()):
+                kept = [r for r in members if id(r) not in gone]
+                self._len -= len(members) - len(kept)
+                if kept:
+                    tenants[tenant] = kept
+                else:
+                    del tenants[tenant]
+            if not tenants:
+                del self._groups[group_key]
 
-    def effective_priority(self, request: Request, now: float) -> int:
-        if self.aging_s <= 0:
-            return request.priority
-        waited = max(0.0, now - request.arrival_time)  # clamp: another host's clock may run ahead
-        return request.priority - math.floor(waited / self.aging_s)
+    def ordered(self, now: float) -> Iterator[tuple[RankKey, Request]]:
+        """(rank of the turn, request taking it), best first. Do not add or remove while
+        iterating; collect, then remove_many."""
 
-    def rank(self, request: Request, now: float) -> tuple[int, float, int]:
-        """(effective priority, arrival): lower goes first. The scheduler ranks running requests
-        by it too, so an aged request also stops being the first preemption victim."""
-        return (self.effective_priority(request, now), request.arrival_time, request.arrival_seq)
+        def group_order(key: _GroupKey, tenants: dict[str, list[Request]]) -> Iterator[tuple[RankKey, Request]]:
+            for turn, pick in fair_turns(tenants, key[1], self.fair_share):
+                yield self.ranking.rank(turn, now), pick
 
-    def ordered(self, now: float) -> Iterator[Request]:
-        """Best first. Do not add or remove while iterating; collect, then remove_many."""
-        return heapq.merge(*self._classes.values(), key=lambda request: self.rank(request, now))
+        return heapq.merge(*(group_order(k, t) for k, t in self._groups.items()), key=itemgetter(0))

@@ -11,11 +11,14 @@ class CoreStats(msgspec.Struct, kw_only=True):
 
     num_running: int = 0
     num_waiting: int = 0
+    num_prefilling: int = 0  # running prompts mid-prefill (partial prefills)
     kv_usage: float = 0.0  # fraction of KV blocks held by requests
     num_used_blocks: int = 0
     prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # cumulative tokens found there
     num_preemptions: int = 0  # cumulative
+    # cumulative hashed blocks evicted from the prefix cache, by the tenant whose request cached them
+    prefix_evictions_by_tenant: dict[str, int] = {}
     # (scheduled tokens, runner seconds) of every step since the previous batch, mid-prefill
     # steps included (they send no outputs), for the step histograms.
     recent_steps: list[tuple[int, float]] = []
