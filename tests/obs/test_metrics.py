@@ -9,10 +9,10 @@ from servelm.datatypes import EventType as E
 from servelm.datatypes import RequestEvent, RequestSlo
 from servelm.obs.attribution import TTFTBreakdown
 from servelm.obs.metrics import FinishedRequest, ServerMetrics, length_buckets, priority_class
+from servelm.schemas.core_stats import CoreStats
 
 BATCH = RequestSlo(slo_class="batch")
 INTERACTIVE = RequestSlo(slo_class="interactive")
-from servelm.schemas.core_stats import CoreStats
 
 
 def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
