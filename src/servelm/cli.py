@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from servelm.config import EngineConfig
 
@@ -105,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require this bearer token (or env SERVELM_API_KEY)")
+    serve.add_argument(
+        "--tenants", type=Path, default=None, metavar="FILE",
+        help="tenants YAML: API keys, SLO classes, per-tenant limits (README, deploy/tenants.example.yaml)",
+    )  # fmt: skip
+    serve.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM)")
+    serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM)")
+    serve.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, 429")
     serve.add_argument(

@@ -273,7 +273,7 @@ def test_every_query_names_metrics_and_labels_the_server_exports(exposition):
         ("sum(rate(servelm:no_such_metric_total[5m]))", "servelm:no_such_metric_total is not exported"),
         ("rate(servelm:request_success[5m])", "request_success is not exported"),  # a counter's samples end in _total
         ("histogram_quantile(0.9, rate(servelm:time_to_first_token_seconds[5m]))", "is not exported"),  # no _bucket
-        ("sum by (tenant) (rate(servelm:request_success_total[5m]))", "grouped by ['tenant']"),
+        ("sum by (tenant) (rate(servelm:num_requests_running[5m]))", "grouped by ['tenant']"),
         ("sum(rate(servelm:prompt_tokens_total[5m])) by (le)", "grouped by ['le']"),
         ('servelm:ttft_component_seconds_count{component="decode"}', "never has component='decode'"),
         ('servelm:num_requests_running{priority="batch"}', "has no label priority"),
@@ -284,8 +284,8 @@ def test_the_check_finds_what_the_server_does_not_export(exposition, expr, expec
 
 
 def test_the_check_passes_what_the_server_exports(exposition):
-    expr = ('histogram_quantile(0.5, sum by (le, priority) (rate(servelm:ttft_component_seconds_bucket'
-            '{component="queue", priority="batch"}[5m])))')  # fmt: skip
+    expr = ('histogram_quantile(0.5, sum by (le, slo_class) (rate(servelm:ttft_component_seconds_bucket'
+            '{component="queue", slo_class="batch"}[5m])))')  # fmt: skip
     assert problems(parse_refs(expr), exposition) == []
     with pytest.raises(ValueError, match="unknown PromQL function"):
         parse_refs("rat(servelm:request_success_total[5m])")

@@ -1,4 +1,4 @@
-"""Prometheus metrics: vLLM-style names under `servelm:`, labels by model and priority class,
+"""Prometheus metrics: vLLM-style names under `servelm:`, labels by model, tenant and SLO class,
 core gauges and counters read from the latest CoreStats at scrape time."""
 
 from __future__ import annotations
@@ -6,10 +6,13 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from servelm.datatypes import EventType as E
-from servelm.datatypes import RequestEvent
+from servelm.datatypes import RequestEvent, RequestSlo
 from servelm.obs.attribution import TTFTBreakdown
 from servelm.obs.metrics import FinishedRequest, ServerMetrics, length_buckets, priority_class
 from servelm.schemas.core_stats import CoreStats
+
+BATCH = RequestSlo(slo_class="batch")
+INTERACTIVE = RequestSlo(slo_class="interactive")
 
 
 def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
@@ -31,12 +34,12 @@ def test_request_and_core_metrics():
     metrics = ServerMetrics("tiny", 1024, lambda: stats, num_blocks=64, num_in_api=lambda: 5, num_outputs_queued=lambda: 7)
     events = [RequestEvent(E.ARRIVED, 10.0), RequestEvent(E.SCHEDULED, 10.5), RequestEvent(E.FIRST_TOKEN, 11.0),
               RequestEvent(E.FINISHED, 13.0)]  # fmt: skip
-    metrics.observe_finished(FinishedRequest(priority=5, finish_reason="length", num_prompt_tokens=7,
+    metrics.observe_finished(FinishedRequest(slo=BATCH, finish_reason="length", num_prompt_tokens=7,
                                              num_generation_tokens=5, events=events, e2e_s=3.2))  # fmt: skip
-    metrics.observe_token_gap(5, 0.02)
-    metrics.observe_ttft(0, TTFTBreakdown(0.001, 0.002, 0.003, 0.0, 0.001, 0.007, 0.007, 0.0005, 0.0001))
+    metrics.observe_token_gap(BATCH, 0.02)
+    metrics.observe_ttft(INTERACTIVE, TTFTBreakdown(0.001, 0.002, 0.003, 0.0, 0.001, 0.007, 0.007, 0.0005, 0.0001))
     s = _samples(metrics)
-    batch = (("model_name", "tiny"), ("priority", "batch"))
+    batch = (("model_name", "tiny"), ("slo_class", "batch"), ("tenant", "default"))
     assert s[("servelm:request_queue_time_seconds_sum", batch)] == 0.5
     assert s[("servelm:request_prefill_time_seconds_sum", batch)] == 0.5
     assert s[("servelm:request_decode_time_seconds_sum", batch)] == 2.0
@@ -45,7 +48,7 @@ def test_request_and_core_metrics():
     assert s[("servelm:prompt_tokens_total", batch)] == 7 and s[("servelm:generation_tokens_total", batch)] == 5
     assert s[("servelm:request_success_total", (("finished_reason", "length"), *batch))] == 1
     assert s[("servelm:inter_token_latency_seconds_count", batch)] == 1
-    interactive = (("model_name", "tiny"), ("priority", "interactive"))
+    interactive = (("model_name", "tiny"), ("slo_class", "interactive"), ("tenant", "default"))
     assert s[("servelm:time_to_first_token_seconds_count", interactive)] == 1
     assert s[("servelm:ttft_component_seconds_sum", (("component", "prefill"), *interactive))] == 0.003
     model = (("model_name", "tiny"),)
@@ -60,16 +63,40 @@ def test_api_process_metrics():
     metrics = ServerMetrics("tiny", 1024, CoreStats, num_blocks=8, num_in_api=lambda: 0, num_outputs_queued=lambda: 42)
     metrics.observe_loop_lag(0.3)
     for num_outputs in (0, 0, 3, 120):
-        metrics.observe_output_backlog(0, num_outputs)
+        metrics.observe_output_backlog(INTERACTIVE, num_outputs)
     s = _samples(metrics)
     model = (("model_name", "tiny"),)
     assert s[("servelm:num_outputs_queued_in_api", model)] == 42
     assert s[("servelm:api_event_loop_lag_seconds_count", model)] == 1
     assert s[("servelm:api_event_loop_lag_seconds_bucket", (("le", "0.25"), *model))] == 0
     assert s[("servelm:api_event_loop_lag_seconds_bucket", (("le", "0.5"), *model))] == 1
-    interactive = (*model, ("priority", "interactive"))
+    interactive = (*model, ("slo_class", "interactive"), ("tenant", "default"))
     bucket = "servelm:stream_output_backlog_bucket"
     assert s[(bucket, (("le", "0.0"), *interactive))] == 2  # a stream that keeps up: its own bucket
     assert s[(bucket, (("le", "5.0"), *interactive))] == 3
     assert s[(bucket, (("le", "100.0"), *interactive))] == 3 and s[(bucket, (("le", "200.0"), *interactive))] == 4
     assert s[("servelm:stream_output_backlog_sum", interactive)] == 123
+
+
+def test_slo_met_counts_requests_within_their_class_targets():
+    """Goodput per class: TTFT within target and the longest token gap within the TBT target;
+    an abort never meets it; a class without targets is not counted at all."""
+    metrics = ServerMetrics("tiny", 1024, CoreStats, num_blocks=8, num_in_api=lambda: 0, num_outputs_queued=lambda: 0)
+    voice = RequestSlo(tenant="voice", slo_class="realtime", ttft_target_s=0.3, tbt_target_s=0.1)
+
+    def finish(slo: RequestSlo, reason: str, ttft_s: float | None, gap_s: float | None) -> None:
+        metrics.observe_finished(FinishedRequest(slo=slo, finish_reason=reason, num_prompt_tokens=3,
+                                                 num_generation_tokens=4, events=[], e2e_s=1.0, ttft_s=ttft_s,
+                                                 max_token_gap_s=gap_s))  # fmt: skip
+
+    finish(voice, "stop", 0.2, 0.1)  # met (targets are inclusive)
+    finish(voice, "length", 0.2, None)  # met: one token, no gap to judge
+    finish(voice, "stop", 0.4, 0.05)  # TTFT missed
+    finish(voice, "stop", 0.1, 0.11)  # one gap too long
+    finish(voice, "abort", 0.1, 0.01)  # the client left: not goodput
+    finish(BATCH, "stop", 0.1, 0.01)  # no targets: never counted
+    s = _samples(metrics)
+    labels = (("model_name", "tiny"), ("slo_class", "realtime"), ("tenant", "voice"))
+    assert s[("servelm:request_slo_met_total", labels)] == 2
+    assert sum(v for (name, lbl), v in s.items() if name == "servelm:request_success_total" and ("tenant", "voice") in lbl) == 5
+    assert not any(name == "servelm:request_slo_met_total" and ("slo_class", "batch") in lbl for name, lbl in s)

@@ -34,6 +34,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("server")
     target.add_argument("--base-url", default="http://127.0.0.1:8000", help="any OpenAI-compatible server")
     target.add_argument("--api-key", default=None)
+    target.add_argument("--api-keys", default=None, metavar="PROFILE=KEY,...",
+                        help="a key per traffic class (e.g. voice=K1,code=K2: each class is its own tenant); "
+                             "other classes use --api-key, else the first of these")  # fmt: skip
     target.add_argument("--model", default=None, help="the request's model field (default: the server's first)")
     target.add_argument("--tokenizer", default=None,
                         help="HF directory or .gguf (default: the server's model id as a path)")  # fmt: skip
@@ -103,7 +106,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _config(args: argparse.Namespace):
     from servelm.bench.execute import BenchConfig
-    from servelm.bench.profiles import parse_weights
+    from servelm.bench.profiles import parse_api_keys, parse_weights
     from servelm.bench.workload import DEFAULT_SLOS, parse_slo
 
     slos = dict(DEFAULT_SLOS)
@@ -117,6 +120,7 @@ def _config(args: argparse.Namespace):
         time_scale=getattr(args, "time_scale", 1.0), trace_time_unit_s=getattr(args, "trace_time_unit_s", 0.001),
         trace_block_size=getattr(args, "trace_block_size", 512), slos=slos, prompt_scale=args.prompt_scale,
         max_output_tokens=args.max_output_tokens, max_context=args.max_context, api_key=args.api_key,
+        api_keys=parse_api_keys(args.api_keys) if args.api_keys else {},
         model=args.model, tokenizer=args.tokenizer, endpoint=args.endpoint, temperature=args.temperature,
         ignore_eos=args.ignore_eos, priority=args.priority, timeline=args.timeline,
         request_timeout_s=args.request_timeout_s, chat_dataset=args.chat_dataset, progress=args.progress,

@@ -38,12 +38,18 @@ class ClientConfig:
     ignore_eos: bool = True  # outputs run to max_tokens: lengths as the workload says (vLLM, SGLang, servelm)
     send_priority: bool = False  # the `priority` field (servelm; vLLM only with --scheduling-policy priority)
     want_timeline: bool = False  # servelm's per-request timeline, with the TTFT breakdown
-    api_key: str | None = None
+    api_key: str | None = None  # every request's, unless its traffic class has its own in api_keys
     request_timeout_s: float = 600.0
+    api_keys: dict[str, str] = field(default_factory=dict)  # traffic class → its key (a server's tenant)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint must be completions or chat, got {self.endpoint!r}")
+
+    def headers_for(self, traffic_class: str) -> dict[str, str]:
+        """The class's own Authorization header; empty: the HTTP client's default (`api_key`) applies."""
+        key = self.api_keys.get(traffic_class)
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 @dataclass
@@ -171,7 +177,8 @@ async def send_request(
     stream = _Stream()
     record.sent_s = clock()
     try:
-        async with http.stream("POST", path, json=request_body(config, request)) as response:
+        headers = config.headers_for(request.traffic_class)
+        async with http.stream("POST", path, json=request_body(config, request), headers=headers) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 return _failed(record, clock(), f"HTTP {response.status_code}: {body[:500]}")

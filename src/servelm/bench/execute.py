@@ -58,6 +58,7 @@ class BenchConfig:
     max_output_tokens: int | None = None
     max_context: int | None = None
     api_key: str | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)  # per traffic class (--api-keys); api_key for the rest
     model: str | None = None  # the `model` field; default: the server's first model
     tokenizer: str | None = None
     endpoint: str = "completions"
@@ -73,6 +74,9 @@ class BenchConfig:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["slos"] = {name: slo.to_dict() for name, slo in self.slos.items()}
+        # Keys are secrets and reports get shared: say which were set, never what they are.
+        out["api_key"] = "(set)" if self.api_key else None
+        out["api_keys"] = dict.fromkeys(self.api_keys, "(set)")
         return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}
 
 
@@ -108,7 +112,9 @@ def _switch(mode: str, default: bool) -> bool:
 
 
 def prepare(config: BenchConfig) -> Target:
-    server = probe_server(config.base_url, config.api_key)
+    # Probe, warm-up and classes without their own key: --api-key, else the first per-class key.
+    default_key = config.api_key or next(iter(config.api_keys.values()), None)
+    server = probe_server(config.base_url, default_key)
     tokens = resolve_token_source(config.tokenizer, server.model_id, server.model_root)
     context = config.max_context or server.max_model_len or FALLBACK_CONTEXT
     limits = LengthLimits(context, config.prompt_scale, config.max_output_tokens)
@@ -120,8 +126,9 @@ def prepare(config: BenchConfig) -> Target:
         ignore_eos=config.ignore_eos,
         send_priority=_switch(config.priority, server.is_servelm),
         want_timeline=_switch(config.timeline, server.is_servelm),
-        api_key=config.api_key,
+        api_key=default_key,
         request_timeout_s=config.request_timeout_s,
+        api_keys=config.api_keys,
     )
     chat_lengths = load_sharegpt_lengths(config.chat_dataset, tokens, seed=config.seed) if config.chat_dataset else None
     return Target(server, tokens, limits, client, chat_lengths)
@@ -152,10 +159,10 @@ def run_once(target: Target, config: BenchConfig, load: Load, out_dir: Path, sal
 
     def snapshot() -> None:  # after the runner's warm-up request: the delta counts the workload alone
         nonlocal before
-        before = scrape_counters(config.base_url, config.api_key) if target.server.has_metrics else None
+        before = scrape_counters(config.base_url, target.client.api_key) if target.server.has_metrics else None
 
     result: RunResult = asyncio.run(run_workload(requests, target.client, limits, target.tokens, after_warm_up=snapshot))
-    after = scrape_counters(config.base_url, config.api_key) if target.server.has_metrics else None
+    after = scrape_counters(config.base_url, target.client.api_key) if target.server.has_metrics else None
     summary = summarize(result.records, config.slos, result.duration_s)
     described = {"load": load.describe(config), "load_kind": load.kind, "load_value": load.value, "salt": salt}
     server = {

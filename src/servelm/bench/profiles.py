@@ -256,6 +256,22 @@ def parse_weights(spec: str) -> dict[str, float]:
     return weights
 
 
+def parse_api_keys(spec: str) -> dict[str, str]:
+    """`voice=KEY1,code=KEY2` → {"voice": "KEY1", ...}: the key each traffic class sends, so a mixed
+    workload's classes map onto a server's tenants. Names must be profiles (or `trace`); a key is
+    never echoed in an error."""
+    keys: dict[str, str] = {}
+    for part in spec.split(","):
+        name, _, key = part.partition("=")
+        name = name.strip()
+        if name not in (*_PROFILE_TYPES, "trace"):
+            raise ValueError(f"unknown profile {name!r} in --api-keys: expected {sorted([*_PROFILE_TYPES, 'trace'])}")
+        if not key.strip():
+            raise ValueError(f"--api-keys: profile {name!r} has an empty key (expected {name}=KEY)")
+        keys[name] = key.strip()
+    return keys
+
+
 def build_workload(
     profile: str,
     num_requests: int,

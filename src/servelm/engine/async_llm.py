@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from servelm.config import EngineConfig
-from servelm.datatypes import EngineOutput, EngineRequest
+from servelm.datatypes import DEFAULT_SLO, EngineOutput, EngineRequest, RequestSlo
 from servelm.engine.async_client import AsyncEngineClient, EngineDeadError
 from servelm.engine.fan_out import Choice, ChoiceDelta, FanOut
 from servelm.obs.metrics import FinishedRequest
@@ -47,9 +47,9 @@ class PromptError(ValueError):
 class GenerationObserver(Protocol):
     """Receives per-choice measurements as a stream runs (the server's metrics)."""
 
-    def observe_token_gap(self, priority: int, gap_s: float) -> None: ...
+    def observe_token_gap(self, slo: RequestSlo, gap_s: float) -> None: ...
 
-    def observe_output_backlog(self, priority: int, num_outputs: int) -> None: ...
+    def observe_output_backlog(self, slo: RequestSlo, num_outputs: int) -> None: ...
 
     def observe_finished(self, request: FinishedRequest) -> None: ...
 
@@ -64,6 +64,7 @@ class GenerationRequest:
     timeline: RequestTimeline  # stamped as the request moves; RECEIVED must be stamped already
     priority: int = 0
     cache_salt: str | None = None  # the prefix-cache namespace of every engine request here
+    slo: RequestSlo = DEFAULT_SLO  # the caller's tenant and SLO class (servelm.tenancy)
 
 
 class AsyncLLM:
@@ -157,6 +158,7 @@ class AsyncLLM:
             priority=request.priority,
             arrival_time=request.timeline.wall[ApiStamp.RECEIVED],
             cache_salt=request.cache_salt,
+            slo=request.slo,
         )
         return GenerationStream(self, fan_out, request.timeline, observer)
 
@@ -178,6 +180,8 @@ class GenerationStream:
     _queue: asyncio.Queue[EngineOutput] = field(default_factory=asyncio.Queue)
     _forwarders: list[asyncio.Task[None]] = field(default_factory=list)
     _last_output_mono: dict[int, float] = field(default_factory=dict)  # choice index → its last token's arrival
+    _first_output_mono: dict[int, float] = field(default_factory=dict)  # choice index → its first token's arrival
+    _max_gap_s: dict[int, float] = field(default_factory=dict)  # choice index → its longest gap between tokens
     _closed: bool = False
 
     @property
@@ -195,6 +199,15 @@ class GenerationStream:
     @property
     def priority(self) -> int:
         return self.fan_out.priority
+
+    @property
+    def slo(self) -> RequestSlo:
+        return self.fan_out.slo
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens generated so far, over every choice."""
+        return sum(len(c.state.output_token_ids) for c in self.fan_out.choices if c.state is not None)
 
     @property
     def num_cached_prompt_tokens(self) -> int:
@@ -260,7 +273,7 @@ class GenerationStream:
         while not self._queue.empty():  # coalesce whatever else is already here: one chunk, not several
             outputs.append(self._queue.get_nowait())
         if self.observer is not None:
-            self.observer.observe_output_backlog(self.priority, _num_behind(outputs))
+            self.observer.observe_output_backlog(self.slo, _num_behind(outputs))
         wall, mono = time.time(), time.perf_counter()
         if any(o.new_token_ids for o in outputs):
             self.timeline.stamp(ApiStamp.FIRST_OUTPUT_RECEIVED, wall, mono)
@@ -274,8 +287,12 @@ class GenerationStream:
             index = delta.choice.index
             if delta.token_ids:
                 last = self._last_output_mono.get(index)
-                if last is not None and self.observer is not None:
-                    self.observer.observe_token_gap(self.priority, mono - last)
+                if last is None:
+                    self._first_output_mono[index] = mono
+                else:
+                    self._max_gap_s[index] = max(self._max_gap_s.get(index, 0.0), mono - last)
+                    if self.observer is not None:
+                        self.observer.observe_token_gap(self.slo, mono - last)
                 self._last_output_mono[index] = mono
             if delta.finish_reason is not None:
                 self._finished(delta.choice, delta.finish_reason, mono)
@@ -286,14 +303,18 @@ class GenerationStream:
         state = choice.state
         if self.observer is None or state is None:
             return
+        received = self.timeline.mono[ApiStamp.RECEIVED]
+        first = self._first_output_mono.get(choice.index)
         self.observer.observe_finished(
             FinishedRequest(
-                priority=self.priority,
+                slo=self.slo,
                 finish_reason=finish_reason,
                 num_prompt_tokens=len(state.prompt_token_ids),
                 num_generation_tokens=len(state.output_token_ids),
                 events=state.events,
-                e2e_s=mono - self.timeline.mono[ApiStamp.RECEIVED],
+                e2e_s=mono - received,
+                ttft_s=first - received if first is not None else None,
+                max_token_gap_s=self._max_gap_s.get(choice.index),
             )
         )
 
@@ -307,7 +328,7 @@ class GenerationStream:
             task.cancel()
         live = self.fan_out.close()
         if live and self.observer is not None:  # ended early (the client left): what it never took
-            self.observer.observe_output_backlog(self.priority, self.num_outputs_queued)
+            self.observer.observe_output_backlog(self.slo, self.num_outputs_queued)
         mono = time.perf_counter()
         for choice in live:
             self._finished(choice, "abort", mono)  # its own ABORT output will never reach us: count it here

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from servelm.datatypes import EngineOutput, EngineRequest, PositionLogprobs
+from servelm.datatypes import DEFAULT_SLO, EngineOutput, EngineRequest, PositionLogprobs, RequestSlo
 from servelm.engine.output_state import RequestState
 from servelm.sampling_params import SamplingParams
 
@@ -72,6 +72,7 @@ class FanOut:
     priority: int = 0
     arrival_time: float = 0.0
     cache_salt: str | None = None
+    slo: RequestSlo = DEFAULT_SLO  # tenant and SLO class, stamped on every engine request
     choices: list[Choice] = field(default_factory=list)
     _by_engine_id: dict[str, Choice] = field(default_factory=dict)
     _siblings: dict[int, list[Choice]] = field(default_factory=dict)  # prompt index → choices not yet sent
@@ -185,6 +186,7 @@ class FanOut:
             priority=self.priority,
             arrival_time=self.arrival_time,
             cache_salt=self.cache_salt,
+            slo=self.slo,
         )
 
 

@@ -2,7 +2,9 @@
 
 Two sources:
 - per request, observed in the API process when a request finishes (latency histograms,
-  token counters, finish reasons), labelled by model and priority class;
+  token counters, finish reasons), labelled by model, tenant and SLO class (the request's
+  RequestSlo; without a tenants file tenant "default" and the class its priority names,
+  `priority_class`); and per-class goodput, `request_slo_met` (see `slo_met`);
 - the engine core's own counters and gauges (running / waiting requests, KV usage,
   prefix-cache queries and hits, preemptions), which arrive with every output batch as
   `CoreStats` and are read at scrape time by a custom collector, so they are never stale
@@ -22,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from servelm.datatypes import EventType, RequestEvent
+from servelm.datatypes import EventType, RequestEvent, RequestSlo
 from servelm.obs.attribution import TTFTBreakdown
 from servelm.schemas.core_stats import CoreStats
 
@@ -39,7 +41,8 @@ _BACKLOG_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1
 
 
 def priority_class(priority: int) -> str:
-    """A bounded label for a free-form integer priority (lower runs first; 0 is interactive)."""
+    """A bounded label for a free-form integer priority (lower runs first; 0 is interactive):
+    the SLO class of a request when no tenants file names one."""
     return "interactive" if priority <= 0 else "batch"
 
 
@@ -60,12 +63,32 @@ def length_buckets(max_value: int) -> tuple[float, ...]:
 class FinishedRequest:
     """What the API knows about one engine request (one choice) when it finishes."""
 
-    priority: int
+    slo: RequestSlo
     finish_reason: str
     num_prompt_tokens: int
     num_generation_tokens: int
     events: list[RequestEvent]
     e2e_s: float  # HTTP received → finished in the API
+    ttft_s: float | None = None  # HTTP received → its first token detokenized in the API; None: no token
+    max_token_gap_s: float | None = None  # its longest gap between two tokens in the API; None: under two tokens
+
+
+def slo_met(request: FinishedRequest) -> bool | None:
+    """Did the request keep its class's promise? None: the class promises nothing (no targets).
+
+    Met: it finished normally (stop or length; an abort or error never meets it), its TTFT is
+    within the TTFT target, and its longest gap between tokens (the max, not a percentile: one
+    stall is what a listener hears) is within the TBT target. A target of None is not judged.
+    """
+    slo = request.slo
+    if slo.ttft_target_s is None and slo.tbt_target_s is None:
+        return None
+    if request.finish_reason not in ("stop", "length"):
+        return False
+    ttft_ok = slo.ttft_target_s is None or (request.ttft_s is not None and request.ttft_s <= slo.ttft_target_s)
+    gap = request.max_token_gap_s
+    tbt_ok = slo.tbt_target_s is None or gap is None or gap <= slo.tbt_target_s
+    return ttft_ok and tbt_ok
 
 
 class ServerMetrics:
@@ -81,7 +104,7 @@ class ServerMetrics:
         """`core_stats`, `num_in_api` and `num_outputs_queued` are read at every scrape (on the event loop)."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name", "priority"]
+        labels = ["model_name", "tenant", "slo_class"]
 
         def histogram(name: str, doc: str, buckets: Iterable[float], extra: tuple[str, ...] = ()) -> Histogram:
             return Histogram(PREFIX + name, doc, labels + list(extra), buckets=tuple(buckets), registry=self.registry)
@@ -105,6 +128,11 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.request_success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
+        self.request_slo_met = counter(
+            "request_slo_met",
+            "Finished requests that met their SLO class's TTFT and TBT targets (classes with targets only; "
+            "TBT: the request's longest gap between tokens). Goodput per class: this over request_success.",
+        )
         self.output_backlog = histogram(
             "stream_output_backlog",
             "Engine outputs waiting in a stream's queue each time the stream takes them, beyond the newest one per "
@@ -133,24 +161,26 @@ class ServerMetrics:
             self.step_tokens.observe(num_tokens)
             self.step_seconds.observe(seconds)
 
-    def observe_token_gap(self, priority: int, gap_s: float) -> None:
-        self._itl_by_class.observe(priority, gap_s)
+    def observe_token_gap(self, slo: RequestSlo, gap_s: float) -> None:
+        self._itl_by_class.observe(slo, gap_s)
 
-    def observe_output_backlog(self, priority: int, num_outputs: int) -> None:
-        self._backlog_by_class.observe(priority, num_outputs)
+    def observe_output_backlog(self, slo: RequestSlo, num_outputs: int) -> None:
+        self._backlog_by_class.observe(slo, num_outputs)
 
     def observe_loop_lag(self, lag_s: float) -> None:
         self.loop_lag.observe(lag_s)
 
-    def observe_ttft(self, priority: int, breakdown: TTFTBreakdown) -> None:
-        label = priority_class(priority)
-        self.ttft.labels(self.model_name, label).observe(max(breakdown.ttft, 0.0))
+    def observe_ttft(self, slo: RequestSlo, breakdown: TTFTBreakdown) -> None:
+        labels = (self.model_name, slo.tenant, slo.slo_class)
+        self.ttft.labels(*labels).observe(max(breakdown.ttft, 0.0))
         for name in TTFTBreakdown.COMPONENTS:
-            self.ttft_component.labels(self.model_name, label, name).observe(max(getattr(breakdown, name), 0.0))
+            self.ttft_component.labels(*labels, name).observe(max(getattr(breakdown, name), 0.0))
 
     def observe_finished(self, request: FinishedRequest) -> None:
-        labels = (self.model_name, priority_class(request.priority))
+        labels = (self.model_name, request.slo.tenant, request.slo.slo_class)
         self.request_success.labels(*labels, request.finish_reason).inc()
+        if slo_met(request):
+            self.request_slo_met.labels(*labels).inc()
         self.prompt_tokens.labels(*labels).inc(request.num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(request.num_generation_tokens)
         self.prompt_len.labels(*labels).observe(request.num_prompt_tokens)
@@ -174,18 +204,18 @@ class ServerMetrics:
 
 
 class _ByClass:
-    """A (model_name, priority) histogram's children, looked up once per class."""
+    """A (model_name, tenant, slo_class) histogram's children, looked up once per tenant and class."""
 
     def __init__(self, family: Histogram, model_name: str) -> None:
         self.family = family
         self.model_name = model_name
-        self.children: dict[str, Histogram] = {}
+        self.children: dict[tuple[str, str], Histogram] = {}
 
-    def observe(self, priority: int, value: float) -> None:
-        label = priority_class(priority)
-        child = self.children.get(label)
+    def observe(self, slo: RequestSlo, value: float) -> None:
+        key = (slo.tenant, slo.slo_class)
+        child = self.children.get(key)
         if child is None:
-            child = self.children[label] = self.family.labels(self.model_name, label)
+            child = self.children[key] = self.family.labels(self.model_name, *key)
         child.observe(value)
 
 

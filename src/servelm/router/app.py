@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from servelm.openai_api.auth import ApiKeyMiddleware
+from servelm.openai_api.auth import ApiKeyMiddleware, single_key
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
 from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_response
 from servelm.router.health import HealthChecker, check_all
@@ -89,7 +89,7 @@ def create_router_app(router_options: RouterOptions, options: RouterServerOption
 
     app = FastAPI(title="servelm router", lifespan=lifespan, docs_url=None, redoc_url=None)
     _add_routes(app)
-    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, open_paths=_OPEN_PATHS)
+    app.add_middleware(ApiKeyMiddleware, authenticate=single_key(options.api_key), open_paths=_OPEN_PATHS)
     return app
 
 

@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP server: app factory, routes, and `servelm serve`'s entry point.
 
-    uvicorn ─▶ _ArrivalStamp ─▶ ApiKeyMiddleware ─▶ InternalErrorMiddleware ─▶ FastAPI routes ─▶ completions / chat
+    uvicorn ─▶ _ArrivalStamp ─▶ ApiKeyMiddleware ─▶ TenantLimitsMiddleware ─▶ InternalErrorMiddleware ─▶ FastAPI routes
+                                (the tenant)      (in flight, tokens/min)                           ─▶ completions / chat
                                                                   └▶ AsyncEngineClient ─ZMQ─▶ engine core process
 
-With an API key, every route needs it but /health (load balancers) and, unless
---protect-metrics, /metrics (Prometheus; vLLM leaves both open too). /tokenize and
-/detokenize do work, so they are keyed; so is /openapi.json. A POST body must be JSON
+With an API key (--api-key, or the keys of a --tenants file: servelm.tenancy.registry), every
+route needs one but /health (load balancers) and, unless --protect-metrics, /metrics
+(Prometheus; vLLM leaves both open too). /tokenize and /detokenize do work, so they are keyed;
+so is /openapi.json. A key names its tenant: its SLO class, priority range and limits. A POST body must be JSON
 (`Content-Type: application/json`, else 415: a browser page cannot send one cross-origin
 without a CORS preflight) and at most --max-request-body-mb (else 413).
 
@@ -59,7 +61,11 @@ from servelm.server.errors import (
 )
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
+from servelm.server.tenant_limits import TenantLimitsMiddleware
 from servelm.server.tokenize_api import detokenize, tokenize
+from servelm.tenancy.config import TenantsConfigError, load_tenants
+from servelm.tenancy.limits import TenantLimits
+from servelm.tenancy.registry import TenantRegistry
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -78,6 +84,10 @@ class ServerOptions:
     log_requests: bool = False
     shutdown_timeout_s: int = 30
     tokenizer_threads: int = 2
+    tenants: Path | None = None  # the tenants file (servelm.tenancy.config)
+    ssl_keyfile: str | None = None  # HTTPS: uvicorn's, as vLLM passes them
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None  # CA bundle to verify client certificates against
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -138,7 +148,8 @@ async def _start_context(engine_config: EngineConfig, options: ServerOptions) ->
 
 def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
     """The ASGI app; its lifespan starts the engine core process (and the event-loop lag
-    monitor) and stops them at shutdown."""
+    monitor) and stops them at shutdown. TenantsConfigError for a bad --tenants file."""
+    registry = TenantRegistry.build(load_tenants(options.tenants) if options.tenants else None, options.api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -159,14 +170,16 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
     app.state.max_body_bytes = int(options.max_request_body_mb * 2**20)
     install_error_handlers(app)
     _add_routes(app)
-    # The last added runs first: the arrival is stamped before the key is checked.
-    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, open_paths=open_paths(options))
+    # The last added runs first: the arrival is stamped before the key is checked, the key (the
+    # tenant) before the tenant's limits.
+    app.add_middleware(TenantLimitsMiddleware, limits=TenantLimits(registry.tenants))
+    app.add_middleware(ApiKeyMiddleware, authenticate=registry.authenticate, open_paths=open_paths(options))
     app.add_middleware(_ArrivalStamp)
     return app
 
 
 def open_paths(options: ServerOptions) -> frozenset[str]:
-    """The routes that answer without the API key (when one is set)."""
+    """The routes that answer without an API key (when keys are set)."""
     return frozenset({"/health"} if options.protect_metrics else {"/health", "/metrics"})
 
 
@@ -274,7 +287,11 @@ class _Server(uvicorn.Server):
 def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
     """`servelm serve`: serve until SIGTERM/SIGINT; 0 after a clean drain, non-zero if start-up failed."""
     options = ServerOptions.from_args(args)
-    app = create_app(engine_config, options)
+    try:
+        app = create_app(engine_config, options)
+    except TenantsConfigError as exc:
+        logger.error("%s", exc)
+        return 2
     config = uvicorn.Config(
         app,
         host=options.host,
@@ -287,6 +304,9 @@ def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
         access_log=False,
         log_level=logging.getLevelName(logging.getLogger().level).lower() if logging.getLogger().level else "info",
         timeout_graceful_shutdown=options.shutdown_timeout_s,
+        ssl_keyfile=options.ssl_keyfile,
+        ssl_certfile=options.ssl_certfile,
+        ssl_ca_certs=options.ssl_ca_certs,
     )
 
     def on_exit() -> None:

@@ -24,9 +24,11 @@ from servelm.server.serving import (
     finish_request,
     json_response,
     render_chat,
+    reserve_tokens,
     respond,
     sse,
     stream_tail,
+    tenant_priority,
     usage,
 )  # fmt: skip
 
@@ -37,8 +39,10 @@ async def create_chat_completion(ctx: ServerContext, http_request: Request, body
     prompt = await render_chat(ctx, body.chat_messages(), body.add_generation_prompt)
     check_prompts(ctx, [prompt], params, "messages")
     timeline.stamp(ApiStamp.TOKENIZED)
-    request = GenerationRequest(request_id, [prompt], params, timeline, body.priority, body.cache_salt)
+    priority, slo = tenant_priority(http_request, body.priority)
+    request = GenerationRequest(request_id, [prompt], params, timeline, priority, body.cache_salt, slo)
     gen = ctx.engine.generate(request, observer=ctx.metrics)
+    reserve_tokens(http_request, gen, ctx.max_model_len)
     return await respond(http_request, gen, _ChatView(ctx, body, gen), body.stream)
 
 

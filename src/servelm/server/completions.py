@@ -29,9 +29,11 @@ from servelm.server.serving import (
     engine_error,
     finish_request,
     json_response,
+    reserve_tokens,
     respond,
     sse,
     stream_tail,
+    tenant_priority,
     usage,
 )  # fmt: skip
 
@@ -43,8 +45,10 @@ async def create_completion(ctx: ServerContext, http_request: Request, body: Com
     token_ids = await ctx.engine.encode_prompts(prompts)
     check_prompts(ctx, token_ids, params, "prompt", client_ids=not all(isinstance(p, str) for p in prompts))
     timeline.stamp(ApiStamp.TOKENIZED)
-    request = GenerationRequest(request_id, token_ids, params, timeline, body.priority, body.cache_salt)
+    priority, slo = tenant_priority(http_request, body.priority)
+    request = GenerationRequest(request_id, token_ids, params, timeline, priority, body.cache_salt, slo)
     gen = ctx.engine.generate(request, observer=ctx.metrics)
+    reserve_tokens(http_request, gen, ctx.max_model_len)
     return await respond(http_request, gen, _CompletionView(ctx, body, gen, prompts), body.stream)
 
 

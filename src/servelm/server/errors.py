@@ -21,6 +21,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_body, error_response
+from servelm.tenancy.limits import LimitExceeded
 
 logger = logging.getLogger(__name__)
 ENGINE_DOWN_MESSAGE = "The engine is not running; the server log says why."
@@ -74,6 +75,15 @@ def overloaded(retry_after_s: int, waiting: int, limit: int) -> APIError:
         code="rate_limit_exceeded",
         headers={"Retry-After": str(retry_after_s)},
     )
+
+
+def tenant_limit_error(exc: LimitExceeded) -> APIError:
+    """A tenant at its limit: 429 with Retry-After (the shape of `overloaded`), or 400 for a
+    request larger than the limit itself (it would never fit)."""
+    if exc.retry_after_s is None:
+        return APIError(400, exc.message, param="max_tokens", code="request_too_large")
+    return APIError(429, exc.message, type="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(exc.retry_after_s)})  # fmt: skip
 
 
 def too_large_to_queue(size: int, limit: int) -> APIError:

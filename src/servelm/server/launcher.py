@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -31,10 +32,11 @@ class ServerProcess:
     process: subprocess.Popen
     port: int
     log_path: Path
+    scheme: str = "http"  # https when started with --ssl-certfile
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def log_tail(self, num_chars: int = 4000) -> str:
         try:
@@ -70,8 +72,10 @@ def launch_server(
     port: int | None = None,
     env: dict[str, str] | None = None,
     startup_timeout_s: float = 240.0,
+    verify: bool | ssl.SSLContext = True,
 ) -> ServerProcess:
-    """`python -m servelm.cli serve --model MODEL --port PORT EXTRA...`, healthy on return (or raises with its log)."""
+    """`python -m servelm.cli serve --model MODEL --port PORT EXTRA...`, healthy on return (or raises with its log).
+    With --ssl-certfile in EXTRA it serves HTTPS; `verify` is httpx's (a context trusting a self-signed certificate)."""
     port = port or free_port()
     log_file = tempfile.NamedTemporaryFile(prefix=f"servelm-{port}-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "servelm.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -81,14 +85,14 @@ def launch_server(
     process = subprocess.Popen(
         command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=False
     )
-    server = ServerProcess(process, port, Path(log_file.name))
+    server = ServerProcess(process, port, Path(log_file.name), "https" if "--ssl-certfile" in extra_args else "http")
     log_file.close()
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"servelm serve exited with {process.returncode} during start-up:\n{server.log_tail()}")
         try:
-            if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{server.base_url}/health", timeout=1.0, verify=verify).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass

@@ -16,12 +16,25 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive
 
+from servelm.datatypes import RequestSlo
 from servelm.engine.async_client import EngineDeadError
 from servelm.engine.async_llm import GenerationStream, PromptError
 from servelm.obs.timeline import ApiStamp, RequestTimeline
+from servelm.openai_api.auth import CALLER_STATE
 from servelm.sampling_params import SamplingParams
 from servelm.server.context import ServerContext
-from servelm.server.errors import ENGINE_DOWN_MESSAGE, APIError, bad_request, error_body, model_not_found, unavailable
+from servelm.server.errors import (
+    ENGINE_DOWN_MESSAGE,
+    APIError,
+    bad_request,
+    error_body,
+    model_not_found,
+    tenant_limit_error,
+    unavailable,
+)
+from servelm.server.tenant_limits import LEASE_STATE
+from servelm.tenancy.limits import Lease, LimitExceeded
+from servelm.tenancy.registry import request_slo
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,6 +105,26 @@ async def respond(http_request: Request, gen: GenerationStream, view: Generation
     return response if response is not None else Response(status_code=499)
 
 
+def tenant_priority(http_request: Request, priority: int) -> tuple[int, RequestSlo]:
+    """The priority the request runs at (the client's, clamped by its tenant) and its SLO stamp."""
+    return request_slo(getattr(http_request.state, CALLER_STATE), priority)
+
+
+def reserve_tokens(http_request: Request, gen: GenerationStream, max_model_len: int) -> None:
+    """Take the request's prompt + max_tokens (per choice; up to the context without max_tokens)
+    from its tenant's tokens per minute: 429/400 when they do not fit. What it does not generate
+    goes back when the request ends (TenantLimitsMiddleware releases the lease)."""
+    lease: Lease = getattr(http_request.state, LEASE_STATE)
+    max_tokens = gen.fan_out.params.max_tokens
+    n = gen.fan_out.params.n
+    max_new = sum((max_tokens if max_tokens is not None else max_model_len - len(p)) * n for p in gen.prompts)
+    try:
+        lease.reserve(sum(len(p) for p in gen.prompts), max_new)
+    except LimitExceeded as exc:
+        raise tenant_limit_error(exc) from exc
+    lease.count_generated(lambda: gen.num_generated_tokens)
+
+
 def check_model(ctx: ServerContext, model: str | None) -> None:
     if model is not None and model != ctx.model_name:
         raise model_not_found(model)
@@ -148,10 +181,12 @@ def finish_request(ctx: ServerContext, gen: GenerationStream, prompt_tokens: int
     timeline.stamp(ApiStamp.FINISHED)
     breakdown = timeline.breakdown()
     if breakdown is not None:
-        ctx.metrics.observe_ttft(gen.priority, breakdown)
+        ctx.metrics.observe_ttft(gen.slo, breakdown)
     ctx.request_logger.log(
         timeline,
         model=ctx.model_name,
+        tenant=gen.slo.tenant,
+        slo_class=gen.slo.slo_class,
         priority=gen.priority,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,

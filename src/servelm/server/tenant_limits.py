@@ -1,0 +1,43 @@
+"""Per-tenant limits around the generation routes: a request holds its tenant's slot for as long
+as its ASGI call runs, so the slot frees on every path — the whole response sent (a stream's
+last event included), a client that left (the call is cancelled), an error, a shutdown abort.
+
+    ApiKeyMiddleware (the tenant) ─▶ TenantLimitsMiddleware ─enter─▶ routes ─▶ handler: lease.reserve(tokens)
+                                          └──────────── release (finally) ◀────────┘
+
+The handler finds the lease in the scope's state (`LEASE_STATE`) to reserve the request's tokens
+once its prompt is tokenized (serving.reserve_tokens).
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from servelm.openai_api.auth import CALLER_STATE
+from servelm.server.errors import tenant_limit_error
+from servelm.tenancy.limits import LimitExceeded, TenantLimits
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+LEASE_STATE = "servelm_lease"
+
+
+class TenantLimitsMiddleware:
+    def __init__(self, app: ASGIApp, limits: TenantLimits) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        try:
+            lease = self.limits.enter(state[CALLER_STATE])
+        except LimitExceeded as exc:
+            await tenant_limit_error(exc).response()(scope, receive, send)
+            return
+        state[LEASE_STATE] = lease
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            lease.release()
