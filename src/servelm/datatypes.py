@@ -52,6 +52,7 @@ class RequestSlo(msgspec.Struct, frozen=True, kw_only=True):
     slo_class: str = "default"
     ttft_target_s: float | None = None  # the class's time to first token target
     tbt_target_s: float | None = None  # the class's time between tokens target
+    weight: float = 1.0  # the tenant's share among tenants of its class (fair share divides service by it)
 
 
 DEFAULT_SLO = RequestSlo()

@@ -123,6 +123,17 @@ def test_two_flooding_tenants_take_turns_by_tokens_served() -> None:
     assert admitted(s) == ["a0", "b0", "a1", "b1"]
 
 
+def test_a_heavier_tenant_gets_turns_in_proportion_to_its_weight() -> None:
+    s = make_scheduler(max_num_seqs=6)
+    heavy = msgspec.structs.replace(tenant("A"), weight=2.0)
+    for i in range(6):
+        s.add_request(slo_request(f"a{i}", 8, heavy, max_tokens=2))
+    for i in range(6):
+        s.add_request(slo_request(f"b{i}", 8, tenant("B"), max_tokens=2))
+    # Each of A's requests counts half its tokens against A: two of A's per one of B's.
+    assert admitted(s) == ["a0", "b0", "a1", "a2", "b1", "a3"]
+
+
 def test_other_classes_keep_their_deadline_order_under_fair_share() -> None:
     s = make_scheduler(max_num_seqs=2)
     for i in range(4):

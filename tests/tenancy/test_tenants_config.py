@@ -58,7 +58,7 @@ def test_mistakes_name_the_file_and_the_field(tmp_path, text, message):
 
 def test_keys_name_their_tenant_and_the_priority_is_clamped(tmp_path):
     config = _load(tmp_path, "tenants: {voice: {api_keys: [kv], class: realtime},\n"
-                             "          code: {api_keys: [kc], class: batch, priority: {min: 1, max: 3}}}")  # fmt: skip
+                             "          code: {api_keys: [kc], class: batch, priority: {min: 1, max: 3}, weight: 2}}}")  # fmt: skip
     registry = TenantRegistry.build(config, api_key="ka")
     voice, code, default = (registry.authenticate(b"Bearer " + k) for k in (b"kv", b"kc", b"ka"))
     assert (voice.name, code.name, default.name) == ("voice", "code", "default")
@@ -66,6 +66,7 @@ def test_keys_name_their_tenant_and_the_priority_is_clamped(tmp_path):
     assert registry.authenticate(b"kv") is None  # not a bearer header
     priority, slo = request_slo(code, 7)
     assert priority == 3 and (slo.tenant, slo.slo_class, slo.ttft_target_s, slo.tbt_target_s) == ("code", "batch", 30.0, 1.0)
+    assert slo.weight == 2.0 and request_slo(voice, 0)[1].weight == 1.0  # the fair share weight reaches the scheduler
     assert request_slo(code, -5)[0] == 1 and request_slo(voice, 9)[0] == 0  # no range: the class's priority
     assert request_slo(default, 4) == (0, request_slo(default, 0)[1])  # --api-key with a file: interactive
     with pytest.raises(TenantsConfigError, match="also a key in the tenants file"):

@@ -29,8 +29,9 @@ between groups the order is exactly the rank order above; which request takes a 
 share's choice: the tenant with the least service in that class takes it, with its oldest
 request. Service = tokens scheduled for the tenant's requests of the class (prefill and decode),
 decayed with a half-life of FAIR_SHARE_HALF_LIFE_S, plus the tokens of its requests already
-given a turn in this walk (start-time fair queueing with tokens as the unit: a tenant's weight
-would divide its service; every weight is 1 today). So a tenant that floods a class gets
+given a turn in this walk (start-time fair queueing with tokens as the unit), each divided by
+the tenant's weight (RequestSlo.weight, from the tenants file): a tenant of weight 2 gets about
+twice the tokens of a tenant of weight 1 while both have requests waiting. So a tenant that floods a class gets
 turns only as its service falls back to the others', the other tenants' requests go first
 meanwhile, and the flood still advances (its service decays while it waits). One tenant alone
 gets every turn of its group in arrival order: the order before classes.
@@ -106,10 +107,16 @@ class FairShare:
 
     def add(self, slo: RequestSlo, num_tokens: int) -> None:
         key = (slo.slo_class, slo.tenant)
-        self._served[key] = self._served.get(key, 0.0) + num_tokens
+        self._served[key] = self._served.get(key, 0.0) + weighted_service(slo, num_tokens)
 
     def served(self, slo_class: str, tenant: str) -> float:
         return self._served.get((slo_class, tenant), 0.0)
+
+
+def weighted_service(slo: RequestSlo, num_tokens: int) -> float:
+    """Service counted against a tenant: its tokens over its weight (weights are > 0: the tenants
+    file rejects others; a non-positive one from elsewhere counts as 1 rather than dividing by 0)."""
+    return num_tokens / slo.weight if slo.weight > 0 else float(num_tokens)
 
 
 def fair_turns(
@@ -132,7 +139,7 @@ def fair_turns(
         members = members_by_tenant[tenant]
         pick = members[index]
         if index + 1 < len(members):
-            heapq.heappush(heads, (service + pick.num_tokens, arrival_key(members[index + 1]), tenant, index + 1))
+            heapq.heappush(heads, (service + weighted_service(pick.slo, pick.num_tokens), arrival_key(members[index + 1]), tenant, index + 1))
         yield turn, pick
 
 
