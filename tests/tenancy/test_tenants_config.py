@@ -58,7 +58,7 @@ def test_mistakes_name_the_file_and_the_field(tmp_path, text, message):
 
 def test_keys_name_their_tenant_and_the_priority_is_clamped(tmp_path):
     config = _load(tmp_path, "tenants: {voice: {api_keys: [kv], class: realtime},\n"
-                             "          code: {api_keys: [kc], class: batch, priority: {min: 1, max: 3}, weight: 2}}}")  # fmt: skip
+                             "          code: {api_keys: [kc], class: batch, priority: {min: 1, max: 3}, weight: 2}}")  # fmt: skip
     registry = TenantRegistry.build(config, api_key="ka")
     voice, code, default = (registry.authenticate(b"Bearer " + k) for k in (b"kv", b"kc", b"ka"))
     assert (voice.name, code.name, default.name) == ("voice", "code", "default")
