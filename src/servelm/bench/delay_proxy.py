@@ -198,7 +198,7 @@ def proxy_in_thread(target_host: str, target_port: int, faults: LinkFaults, seed
                 holder["proxy"] = proxy
                 ready.set()
                 await stop.wait()
-        except BaseException as exc:
+        except OSError as exc:  # the port could not be bound
             holder["error"] = exc
             ready.set()
 
