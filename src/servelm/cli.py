@@ -1,4 +1,4 @@
-"""`servelm serve | generate | bench | router | cluster`: the command line.
+"""`servelm serve | generate | bench | router | cluster | diagnose`: the command line.
 
 Engine flags are shared by every subcommand that runs an engine; each maps onto one
 field of one config slice (see servelm.config).
@@ -141,10 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     from servelm.cluster.cli import add_cluster_parser  # argparse only, like bench
+    from servelm.diagnose.cli import add_diagnose_parser  # argparse only, like bench
     from servelm.router.cli import add_router_parser
 
     add_router_parser(sub)
     add_cluster_parser(sub)
+    add_diagnose_parser(sub)
     return parser
 
 

@@ -1,0 +1,208 @@
+"""Baseline vs current: which TTFT component grew, and which cause that growth belongs to.
+
+    1. Did TTFT grow beyond noise (Noise)? If not: `none`.
+    2. Each TTFT component's growth (mean seconds per request, current − baseline) goes to one cause:
+
+         ingress     → frontend     (parse, chat template, tokenize in the API process)
+         output      → output       (core→API, detokenize, SSE write: the streaming path)
+         network     → network      (client TTFT − server TTFT)
+         preemption  → kv_cache     (waiting after a preemption, recomputing lost work)
+         queue       → load         when the load grew (LOAD_GROWTH: arrival rate, the typical prompt,
+                                    or output tokens per request), else
+                       kv_cache     when the KV cache was the limit (preemptions rose, usage near full), else
+                       scheduler    (short requests waited behind others' prefills)
+         prefill     → load         when the load grew, else
+                       kv_cache     when cached prefixes were evicted and the hit rate fell (recompute), else
+                       scheduler    (long prompts' chunks share the steps: longer steps, more tokens per step)
+
+       Load is checked first: more requests, or longer ones across the board, present exactly as
+       queue and prefill growth, and the fix is capacity, not scheduling. A mix change (a few long
+       documents among the same short requests) moves the mean prompt, not the median: scheduler.
+    3. Causes rank by the seconds per request they explain; the top one is the diagnosis.
+
+Without a TTFT split (an older server, vLLM's metrics) the whole growth goes to the first of
+load, kv_cache, scheduler whose signals moved (scheduler when none did: the queue is its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelm.diagnose.signals import COMPONENTS, Signals
+
+CAUSES = ("scheduler", "kv_cache", "output", "network", "frontend", "load", "none")
+LOAD_GROWTH = 1.5  # rate or request size up by this factor: the same queueing is simply more work
+KV_USAGE_FULL = 0.9
+HIT_RATE_DROP = 0.1  # absolute fall of prefix hits / queries that counts as "the cache lost its prefixes"
+
+KNOBS = {
+    "scheduler": "cap long prompts' chunks (--long-prefill-token-threshold), let more prompts prefill at once "
+    "(--max-num-partial-prefills), bound step time (--max-step-ms); give long-document traffic its own tenant "
+    "and SLO class (--tenants) so short requests are ordered ahead of it",
+    "kv_cache": "more KV memory (--kv-cache-memory GiB or --num-blocks), fewer concurrent requests "
+    "(--max-num-seqs), keep prefix caching on and shared prefixes hot (smaller per-tenant working sets)",
+    "output": "the streaming path: clients that do not read their streams back up the per-stream output queue; "
+    "fix the readers (or cut them off), spread streams over more API processes",
+    "network": "the path between client and server (proxies, load balancer, TLS, distance, packet loss): compare "
+    "the client's TTFT with the server's x-servelm-ttft-breakdown",
+    "frontend": "the API process: chat-template and tokenization cost of long re-sent histories "
+    "(--tokenizer-threads, shorter histories, more API processes)",
+    "load": "capacity: more replicas behind `servelm router`, or shed load earlier (--max-waiting-requests)",
+}
+
+EVIDENCE = {
+    "scheduler": ("ttft.queue", "ttft.prefill", "waiting_mean", "step_time_mean_s", "step_time_p90_s",
+                  "tokens_per_step_mean", "partial_prefills_mean", "prompt_tokens_per_request", "prompt_tokens_p50"),
+    "kv_cache": ("ttft.preemption", "ttft.queue", "ttft.prefill", "preemptions_per_s", "kv_usage_mean",
+                 "kv_usage_max", "prefix_hit_rate", "prefix_evictions_per_s"),
+    "output": ("ttft.output", "output_backlog_mean", "outputs_queued_mean", "outputs_queued_max", "loop_lag_mean_s"),
+    "network": ("ttft.network", "client_ttft_mean_s", "ttft_p90_s"),
+    "frontend": ("ttft.ingress", "loop_lag_mean_s", "loop_lag_p99_s", "prompt_tokens_per_request"),
+    "load": ("ttft.queue", "ttft.prefill", "request_rate", "prompt_tokens_p50", "prompt_tokens_per_request",
+             "generation_tokens_per_request", "prompt_tokens_per_s", "waiting_mean"),
+    "none": ("ttft_p50_s", "ttft_p90_s"),
+}  # fmt: skip
+FIXED_CAUSE = {"ingress": "frontend", "output": "output", "network": "network", "preemption": "kv_cache"}
+
+
+@dataclass(frozen=True)
+class Noise:
+    """TTFT grew when the mean rose by more than min_ratio of the baseline AND more than min_seconds."""
+
+    min_ratio: float = 0.2
+    min_seconds: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.min_ratio < 0 or self.min_seconds < 0:
+            raise ValueError(f"noise thresholds must be >= 0, got {self}")
+
+    def grew(self, baseline: float, current: float) -> bool:
+        growth = current - baseline
+        return growth > self.min_seconds and growth > self.min_ratio * baseline
+
+
+@dataclass(frozen=True)
+class Evidence:
+    signal: str
+    baseline: float | None
+    current: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline is None or self.current is None or self.baseline == 0:
+            return None
+        return self.current / self.baseline
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"signal": self.signal, "baseline": self.baseline, "current": self.current, "ratio": self.ratio}
+
+
+@dataclass
+class Cause:
+    name: str
+    explains_s: float  # TTFT growth per request (seconds) put down to this cause
+    components: list[str]  # the TTFT components whose growth it explains
+    evidence: list[Evidence]
+    knob: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "explains_s": self.explains_s,
+            "components": self.components,
+            "evidence": [e.to_dict() for e in self.evidence],
+            "knob": self.knob,
+        }
+
+
+@dataclass
+class Diagnosis:
+    baseline: Signals
+    current: Signals
+    causes: list[Cause]  # ranked, the top first
+    ttft_grew: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def top_cause(self) -> str:
+        return self.causes[0].name
+
+
+def signal_value(signals: Signals, name: str) -> float | None:
+    """`ttft.<component>` for a component, `ttft_mean_s`, or a named signal."""
+    if name.startswith("ttft."):
+        return signals.components.get(name.removeprefix("ttft."))
+    if name == "ttft_mean_s":
+        return signals.ttft_mean_s
+    return signals.values.get(name)
+
+
+def _grew(baseline: Signals, current: Signals, name: str, factor: float) -> bool:
+    before, after = signal_value(baseline, name), signal_value(current, name)
+    if after is None or after <= 0 or before is None:
+        return False
+    return after >= factor * before if before > 0 else True
+
+
+def load_grew(baseline: Signals, current: Signals) -> bool:
+    return any(
+        _grew(baseline, current, name, LOAD_GROWTH)
+        for name in ("request_rate", "prompt_tokens_p50", "generation_tokens_per_request")
+    )
+
+
+def kv_limited(baseline: Signals, current: Signals) -> bool:
+    usage = signal_value(current, "kv_usage_max")
+    full = usage is not None and usage >= KV_USAGE_FULL and usage > (signal_value(baseline, "kv_usage_max") or 0.0)
+    return full or _grew(baseline, current, "preemptions_per_s", 2.0)
+
+
+def prefixes_lost(baseline: Signals, current: Signals) -> bool:
+    before, after = signal_value(baseline, "prefix_hit_rate"), signal_value(current, "prefix_hit_rate")
+    fell = before is not None and after is not None and before - after >= HIT_RATE_DROP
+    return fell and _grew(baseline, current, "prefix_evictions_per_s", 2.0)
+
+
+def cause_of(component: str, baseline: Signals, current: Signals) -> str:
+    if component in FIXED_CAUSE:
+        return FIXED_CAUSE[component]
+    if load_grew(baseline, current):
+        return "load"
+    kv = kv_limited(baseline, current) if component == "queue" else prefixes_lost(baseline, current)
+    return "kv_cache" if kv else "scheduler"
+
+
+def _cause(name: str, explains_s: float, components: list[str], baseline: Signals, current: Signals) -> Cause:
+    evidence = [
+        Evidence(signal, signal_value(baseline, signal), signal_value(current, signal))
+        for signal in ("ttft_mean_s", *EVIDENCE[name])
+    ]
+    shown = [e for e in evidence if e.baseline is not None or e.current is not None]
+    return Cause(name, explains_s, components, shown, KNOBS.get(name))
+
+
+def diagnose(baseline: Signals, current: Signals, noise: Noise | None = None) -> Diagnosis:
+    """Compare two windows' signals (see the module doc for the rules); never raises on absent signals."""
+    noise = noise or Noise()
+    notes = [*baseline.notes, *(n for n in current.notes if n not in baseline.notes)]
+    before, after = baseline.ttft_mean_s, current.ttft_mean_s
+    if before is None or after is None:
+        notes.append("TTFT is unknown in one window: nothing to explain")
+        return Diagnosis(baseline, current, [_cause("none", 0.0, [], baseline, current)], False, notes)
+    if not noise.grew(before, after):
+        return Diagnosis(baseline, current, [_cause("none", 0.0, [], baseline, current)], False, notes)
+    explained: dict[str, tuple[float, list[str]]] = {}
+    for component in COMPONENTS:
+        old, new = baseline.components.get(component), current.components.get(component)
+        if old is None or new is None or new <= old:
+            continue
+        seconds, names = explained.get(name := cause_of(component, baseline, current), (0.0, []))
+        explained[name] = (seconds + new - old, [*names, component])
+    if not explained:
+        notes.append("no TTFT split in these windows: the whole growth is put down to the signals that moved")
+        name = cause_of("queue", baseline, current)
+        explained[name] = (after - before, [])
+    causes = [_cause(name, seconds, names, baseline, current) for name, (seconds, names) in explained.items()]
+    causes.sort(key=lambda cause: cause.explains_s, reverse=True)
+    return Diagnosis(baseline, current, causes, True, notes)

@@ -1,0 +1,252 @@
+"""From a window (metrics, or a request log) to the named signals diagnose compares.
+
+ttft_mean_s       what the causes must explain: the server's mean TTFT per request, plus the
+                  network component when the client side (bench.json) is known
+components        mean seconds per request: ingress, queue, prefill, preemption, output
+                  (servelm:ttft_component_seconds), and network (client TTFT − server TTFT)
+values            every other signal by name (SIGNAL_DOCS); None when the source lacks it
+classes           TTFT and its components per SLO class (label `slo_class`, or older
+                  servers' `priority`), where the source has classes
+evictions_by_tenant   prefix-cache blocks evicted per second, by the tenant that cached them
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from servelm.bench.client import BREAKDOWN_COMPONENTS
+from servelm.bench.stats import NETWORK, percentile
+from servelm.diagnose.request_log import LoggedRequest, RequestLog
+from servelm.diagnose.window import Histogram, Window
+
+COMPONENTS = (*BREAKDOWN_COMPONENTS, NETWORK)
+P = "servelm:"
+CLASS_LABELS = ("slo_class", "priority")  # today's label, then the one it replaced
+
+SIGNAL_DOCS = {
+    "request_rate": "requests finished per second",
+    "prompt_tokens_per_request": "mean prompt tokens per request",
+    "prompt_tokens_p50": "median prompt tokens per request (the typical request, not the tail)",
+    "generation_tokens_per_request": "mean generated tokens per request",
+    "prompt_tokens_per_s": "prompt tokens per second (rate x length: the offered prefill work)",
+    "ttft_p50_s": "server TTFT p50",
+    "ttft_p90_s": "server TTFT p90",
+    "ttft_p99_s": "server TTFT p99",
+    "client_ttft_mean_s": "client-measured TTFT mean (bench.json)",
+    "client_ttft_p90_s": "client-measured TTFT p90 (bench.json)",
+    "waiting_mean": "requests in the waiting queue, mean",
+    "waiting_max": "requests in the waiting queue, max",
+    "running_mean": "requests running, mean",
+    "step_time_mean_s": "engine step time, mean",
+    "step_time_p90_s": "engine step time, p90",
+    "tokens_per_step_mean": "tokens scheduled per step, mean",
+    "partial_prefills_mean": "prompts mid-prefill (partial prefills), mean",
+    "preemptions_per_s": "preemptions per second",
+    "prefix_hit_rate": "prefix-cache hits / queries (prompt tokens)",
+    "prefix_evictions_per_s": "hashed blocks evicted from the prefix cache per second",
+    "kv_usage_mean": "KV cache usage (0-1), mean",
+    "kv_usage_max": "KV cache usage (0-1), max",
+    "output_backlog_mean": "outputs waiting in a stream's queue when it takes them, mean",
+    "outputs_queued_mean": "engine outputs waiting in the API for their streams, mean",
+    "outputs_queued_max": "engine outputs waiting in the API for their streams, max",
+    "loop_lag_mean_s": "API event-loop lag, mean",
+    "loop_lag_p99_s": "API event-loop lag, p99",
+}
+
+
+@dataclass
+class ClassSignals:
+    num_requests: float
+    ttft_mean_s: float | None
+    ttft_p90_s: float | None
+    components: dict[str, float | None]
+
+
+@dataclass
+class Signals:
+    label: str
+    source: str
+    duration_s: float
+    ttft_mean_s: float | None
+    components: dict[str, float | None]
+    values: dict[str, float | None]
+    classes: dict[str, ClassSignals] = field(default_factory=dict)
+    evictions_by_tenant: dict[str, float] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _mean(histogram: Histogram | None) -> float | None:
+    return None if histogram is None else histogram.mean
+
+
+def _quantile(histogram: Histogram | None, q: float) -> float | None:
+    return None if histogram is None else histogram.quantile(q)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+def _plus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
+def window_signals(window: Window) -> Signals:
+    ttft = window.histogram(P + "time_to_first_token_seconds")
+    client = window.client
+    components = _components(window, {})
+    network = components[NETWORK]
+    requests = window.counter(P + "request_success")
+    prompt_tokens = window.counter(P + "prompt_tokens")
+    queries, hits = window.counter(P + "prefix_cache_queries"), window.counter(P + "prefix_cache_hits")
+    step, step_tokens = window.histogram(P + "engine_step_seconds"), window.histogram(P + "iteration_tokens")
+    lag = window.histogram(P + "api_event_loop_lag_seconds")
+    values: dict[str, float | None] = {
+        "request_rate": _ratio(requests, window.duration_s) if requests is not None else _client_rate(window),
+        "prompt_tokens_per_request": _ratio(prompt_tokens, requests),
+        "prompt_tokens_p50": _quantile(window.histogram(P + "request_prompt_tokens"), 0.5),
+        "generation_tokens_per_request": _ratio(window.counter(P + "generation_tokens"), requests),
+        "prompt_tokens_per_s": window.rate(P + "prompt_tokens"),
+        "ttft_p50_s": _quantile(ttft, 0.5),
+        "ttft_p90_s": _quantile(ttft, 0.9),
+        "ttft_p99_s": _quantile(ttft, 0.99),
+        "client_ttft_mean_s": client.ttft_s.get("mean") if client else None,
+        "client_ttft_p90_s": client.ttft_s.get("p90") if client else None,
+        "waiting_mean": _gauge(window, "num_requests_waiting", "mean"),
+        "waiting_max": _gauge(window, "num_requests_waiting", "max"),
+        "running_mean": _gauge(window, "num_requests_running", "mean"),
+        "step_time_mean_s": _mean(step),
+        "step_time_p90_s": _quantile(step, 0.9),
+        "tokens_per_step_mean": _mean(step_tokens),
+        "partial_prefills_mean": _gauge(window, "num_requests_prefilling", "mean"),
+        "preemptions_per_s": window.rate(P + "num_preemptions"),
+        "prefix_hit_rate": _ratio(hits, queries),
+        "prefix_evictions_per_s": window.rate(P + "prefix_cache_evicted_blocks"),
+        "kv_usage_mean": _gauge(window, "kv_cache_usage_perc", "mean"),
+        "kv_usage_max": _gauge(window, "kv_cache_usage_perc", "max"),
+        "output_backlog_mean": _mean(window.histogram(P + "stream_output_backlog")),
+        "outputs_queued_mean": _gauge(window, "num_outputs_queued_in_api", "mean"),
+        "outputs_queued_max": _gauge(window, "num_outputs_queued_in_api", "max"),
+        "loop_lag_mean_s": _mean(lag),
+        "loop_lag_p99_s": _quantile(lag, 0.99),
+    }
+    evictions = window.counter_by(P + "prefix_cache_evicted_blocks", "tenant")
+    notes = []
+    if ttft is None and window.has(P + "router_requests"):
+        notes.append(
+            "this source is a servelm router: its /metrics carry router-level signals only (no TTFT split, queue "
+            "or KV); capture a replica's /metrics for the engine-side signals"
+        )
+    elif ttft is None:
+        notes.append("no servelm:time_to_first_token_seconds in this source: the server TTFT is unknown")
+    return Signals(
+        label=window.label,
+        source=window.source,
+        duration_s=window.duration_s,
+        ttft_mean_s=_plus(_mean(ttft), network) if network is not None else _mean(ttft),
+        components=components,
+        values=values,
+        classes=_window_classes(window),
+        evictions_by_tenant={t: n / window.duration_s for t, n in evictions.items()} if evictions is not None else None,
+        notes=notes,
+    )
+
+
+def _client_rate(window: Window) -> float | None:
+    if window.client is not None:
+        return window.client.request_rate
+    return window.rate(P + "router_requests")
+
+
+def _gauge(window: Window, name: str, stat: str) -> float | None:
+    summary = window.gauge(P + name)
+    return None if summary is None else getattr(summary, stat)
+
+
+def _components(window: Window, where: dict[str, str]) -> dict[str, float | None]:
+    """Mean seconds per request of each TTFT component; queue/prefill from the core's own histograms
+    when the server has no TTFT split (vLLM's names, an older servelm)."""
+    out: dict[str, float | None] = {}
+    for name in BREAKDOWN_COMPONENTS:
+        out[name] = _mean(window.histogram(P + "ttft_component_seconds", component=name, **where))
+    if out["queue"] is None:
+        out["queue"] = _mean(window.histogram(P + "request_queue_time_seconds", **where))
+    if out["prefill"] is None:
+        out["prefill"] = _mean(window.histogram(P + "request_prefill_time_seconds", **where))
+    out[NETWORK] = _network(window) if not where else None
+    return out
+
+
+def _network(window: Window) -> float | None:
+    """Client TTFT less the server's: the bench's own per-request figure, else the difference of the means."""
+    client = window.client
+    if client is None:
+        return None
+    if client.network_s is not None:
+        return client.network_s
+    return _plus(client.ttft_s.get("mean"), _neg(_mean(window.histogram(P + "time_to_first_token_seconds"))))
+
+
+def _neg(value: float | None) -> float | None:
+    return None if value is None else -value
+
+
+def _window_classes(window: Window) -> dict[str, ClassSignals]:
+    name = P + "time_to_first_token_seconds"
+    label = next((lab for lab in CLASS_LABELS if window.label_values(name, lab)), None)
+    if label is None:
+        return {}
+    out = {}
+    for value in window.label_values(name, label):
+        ttft = window.histogram(name, **{label: value})
+        if ttft is not None and ttft.count > 0:
+            components = _components(window, {label: value})
+            out[value] = ClassSignals(ttft.count, ttft.mean, ttft.quantile(0.9), components)
+    return out
+
+
+def request_log_signals(log: RequestLog) -> Signals:
+    """The signals a request log carries: TTFT and its split (exact, per request), load, preemptions."""
+    timed = [r for r in log.requests if r.ttft_s is not None]
+    prompts = [r.prompt_tokens for r in log.requests]
+    values: dict[str, float | None] = dict.fromkeys(SIGNAL_DOCS)
+    num = len(log.requests)
+    values.update(
+        request_rate=log.request_rate,
+        prompt_tokens_per_request=sum(prompts) / num,
+        prompt_tokens_p50=float(statistics.median(prompts)),
+        generation_tokens_per_request=sum(r.completion_tokens for r in log.requests) / num,
+        prompt_tokens_per_s=sum(prompts) / log.duration_s if num > 1 else None,
+        ttft_p50_s=percentile((r.ttft_s for r in timed if r.ttft_s is not None), 50),
+        ttft_p90_s=percentile((r.ttft_s for r in timed if r.ttft_s is not None), 90),
+        ttft_p99_s=percentile((r.ttft_s for r in timed if r.ttft_s is not None), 99),
+        preemptions_per_s=sum(r.num_preemptions for r in log.requests) / log.duration_s if num > 1 else None,
+    )
+    classes = {}
+    for slo_class in sorted({r.slo_class for r in timed}):
+        members = [r for r in timed if r.slo_class == slo_class]
+        classes[slo_class] = ClassSignals(
+            len(members),
+            statistics.fmean(r.ttft_s for r in members if r.ttft_s is not None),
+            percentile((r.ttft_s for r in members if r.ttft_s is not None), 90),
+            _logged_components(members),
+        )
+    return Signals(
+        label=log.label,
+        source=log.source,
+        duration_s=log.duration_s,
+        ttft_mean_s=statistics.fmean(r.ttft_s for r in timed if r.ttft_s is not None) if timed else None,
+        components=_logged_components(timed),
+        values=values,
+        classes=classes,
+        notes=["source: a request log (TTFT split per request; no gauges, step or cache signals)"],
+    )
+
+
+def _logged_components(requests: list[LoggedRequest]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {
+        c: statistics.fmean(r.components_s[c] for r in requests) if requests else None for c in BREAKDOWN_COMPONENTS
+    }
+    out[NETWORK] = None
+    return out
