@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from servelm.bench.delay_proxy import DelayProxy, LinkFaults, parse_target, proxy_in_thread
+from servelm.bench.delay_proxy import DelayProxy, LinkFaults, parse_target
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -85,12 +85,17 @@ def test_loss_costs_retransmission_timeouts():
     assert 0.4 < total < 2.0, total
 
 
-def test_http_through_the_threaded_proxy(bench_server):
+def test_http_through_the_proxy(bench_server):
     host, port = parse_target(bench_server.base_url.removeprefix("http://"))
-    with proxy_in_thread(host, port, LinkFaults(delay_s=0.05)) as proxy:
-        started = time.monotonic()
-        response = httpx.get(f"{proxy.url}/v1/models", timeout=10)
-        elapsed = time.monotonic() - started
+
+    async def main() -> tuple[httpx.Response, float]:
+        async with DelayProxy(host, port, LinkFaults(delay_s=0.05)) as proxy:
+            async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+                started = time.monotonic()
+                response = await client.get("/v1/models")
+                return response, time.monotonic() - started
+
+    response, elapsed = asyncio.run(main())
     assert response.status_code == 200 and response.json()["data"]
     assert elapsed >= 0.1
 

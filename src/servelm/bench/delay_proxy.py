@@ -22,9 +22,7 @@ import asyncio
 import contextlib
 import logging
 import random
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -99,7 +97,7 @@ class DelayProxy:
 
     Async context manager: entering starts listening (on `listen_port`, 0 = any free port; `url`
     says where), leaving closes the listener and every connection. Runs in the caller's event
-    loop; `servelm.bench.scenarios` runs it in a thread of its own next to a bench run. One
+    loop (`servelm.bench.scenario_run` runs the bench in a worker thread next to it). One
     seeded random stream per proxy, so a run's jitter and losses repeat with the seed.
     """
 
@@ -182,34 +180,3 @@ async def serve_forever(target: str, listen_port: int, faults: LinkFaults, seed:
         print(f"delay proxy {proxy.url} -> {host}:{port}: {faults.describe()}", flush=True)
         await asyncio.Event().wait()
 
-
-@contextlib.contextmanager
-def proxy_in_thread(target_host: str, target_port: int, faults: LinkFaults, seed: int = 0) -> Iterator[DelayProxy]:
-    """A `DelayProxy` on an event loop of its own in a daemon thread, for callers that are not
-    async (a bench run owns its own loop). Yields once it listens; stops it on exit."""
-    ready = threading.Event()
-    holder: dict[str, object] = {}
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        holder["stop"], holder["loop"] = stop, asyncio.get_running_loop()
-        try:
-            async with DelayProxy(target_host, target_port, faults, seed=seed) as proxy:
-                holder["proxy"] = proxy
-                ready.set()
-                await stop.wait()
-        except OSError as exc:  # the port could not be bound
-            holder["error"] = exc
-            ready.set()
-
-    thread = threading.Thread(target=asyncio.run, args=(main(),), name="delay-proxy", daemon=True)
-    thread.start()
-    ready.wait()
-    if "error" in holder:
-        raise RuntimeError(f"the delay proxy did not start: {holder['error']}")
-    try:
-        yield holder["proxy"]  # type: ignore[misc]
-    finally:
-        loop, stop = holder["loop"], holder["stop"]
-        loop.call_soon_threadsafe(stop.set)  # type: ignore[attr-defined]
-        thread.join(timeout=10)
