@@ -11,10 +11,11 @@ stream here. So the connection is made to look like a real link before it connec
     TCP_MAXSEG 1448     Ethernet's MSS: the server's send buffer starts at ~90 kB, not ~3 MB
 
 Both must be set before connect() (the window scale and MSS are fixed by the handshake),
-and httpx/httpcore set socket options only after it, so connections are opened here. Then
-every read takes at most `read_bytes` and the reader is busy `read_delay_s` after each one
-before it reads again (an idle connection reads at once: the delay follows data, it does not
-precede a new response).
+and httpx/httpcore set socket options only after it, so connections are opened here. Then the
+reader consumes at most `read_bytes` per `read_delay_s` (a token bucket holding a few reads'
+worth): a response's headers and first chunks pass at once, as on any link, and the reader
+falls behind only once a stream outpaces it (so its TTFT is not inflated: the fault is the
+output path backing up, not a slow network).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from servelm.bench.workload import WorkloadRequest
 
 SMALL_RECEIVE_BUFFER = 4096
 ETHERNET_MSS = 1448
+BURST_READS = 4  # the bucket holds this many reads' worth
 
 
 @dataclass(frozen=True)
 class SlowReading:
-    read_delay_s: float  # busy this long after each read
+    read_delay_s: float  # consumes read_bytes per read_delay_s (0: as fast as it comes)
     read_bytes: int = 1024  # at most this much per read
 
     def __post_init__(self) -> None:
@@ -53,12 +55,25 @@ class _SlowStream(httpcore.AsyncNetworkStream):
     def __init__(self, stream: anyio.abc.SocketStream, reading: SlowReading) -> None:
         self._stream = stream
         self._reading = reading
-        self._busy_until = 0.0
+        self._burst = BURST_READS * reading.read_bytes
+        self._bytes_allowed = float(self._burst)  # the bucket: bytes it may read now (< 0: behind)
+        self._refilled = time.monotonic()
+
+    def _refill(self) -> float:
+        """Top up the bucket; returns the seconds until it allows a read (0: now)."""
+        now = time.monotonic()
+        if self._reading.read_delay_s == 0:
+            return 0.0
+        rate = self._reading.read_bytes / self._reading.read_delay_s  # bytes/s
+        self._bytes_allowed = min(self._burst, self._bytes_allowed + (now - self._refilled) * rate)
+        self._refilled = now
+        return 0.0 if self._bytes_allowed > 0 else (1.0 - self._bytes_allowed) / rate
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        wait = self._busy_until - time.monotonic()
+        wait = self._refill()
         if wait > 0:
             await anyio.sleep(wait)
+            self._refill()
         try:
             with anyio.fail_after(timeout):
                 data = await self._stream.receive(min(max_bytes, self._reading.read_bytes))
@@ -68,7 +83,7 @@ class _SlowStream(httpcore.AsyncNetworkStream):
             raise httpcore.ReadTimeout(str(exc)) from exc
         except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
             raise httpcore.ReadError(str(exc)) from exc
-        self._busy_until = time.monotonic() + self._reading.read_delay_s
+        self._bytes_allowed -= len(data)
         return data
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
