@@ -7,9 +7,10 @@ field of one config slice (see servelm.config).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from servelm.config import EngineConfig
@@ -96,6 +97,15 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(engine_config_from_args(args), args)
 
 
+@contextlib.contextmanager
+def _launch_server(model: str | None, extra_args: list[str]) -> Iterator[str]:
+    """`servelm bench scenario`'s server: a `servelm serve` subprocess, its URL while it runs."""
+    from servelm.server.launcher import launch_server
+
+    with launch_server(model, extra_args) as server:
+        yield server.base_url
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="servelm", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -146,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from servelm.bench.cli import add_bench_parser  # argparse only: the bench's own imports wait for its handlers
 
-    add_bench_parser(sub)
+    add_bench_parser(sub, launch_server=_launch_server)
 
     from servelm.cluster.cli import add_cluster_parser  # argparse only, like bench
     from servelm.diagnose.cli import add_diagnose_parser  # argparse only, like bench

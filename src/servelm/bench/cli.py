@@ -8,6 +8,10 @@
     servelm bench sweep ... --rates 0.5,1,2 --target-attainment 0.9
     servelm bench compare A/run.json B/run.json
     servelm bench report A/run.json --slo voice:ttft=0.3               # re-analyse a saved run (or sweep.json)
+    servelm bench run ... --slow-readers 0.3 --read-delay-ms 250       # that fraction of clients reads slowly
+    servelm bench scenario long-docs --out out/ [--base-url URL] [--quick]  # baseline + today windows, diagnosed
+    servelm bench scenario all --out out/                              # the whole "TTFT tripled" suite
+    servelm bench proxy --target 127.0.0.1:8000 --listen-port 8001 --delay-ms 50 --jitter-ms 10 --loss 0.01
 
 Only argparse is imported here: `servelm serve` builds the same parser and must not pay for
 the benchmark's imports.
@@ -50,7 +54,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--temperature", type=float, default=0.0)
     target.add_argument("--request-timeout-s", type=float, default=600.0)
     work = parser.add_argument_group("workload")
-    work.add_argument("--profile", choices=["voice", "code", "analytics", "chat", "mixed"], default="mixed")
+    work.add_argument("--profile", choices=["voice", "code", "analytics", "chat", "longchat", "mixed"],
+                      default="mixed")  # fmt: skip
     work.add_argument("--weights", default="voice=0.4,code=0.3,analytics=0.2,chat=0.1", help="mixed profile weights")
     work.add_argument("--seed", type=int, default=0)
     work.add_argument("--num-requests", type=int, default=100, help="requests per run (per sweep step)")
@@ -63,13 +68,22 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--chat-dataset", type=Path, default=None, help="ShareGPT JSON: chat lengths drawn from it")
     work.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
     work.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, < 1 burstier")
+    work.add_argument("--document-tokens", default=None, metavar="LOW-HIGH",
+                      help="analytics documents' prompt lengths (default 500-2000)")  # fmt: skip
+    work.add_argument("--slow-readers", type=float, default=0.0, metavar="FRACTION",
+                      help="that fraction of clients reads its stream slowly (small window, see --read-delay-ms)")  # fmt: skip
+    work.add_argument("--read-delay-ms", type=float, default=200.0, help="slow readers: busy this long after each read")
+    work.add_argument("--read-bytes", type=int, default=1024, help="slow readers: at most this much per read")
+    work.add_argument("--slow-reader-logprobs", type=int, default=0, help="slow readers ask for this many logprobs")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for the reports")
     out.add_argument("--no-progress", action="store_false", dest="progress")
     out.add_argument("--no-plots", action="store_false", dest="plots")
 
 
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_bench_parser(subparsers: argparse._SubParsersAction, launch_server=None) -> None:
+    """`launch_server`: the scenario's server starter (a ServerLauncher, see bench.scenario_run),
+    given by `servelm.cli`, which may import the server; bench/ itself talks HTTP only."""
     bench = subparsers.add_parser("bench", help="load generator: mixed workloads, SLOs, goodput, sweeps, reports")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -103,10 +117,34 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     report.add_argument("--out", type=Path, default=None, help="default: next to run.json")
     report.set_defaults(handler=_report)
 
+    scenario = sub.add_parser("scenario", help='"TTFT tripled": a baseline and a today window, then diagnose')
+    scenario.add_argument("name", help="long-docs | kv-pressure | slow-readers | network-delay | long-histories | all")
+    scenario.add_argument("--out", type=Path, required=True, help="DIR: DIR/baseline, DIR/today (all: DIR/NAME/...)")
+    scenario.add_argument("--base-url", default=None, help="a running server (default: start one with the scenario's flags)")
+    scenario.add_argument("--model", default=None, help="the started server's model (default: the embedded default)")
+    scenario.add_argument("--api-key", default=None)
+    scenario.add_argument("--tokenizer", default=None)
+    scenario.add_argument("--quick", action="store_true", help="CI size: short windows, prompts for the tiny model")
+    scenario.add_argument("--rate", type=float, default=None, help="requests/s in both windows (default: the scenario's)")
+    scenario.add_argument("--seconds", type=float, default=None, help="each window's length (default: the scenario's)")
+    scenario.add_argument("--seed", type=int, default=0)
+    scenario.add_argument("--no-progress", action="store_false", dest="progress")
+    scenario.set_defaults(handler=_scenario, launch_server=launch_server)
+
+    proxy = sub.add_parser("proxy", help="a TCP proxy on 127.0.0.1 adding delay, jitter and loss")
+    proxy.add_argument("--target", required=True, help="HOST:PORT to forward to")
+    proxy.add_argument("--listen-port", type=int, required=True)
+    proxy.add_argument("--delay-ms", type=float, required=True, help="one-way delay, each direction")
+    proxy.add_argument("--jitter-ms", type=float, default=0.0)
+    proxy.add_argument("--loss", type=float, default=0.0, help="probability a chunk costs a retransmission")
+    proxy.add_argument("--rto-ms", type=float, default=200.0, help="what a retransmission costs")
+    proxy.add_argument("--seed", type=int, default=0)
+    proxy.set_defaults(handler=_proxy)
+
 
 def _config(args: argparse.Namespace):
     from servelm.bench.execute import BenchConfig
-    from servelm.bench.profiles import parse_api_keys, parse_weights
+    from servelm.bench.profiles import parse_api_keys, parse_range, parse_weights
     from servelm.bench.workload import DEFAULT_SLOS, parse_slo
 
     slos = dict(DEFAULT_SLOS)
@@ -124,7 +162,9 @@ def _config(args: argparse.Namespace):
         model=args.model, tokenizer=args.tokenizer, endpoint=args.endpoint, temperature=args.temperature,
         ignore_eos=args.ignore_eos, priority=args.priority, timeline=args.timeline,
         request_timeout_s=args.request_timeout_s, chat_dataset=args.chat_dataset, progress=args.progress,
-        plots=args.plots,
+        plots=args.plots, document_tokens=parse_range(args.document_tokens, "--document-tokens")
+        if args.document_tokens else None, slow_readers=args.slow_readers, read_delay_ms=args.read_delay_ms,
+        read_bytes=args.read_bytes, slow_reader_logprobs=args.slow_reader_logprobs,
     )  # fmt: skip
 
 
@@ -226,4 +266,40 @@ def _report(args: argparse.Namespace) -> int:
     plots = plot_run(records, report["summary"], out)
     (out / "summary.md").write_text(run_markdown(report, plots))
     print((out / "summary.md").read_text())
+    return 0
+
+
+@_quietly
+def _scenario(args: argparse.Namespace) -> int:
+    from servelm.bench.scenario_run import ScenarioOptions, run_scenario
+    from servelm.bench.scenarios import SCENARIOS, get_scenario
+
+    names = list(SCENARIOS) if args.name == "all" else [get_scenario(args.name).name]
+    results = []
+    for name in names:
+        out = args.out / name if args.name == "all" else args.out
+        options = ScenarioOptions(out_dir=out, quick=args.quick, base_url=args.base_url, model=args.model,
+                                  tokenizer=args.tokenizer, api_key=args.api_key, seed=args.seed, rate=args.rate,
+                                  seconds=args.seconds, progress=args.progress)  # fmt: skip
+        result = run_scenario(SCENARIOS[name], options, args.launch_server)
+        results.append(result)
+        verdict = "ok" if result.ok else "WRONG" if result.top_cause else f"no diagnosis ({result.error})"
+        print(f"{name}: expected {result.expected_cause}, diagnose named {result.top_cause}: {verdict}  ({out})")
+    if args.name == "all":
+        import json
+
+        (args.out / "suite.json").write_text(json.dumps([r.to_dict() for r in results], indent=1))
+    return 0 if all(r.ok for r in results) else 1
+
+
+@_quietly
+def _proxy(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+
+    from servelm.bench.delay_proxy import LinkFaults, serve_forever
+
+    faults = LinkFaults(args.delay_ms / 1000.0, args.jitter_ms / 1000.0, args.loss, args.rto_ms / 1000.0)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_forever(args.target, args.listen_port, faults, args.seed))
     return 0

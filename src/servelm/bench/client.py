@@ -1,6 +1,7 @@
 """One streamed request over HTTP, measured: what every OpenAI-compatible server understands.
 
-We send a text prompt to /v1/completions (or one user message to /v1/chat/completions) with
+We send a text prompt to /v1/completions (or one user message, or a request's whole chat
+history, to /v1/chat/completions) with
 `stream: true` and `stream_options.include_usage`, and read the SSE stream chunk by chunk:
 
     sent ── first chunk with text (TTFT) ── chunk ── chunk ── ... ── [DONE] (E2E)
@@ -23,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from servelm.bench.slow_reader import SlowReading
 from servelm.bench.tokens import TokenSource
 from servelm.bench.workload import WorkloadRequest
 
@@ -41,10 +43,17 @@ class ClientConfig:
     api_key: str | None = None  # every request's, unless its traffic class has its own in api_keys
     request_timeout_s: float = 600.0
     api_keys: dict[str, str] = field(default_factory=dict)  # traffic class → its key (a server's tenant)
+    slow_reading: SlowReading | None = None  # how requests marked slow_reader read (None: like the rest)
+    slow_reader_logprobs: int = 0  # top logprobs per token those requests ask for: heavier chunks
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint must be completions or chat, got {self.endpoint!r}")
+        if self.slow_reader_logprobs < 0:
+            raise ValueError(f"slow_reader_logprobs must be >= 0, got {self.slow_reader_logprobs}")
+
+    def is_chat(self, request: WorkloadRequest) -> bool:
+        return self.endpoint == "chat" or request.messages is not None
 
     def headers_for(self, traffic_class: str) -> dict[str, str]:
         """The class's own Authorization header; empty: the HTTP client's default (`api_key`) applies."""
@@ -75,6 +84,7 @@ class RequestRecord:
     error: str | None = None
     finish_reason: str | None = None
     ttft_breakdown_s: dict[str, float] | None = None  # servelm's split of TTFT, seconds
+    slow_reader: bool = False  # read its stream slowly (see bench.slow_reader)
 
     @property
     def ok(self) -> bool:
@@ -120,10 +130,16 @@ def request_body(config: ClientConfig, request: WorkloadRequest) -> dict[str, An
     }
     if config.model is not None:
         body["model"] = config.model
-    if config.endpoint == "chat":
+    chat = config.is_chat(request)
+    if request.messages is not None:
+        body["messages"] = request.messages
+    elif chat:
         body["messages"] = [{"role": "user", "content": request.prompt_text}]
     else:
         body["prompt"] = request.prompt_text
+    if request.slow_reader and config.slow_reader_logprobs:
+        body.update({"logprobs": True, "top_logprobs": config.slow_reader_logprobs} if chat
+                    else {"logprobs": config.slow_reader_logprobs})  # fmt: skip
     if config.ignore_eos:
         body["ignore_eos"] = True
     if config.send_priority:
@@ -173,7 +189,8 @@ async def send_request(
     tokens: TokenSource | None,
 ) -> RequestRecord:
     """Send `request`, filling `record` as chunks arrive (so a cancelled request keeps what it got)."""
-    path = "/v1/chat/completions" if config.endpoint == "chat" else "/v1/completions"
+    chat = config.is_chat(request)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     stream = _Stream()
     record.sent_s = clock()
     try:
@@ -188,7 +205,7 @@ async def send_request(
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                if _read_chunk(json.loads(data), stream, config.endpoint == "chat"):
+                if _read_chunk(json.loads(data), stream, chat):
                     now = clock()
                     record.first_token_s = now if record.first_token_s is None else record.first_token_s
                     record.chunk_times_s.append(now)
@@ -197,7 +214,7 @@ async def send_request(
     record.end_s = clock()
     if stream.error is not None:
         return _failed(record, record.end_s, stream.error)
-    _count_tokens(record, request, stream, tokens, config.endpoint == "chat")
+    _count_tokens(record, request, stream, tokens, chat)
     record.finish_reason = stream.finish_reason
     if stream.breakdown_ms:
         record.ttft_breakdown_s = {k: v / 1000.0 for k, v in stream.breakdown_ms.items()}

@@ -27,6 +27,7 @@ from servelm.bench.server_info import (
     probe_server,
     scrape_counters,
 )
+from servelm.bench.slow_reader import SlowReading, mark_slow_readers
 from servelm.bench.stats import summarize
 from servelm.bench.tokens import TokenSource, resolve_token_source
 from servelm.bench.trace import TraceReplay, load_trace
@@ -70,6 +71,15 @@ class BenchConfig:
     chat_dataset: Path | None = None
     progress: bool = True
     plots: bool = True
+    document_tokens: tuple[int, int] | None = None  # analytics documents' length range (default 500-2000)
+    slow_readers: float = 0.0  # fraction of requests whose client reads the stream slowly
+    read_delay_ms: float = 200.0  # ... busy this long after each read of at most read_bytes
+    read_bytes: int = 1024
+    slow_reader_logprobs: int = 0  # top logprobs those requests ask for (heavier chunks)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.slow_readers <= 1.0:
+            raise ValueError(f"slow_readers is a fraction in [0, 1], got {self.slow_readers}")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -129,6 +139,8 @@ def prepare(config: BenchConfig) -> Target:
         api_key=default_key,
         request_timeout_s=config.request_timeout_s,
         api_keys=config.api_keys,
+        slow_reading=SlowReading(config.read_delay_ms / 1000.0, config.read_bytes) if config.slow_readers else None,
+        slow_reader_logprobs=config.slow_reader_logprobs,
     )
     chat_lengths = load_sharegpt_lengths(config.chat_dataset, tokens, seed=config.seed) if config.chat_dataset else None
     return Target(server, tokens, limits, client, chat_lengths)
@@ -143,7 +155,8 @@ def build_requests(target: Target, config: BenchConfig, load: Load, salt: int = 
                              config.trace_time_unit_s, salt)  # fmt: skip
         return replay.workload(entries)
     requests = build_workload(config.profile, config.num_requests, target.tokens, target.limits, config.seed,
-                              config.weights, target.chat_lengths, salt)  # fmt: skip
+                              config.weights, target.chat_lengths, salt, config.document_tokens)  # fmt: skip
+    mark_slow_readers(requests, config.slow_readers, config.seed)
     if load.kind == "concurrency":
         return assign_arrivals(requests, None)
     arrivals = ArrivalConfig(config.arrival, float(load.value or 0.0), config.burstiness)

@@ -6,8 +6,11 @@
     code       a few repositories, each a long context (1-4k tokens) resent with a small edit (5-30
                tokens replaced, in its second half: the file being worked on sits last) and a short
                question (10-60); outputs 50-300
-    analytics  documents (prompt 500-2000) after one shared instruction block, outputs 10-100,
-               sent at a lower priority
+    analytics  documents (prompt 500-2000, or `document_tokens`) after one shared instruction
+               block, outputs 10-100, sent at a lower priority
+    longchat   long chat sessions (20-40 turns) sent as `messages`: every turn resends the whole
+               conversation, which the server renders with the chat template and tokenizes
+               again, growing to thousands of tokens (capped by the context)
     chat       ShareGPT-like lengths: log-normal fits of ShareGPT's prompt and reply lengths (or
                pairs drawn from a ShareGPT JSON file, --chat-dataset)
     mixed      each request's class drawn by weight
@@ -29,7 +32,7 @@ from typing import Protocol
 from servelm.bench.tokens import TokenSource
 from servelm.bench.workload import DEFAULT_PRIORITIES, LengthLimits, WorkloadRequest
 
-PROFILES = ("voice", "code", "analytics", "chat")
+PROFILES = ("voice", "code", "analytics", "chat", "longchat")
 
 
 class Profile(Protocol):
@@ -97,6 +100,7 @@ class _Session:
     turns_left: int
     history: list[int] = field(default_factory=list)  # every earlier turn's prompt and reply
     last_index: int | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)  # the same history as chat messages
 
 
 @dataclass
@@ -104,6 +108,7 @@ class VoiceProfile(_Base):
     name: str = "voice"
     max_active: int = 4  # sessions open at once
     continue_probability: float = 0.75  # next voice request continues an open session (vs starts one)
+    turns: tuple[int, int] = (2, 6)  # a session's number of turns, drawn in this range
     sessions: list[_Session] = field(default_factory=list)
 
     def _pick_session(self) -> _Session:
@@ -113,7 +118,7 @@ class VoiceProfile(_Base):
         return self._new_session()
 
     def _new_session(self) -> _Session:
-        session = _Session(f"voice-{len(self.sessions)}", turns_left=self.rng.randint(2, 6))
+        session = _Session(f"{self.name}-{len(self.sessions)}", turns_left=self.rng.randint(*self.turns))
         self.sessions.append(session)
         return session
 
@@ -129,6 +134,47 @@ class VoiceProfile(_Base):
                                after=session.last_index, shared_prefix_tokens=len(session.history))  # fmt: skip
         reply_ids = self.tokens.sample(self.text_rng, max_tokens)
         session.history = request.prompt_ids + reply_ids
+        session.turns_left -= 1
+        session.last_index = index
+        return request
+
+
+# What a chat template adds around each message (SmolLM2's `<|im_start|>user\n ... <|im_end|>\n`
+# is 5 tokens): room kept so that a history never outgrows the context once rendered.
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+
+
+@dataclass
+class LongChatProfile(VoiceProfile):
+    """Voice's sessions (same picking), but long: tens of turns of a text chat, sent as messages."""
+
+    name: str = "longchat"
+    turns: tuple[int, int] = (20, 40)
+    user_tokens: tuple[int, int] = (40, 160)  # each user message
+    reply_tokens: tuple[int, int] = (80, 240)  # each assistant reply kept in the history
+    output: tuple[int, int] = (16, 64)  # what this turn asks the server to generate
+
+    def next(self, index: int) -> WorkloadRequest:
+        session = self._pick_session()
+        user_ids = self.tokens.sample(self.text_rng, self.limits.prompt(self.rng.randint(*self.user_tokens)))
+        max_tokens = self.output_tokens(*self.output)
+        room = self.prompt_budget(max_tokens) - TEMPLATE_TOKENS_PER_MESSAGE * (len(session.messages) + 1)
+        if session.messages and len(session.history) + len(user_ids) > room:
+            session.turns_left = 0  # the conversation outgrew the context: the user starts over
+            session = self._new_session()
+        user_ids = user_ids[: max(self.prompt_budget(max_tokens) - TEMPLATE_TOKENS_PER_MESSAGE, 1)]
+        messages = [*session.messages, {"role": "user", "content": self.tokens.exact_text(user_ids)}]
+        prompt_ids = session.history + user_ids
+        request = WorkloadRequest(
+            index=index, traffic_class=self.name, prompt_ids=prompt_ids,
+            num_prompt_tokens=len(prompt_ids) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages), max_tokens=max_tokens,
+            priority=DEFAULT_PRIORITIES.get(self.name, 0), session_id=session.session_id, after=session.last_index,
+            shared_prefix_tokens=len(session.history), prompt_text="".join(m["content"] for m in messages),
+            messages=messages,
+        )  # fmt: skip
+        reply_ids = self.tokens.sample(self.text_rng, self.limits.prompt(self.rng.randint(*self.reply_tokens)))
+        session.messages = [*messages, {"role": "assistant", "content": self.tokens.exact_text(reply_ids)}]
+        session.history = prompt_ids + reply_ids
         session.turns_left -= 1
         session.last_index = index
         return request
@@ -174,6 +220,7 @@ class CodeProfile(_Base):
 @dataclass
 class AnalyticsProfile(_Base):
     name: str = "analytics"
+    document_tokens: tuple[int, int] = (500, 2000)  # each prompt's length (instruction included), drawn here
     instruction_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -182,7 +229,7 @@ class AnalyticsProfile(_Base):
         self.instruction_ids = self.tokens.sample(self.text_rng, self.limits.prompt(64))
 
     def next(self, index: int) -> WorkloadRequest:
-        total = self.limits.prompt(self.rng.randint(500, 2000))
+        total = self.limits.prompt(self.rng.randint(*self.document_tokens))
         document = self.tokens.sample(self.text_rng, max(total - len(self.instruction_ids), 1))
         max_tokens = self.output_tokens(10, 100)
         return self.request(index, self.instruction_ids + document, max_tokens, session_id="analytics-instruction",
@@ -237,7 +284,21 @@ _PROFILE_TYPES: dict[str, type[_Base]] = {
     "code": CodeProfile,
     "analytics": AnalyticsProfile,
     "chat": ChatProfile,
+    "longchat": LongChatProfile,
 }
+
+
+def parse_range(value: tuple[int, int] | str, what: str) -> tuple[int, int]:
+    """(low, high) or "LOW-HIGH" → (low, high) with 1 <= low <= high."""
+    if isinstance(value, str):
+        low_text, _, high_text = value.partition("-")
+        if not low_text.strip().isdigit() or not high_text.strip().isdigit():
+            raise ValueError(f"{what} wants LOW-HIGH (token counts), got {value!r}")
+        value = (int(low_text), int(high_text))
+    low, high = value
+    if not 1 <= low <= high:
+        raise ValueError(f"{what} wants 1 <= LOW <= HIGH, got {low}-{high}")
+    return low, high
 
 
 def parse_weights(spec: str) -> dict[str, float]:
@@ -281,11 +342,13 @@ def build_workload(
     weights: dict[str, float] | None = None,
     chat_lengths: list[tuple[int, int]] | None = None,
     salt: int = 0,
+    document_tokens: tuple[int, int] | None = None,
 ) -> list[WorkloadRequest]:
     """`num_requests` requests of one profile, or of `mixed` with `weights` (arrival times unset).
 
     Another `salt` gives the same lengths, sessions and sharing structure with other tokens: the
     steps of a sweep use it so that one step's prompts are not in the prefix cache of the next.
+    `document_tokens` replaces the analytics documents' length range (a tenant sending long ones).
     """
     if profile == "mixed":
         weights = {k: v for k, v in (weights or {}).items() if v > 0}
@@ -300,6 +363,8 @@ def build_workload(
         generator = _PROFILE_TYPES[name](tokens=tokens, limits=limits, seed=seed, salt=salt)
         if isinstance(generator, ChatProfile):
             generator.length_pairs = chat_lengths
+        if isinstance(generator, AnalyticsProfile) and document_tokens is not None:
+            generator.document_tokens = parse_range(document_tokens, "document_tokens")
         generators[name] = generator
     mix = random.Random(f"{seed}:mix")
     names, values = list(weights), list(weights.values())

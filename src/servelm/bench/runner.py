@@ -23,6 +23,7 @@ import httpx
 from tqdm import tqdm
 
 from servelm.bench.client import ClientConfig, RequestRecord, send_request
+from servelm.bench.slow_reader import slow_reader_transport
 from servelm.bench.tokens import TokenSource
 from servelm.bench.workload import WorkloadRequest
 
@@ -62,6 +63,7 @@ class _Run:
     finished: dict[int, asyncio.Event] = field(default_factory=dict)
     interrupted: bool = False
     progress: tqdm | None = None
+    slow_http: httpx.AsyncClient | None = None  # for requests marked slow_reader (bench.slow_reader)
 
     def __post_init__(self) -> None:
         self.finished = {r.index: asyncio.Event() for r in self.requests}
@@ -83,7 +85,9 @@ class _Run:
                 scheduled_s=max(due_s, self.clock()),
             )  # fmt: skip
             self.records[request.index] = record
-            await send_request(http, self.client, request, record, self.clock, self.tokens)
+            record.slow_reader = request.slow_reader and self.slow_http is not None
+            via = self.slow_http if record.slow_reader and self.slow_http is not None else http
+            await send_request(via, self.client, request, record, self.clock, self.tokens)
         except asyncio.CancelledError:
             started = self.records.get(request.index)  # None: cancelled before it was sent
             if started is not None and started.status == "pending":
@@ -138,7 +142,15 @@ async def run_workload(
     with _sigint(loop, interrupt), tqdm(total=len(requests), unit="req", file=sys.stderr, disable=not limits.progress,
                                          dynamic_ncols=True) as progress:  # fmt: skip
         run.progress = progress
-        async with httpx.AsyncClient(base_url=client.base_url, headers=headers, limits=pool, timeout=timeout) as http:
+        async with contextlib.AsyncExitStack() as stack:
+            http = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=client.base_url, headers=headers, limits=pool, timeout=timeout)
+            )
+            if client.slow_reading is not None and any(r.slow_reader for r in requests):
+                transport = slow_reader_transport(client.slow_reading, pool)
+                run.slow_http = await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=client.base_url, headers=headers, transport=transport, timeout=timeout)
+                )
             await _warm_up(http, client, tokens)
             if after_warm_up is not None:
                 after_warm_up()

@@ -51,11 +51,12 @@ DEFAULT_SLOS: dict[str, SLO] = {
     "code": SLO(ttft_s=2.0),
     "analytics": SLO(ttft_s=10.0, e2e_s=60.0),  # throughput work: relaxed, and sent at a lower priority
     "chat": SLO(ttft_s=1.0, tbt_s=0.2),
+    "longchat": SLO(ttft_s=1.0, tbt_s=0.2),
     "trace": SLO(ttft_s=2.0, tbt_s=0.2),
 }
 
 # Sent as `priority` to servers that take it (lower runs first): analytics yields to interactive work.
-DEFAULT_PRIORITIES: dict[str, int] = {"voice": 0, "code": 0, "chat": 0, "analytics": 1, "trace": 0}
+DEFAULT_PRIORITIES: dict[str, int] = {"voice": 0, "code": 0, "chat": 0, "analytics": 1, "longchat": 0, "trace": 0}
 
 
 def parse_slo(spec: str, base: dict[str, SLO]) -> dict[str, SLO]:
@@ -88,6 +89,11 @@ class WorkloadRequest:
     shared_prefix_tokens: int = 0  # leading prompt tokens identical to an earlier request's prompt
     arrival_s: float | None = None  # seconds after the run starts; None: closed loop (sent when a slot frees)
     prompt_text: str = field(default="", repr=False)  # decode(prompt_ids), checked exact
+    # A whole chat history (role/content dicts ending with a user turn), sent as `messages` to
+    # /v1/chat/completions whatever the endpoint: the server renders and tokenizes all of it.
+    # None: `prompt_text` is the prompt (or the one user message).
+    messages: list[dict[str, str]] | None = field(default=None, repr=False)
+    slow_reader: bool = False  # its client reads the stream slowly (ClientConfig.slow_reading says how)
 
     def describe(self) -> dict[str, Any]:
         """The request without its prompt: what the JSON report keeps."""
@@ -101,6 +107,8 @@ class WorkloadRequest:
             "after": self.after,
             "shared_prefix_tokens": self.shared_prefix_tokens,
             "arrival_s": self.arrival_s,
+            "num_messages": None if self.messages is None else len(self.messages),
+            "slow_reader": self.slow_reader,
         }
 
 

@@ -1,0 +1,147 @@
+"""Runs one scenario (bench.scenarios): both windows against one server, then `servelm diagnose`.
+
+    [start the server]  ─▶ baseline: prepare ─▶ WindowRecorder ⟨ bench run ⟩ ─▶ DIR/baseline
+                        ─▶ today:    [proxy] prepare ─▶ WindowRecorder ⟨ bench run ⟩ ─▶ DIR/today
+                        ─▶ diagnose(DIR/baseline, DIR/today) ─▶ DIR/diagnosis.json, DIR/diagnosis.txt
+
+The bench run is synchronous (it owns an event loop), so it runs in a worker thread while the
+recorder samples /metrics and the delay proxy, when there is one, forwards bytes on this loop.
+The recorder always scrapes the server itself, never through the proxy. The run's own files
+(run.json, summary.md) go to DIR/<window>/bench/; bench.json is the same report, for diagnose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from servelm.bench.delay_proxy import DelayProxy
+from servelm.bench.execute import BenchConfig, Load, prepare, run_once
+from servelm.bench.scenarios import Scenario, ScenarioSize, WindowLoad
+from servelm.diagnose.capture import WindowRecorder
+from servelm.diagnose.causes import diagnose
+from servelm.diagnose.report import to_json, to_text
+from servelm.diagnose.sources import load_signals
+
+# Starts `servelm serve --model MODEL ARGS...` (None: the default model) and yields its base URL
+# while it runs. Injected by the caller: bench/ talks HTTP only and does not import the server.
+ServerLauncher = Callable[[str | None, list[str]], AbstractContextManager[str]]
+
+WINDOWS = ("baseline", "today")
+
+
+@dataclass(frozen=True)
+class ScenarioOptions:
+    out_dir: Path
+    quick: bool = False
+    base_url: str | None = None  # a running server (its flags are then the caller's business)
+    model: str | None = None  # for a server started here (None: the default model)
+    tokenizer: str | None = None
+    api_key: str | None = None
+    seed: int = 0
+    rate: float | None = None  # overrides the size's rate
+    seconds: float | None = None  # ... and window length
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    name: str
+    expected_cause: str
+    top_cause: str | None  # None: diagnose failed (see error)
+    out_dir: Path
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.top_cause == self.expected_cause
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "expected_cause": self.expected_cause, "top_cause": self.top_cause,
+                "ok": self.ok, "out_dir": str(self.out_dir), "error": self.error}  # fmt: skip
+
+
+def bench_config(load: WindowLoad, size: ScenarioSize, base_url: str, out_dir: Path, options: ScenarioOptions) -> BenchConfig:
+    """The `servelm bench run` configuration of one window."""
+    return BenchConfig(
+        base_url=base_url, out_dir=out_dir, profile=load.profile, weights=dict(load.weights), seed=options.seed,
+        num_requests=size.num_requests, duration_s=size.seconds + size.drain_s, prompt_scale=size.length_scale,
+        max_output_tokens=size.max_output_tokens, api_key=options.api_key, tokenizer=options.tokenizer,
+        endpoint=load.endpoint, document_tokens=load.document_tokens, slow_readers=load.slow_readers,
+        read_delay_ms=load.read_delay_ms, read_bytes=load.read_bytes, slow_reader_logprobs=load.slow_reader_logprobs,
+        progress=options.progress, plots=False,
+    )  # fmt: skip
+
+
+async def run_window(label: str, load: WindowLoad, size: ScenarioSize, server_url: str, options: ScenarioOptions) -> Path:
+    """One window: the load at `size.rate`, recorded into out_dir/label; returns that directory."""
+    window_dir = options.out_dir / label
+    async with contextlib.AsyncExitStack() as stack:
+        client_url = server_url
+        if load.network is not None:
+            parts = urlsplit(server_url)
+            proxy = DelayProxy(parts.hostname or "127.0.0.1", parts.port or 80, load.network, seed=options.seed)
+            client_url = (await stack.enter_async_context(proxy)).url
+        config = bench_config(load, size, client_url, window_dir / "bench", options)
+        target = await asyncio.to_thread(prepare, config)  # the tokenizer loads before the window opens
+        recorder = await stack.enter_async_context(WindowRecorder(server_url, window_dir, label, options.api_key))
+        report = await asyncio.to_thread(run_once, target, config, Load("rate", size.rate), config.out_dir)
+        recorder.write_bench_report(report)
+    return window_dir
+
+
+def run_scenario(scenario: Scenario, options: ScenarioOptions, launcher: ServerLauncher | None = None) -> ScenarioResult:
+    """Both windows (on `options.base_url`, or on a server `launcher` starts with the scenario's
+    flags), then the diagnosis. Writes everything under options.out_dir (see module doc)."""
+    size = scenario.size(options.quick)
+    if options.rate is not None or options.seconds is not None:
+        size = replace(size, rate=options.rate or size.rate, seconds=options.seconds or size.seconds)
+    if options.base_url is None and options.tokenizer is None:
+        options = replace(options, tokenizer=options.model)  # the server started here serves that model
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    (options.out_dir / "scenario.json").write_text(json.dumps(_describe(scenario, size, options), indent=1, default=str))
+    with _server(scenario, options, launcher) as server_url:
+        for label, load in zip(WINDOWS, (scenario.baseline, scenario.today), strict=True):
+            asyncio.run(run_window(label, load, size, server_url, options))
+    return diagnose_windows(scenario, options.out_dir)
+
+
+def diagnose_windows(scenario: Scenario, out_dir: Path) -> ScenarioResult:
+    """`servelm diagnose DIR/baseline DIR/today`, saved as DIR/diagnosis.json and .txt."""
+    try:
+        diagnosis = diagnose(load_signals(out_dir / "baseline"), load_signals(out_dir / "today"))
+    except ValueError as exc:  # a window diagnose cannot read: the windows stay for a person to look at
+        return ScenarioResult(scenario.name, scenario.expected_cause, None, out_dir, str(exc))
+    (out_dir / "diagnosis.json").write_text(json.dumps(to_json(diagnosis), indent=1))
+    (out_dir / "diagnosis.txt").write_text(to_text(diagnosis))
+    return ScenarioResult(scenario.name, scenario.expected_cause, diagnosis.top_cause, out_dir)
+
+
+@contextlib.contextmanager
+def _server(scenario: Scenario, options: ScenarioOptions, launcher: ServerLauncher | None) -> Iterator[str]:
+    if options.base_url is not None:
+        yield options.base_url.rstrip("/")
+        return
+    if launcher is None:
+        raise ValueError(f"scenario {scenario.name}: give --base-url, or a launcher to start a server")
+    with launcher(options.model, list(scenario.args(options.quick))) as url:
+        yield url
+
+
+def _describe(scenario: Scenario, size: ScenarioSize, options: ScenarioOptions) -> dict[str, Any]:
+    return {
+        "scenario": scenario.name,
+        "expected_cause": scenario.expected_cause,
+        "description": scenario.description,
+        "size": {**size.__dict__, "num_requests": size.num_requests, "quick": options.quick},
+        "server": options.base_url or {"model": options.model or "default", "args": list(scenario.args(options.quick))},
+        "baseline": scenario.baseline.__dict__,
+        "today": scenario.today.__dict__,
+    }

@@ -1,0 +1,157 @@
+"""The "TTFT tripled under the same load" scenarios: each a baseline and a "today" window.
+
+    one server (the scenario's args) ─┬─ baseline window: the base traffic at rate R
+                                      └─ today window:    the same traffic at rate R + one injected cause
+
+Both windows run against the same server with the same configuration; only the traffic changes.
+Each window is recorded by `servelm.diagnose.capture.WindowRecorder` (DIR/baseline, DIR/today:
+metrics at both ends, gauges in between, the bench report as bench.json), and `servelm diagnose`
+then compares the two and should name `expected_cause`.
+
+| scenario       | injected                                                           | expected cause |
+|----------------|--------------------------------------------------------------------|----------------|
+| long-docs      | the analytics tenant sends 3-7k-token documents instead of 0.5-2k  | scheduler      |
+| kv-pressure    | long documents on a server whose KV pool is small: preemptions     | kv_cache       |
+| slow-readers   | half the clients read their (logprob-heavy) streams slowly         | output         |
+| network-delay  | a delay proxy between client and server (delay, jitter, loss)      | network        |
+| long-histories | chats of tens of turns, each resending the whole history           | frontend       |
+
+Sizes: `full` is for the real default model on 2 CPU cores (windows of a minute or two, rates it
+sustains at baseline); `quick` is for CI on the tiny random model (~10 s windows, prompts scaled
+down to its 1024-token context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servelm.bench.delay_proxy import LinkFaults
+
+BASE_MIX = {"voice": 0.5, "chat": 0.3, "analytics": 0.2}
+
+
+@dataclass(frozen=True)
+class WindowLoad:
+    """One window's traffic: a bench workload (profile, mix, lengths) and the faults injected into it."""
+
+    profile: str = "mixed"
+    weights: dict[str, float] = field(default_factory=lambda: dict(BASE_MIX))
+    endpoint: str = "completions"
+    document_tokens: tuple[int, int] | None = None  # analytics documents' lengths (None: the profile's)
+    slow_readers: float = 0.0  # fraction of clients marked as (possibly) slow readers
+    read_delay_ms: float = 0.0  # how slowly they read (0: as fast as they can)
+    read_bytes: int = 1024
+    slow_reader_logprobs: int = 0  # heavier chunks for them, so their streams outgrow the socket buffers
+    network: LinkFaults | None = None  # a delay proxy between the client and the server
+
+
+@dataclass(frozen=True)
+class ScenarioSize:
+    rate: float  # requests/s, the same in both windows
+    seconds: float  # each window's planned length: rate x seconds requests
+    length_scale: float = 1.0  # multiplies prompt lengths (the tiny model's context is 1024)
+    max_output_tokens: int | None = None
+    drain_s: float = 60.0  # after the last arrival, requests still running may take this long
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or self.seconds <= 0:
+            raise ValueError(f"rate and seconds must be > 0, got {self.rate}, {self.seconds}")
+
+    @property
+    def num_requests(self) -> int:
+        return max(1, round(self.rate * self.seconds))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    expected_cause: str  # the cause `servelm diagnose` should name (helper brief's names)
+    description: str
+    baseline: WindowLoad
+    today: WindowLoad
+    full: ScenarioSize
+    quick: ScenarioSize
+    server_args: tuple[str, ...] = ()  # `servelm serve` flags both windows share (real model)
+    quick_server_args: tuple[str, ...] = ()  # ... on the tiny model
+
+    def size(self, quick: bool) -> ScenarioSize:
+        return self.quick if quick else self.full
+
+    def args(self, quick: bool) -> tuple[str, ...]:
+        return self.quick_server_args if quick else self.server_args
+
+
+_QUICK = ScenarioSize(rate=4.0, seconds=10.0, length_scale=0.12, max_output_tokens=32, drain_s=30.0)
+_QUICK_SERVER = ("--num-threads", "1")
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            name="long-docs",
+            expected_cause="scheduler",
+            description="one tenant (analytics) starts sending 3-7k-token documents at the same request rate: "
+            "long prefills take the steps that short voice and chat prompts wait for",
+            baseline=WindowLoad(),
+            today=WindowLoad(document_tokens=(3000, 7000)),
+            full=ScenarioSize(rate=0.5, seconds=90.0, max_output_tokens=64),
+            quick=_QUICK,
+            quick_server_args=_QUICK_SERVER,
+        ),
+        Scenario(
+            name="kv-pressure",
+            expected_cause="kv_cache",
+            description="on a server with a small KV pool (8k tokens), the analytics tenant's documents grow to "
+            "2.5-4k tokens: running requests no longer fit, get preempted and recomputed, and evict the "
+            "other tenants' cached prefixes",
+            baseline=WindowLoad(weights={"voice": 0.4, "code": 0.3, "analytics": 0.3}, document_tokens=(300, 800)),
+            today=WindowLoad(weights={"voice": 0.4, "code": 0.3, "analytics": 0.3}, document_tokens=(2500, 4000)),
+            full=ScenarioSize(rate=0.5, seconds=90.0, length_scale=0.5, max_output_tokens=128),
+            quick=ScenarioSize(rate=4.0, seconds=10.0, length_scale=0.2, max_output_tokens=48, drain_s=30.0),
+            server_args=("--num-blocks", "512"),
+            quick_server_args=(*_QUICK_SERVER, "--num-blocks", "64"),
+        ),
+        Scenario(
+            name="slow-readers",
+            expected_cause="output",
+            description="half the chat clients (each asking for 20 logprobs per token, ~0.9 kB) start reading "
+            "their streams slowly, 512 bytes per 250 ms: once the socket buffers are full, outputs queue in "
+            "the API process",
+            baseline=WindowLoad(profile="chat", slow_readers=0.5, slow_reader_logprobs=20),
+            today=WindowLoad(profile="chat", slow_readers=0.5, slow_reader_logprobs=20, read_delay_ms=250.0,
+                             read_bytes=512),  # fmt: skip
+            full=ScenarioSize(rate=0.5, seconds=90.0, max_output_tokens=768),
+            quick=ScenarioSize(rate=3.0, seconds=10.0, length_scale=0.12, max_output_tokens=400, drain_s=20.0),
+            quick_server_args=_QUICK_SERVER,
+        ),
+        Scenario(
+            name="network-delay",
+            expected_cause="network",
+            description="a proxy between clients and the server adds 150 ms each way, up to 30 ms of jitter "
+            "and 2% loss (a 200 ms retransmission each)",
+            baseline=WindowLoad(weights={"voice": 0.6, "chat": 0.4}),
+            today=WindowLoad(weights={"voice": 0.6, "chat": 0.4},
+                             network=LinkFaults(delay_s=0.15, jitter_s=0.03, loss=0.02)),  # fmt: skip
+            full=ScenarioSize(rate=1.0, seconds=60.0, max_output_tokens=64),
+            quick=_QUICK,
+            quick_server_args=_QUICK_SERVER,
+        ),
+        Scenario(
+            name="long-histories",
+            expected_cause="frontend",
+            description="chat users stop starting over: conversations of 20-40 turns, each resending the whole "
+            "history as messages that the API process renders and tokenizes again (thousands of tokens)",
+            baseline=WindowLoad(profile="chat", endpoint="chat"),
+            today=WindowLoad(profile="longchat", endpoint="chat"),
+            full=ScenarioSize(rate=1.0, seconds=90.0, max_output_tokens=64),
+            quick=_QUICK,
+            quick_server_args=_QUICK_SERVER,
+        ),
+    )
+}
+
+
+def get_scenario(name: str) -> Scenario:
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}: expected one of {sorted(SCENARIOS)} (or all)")
+    return SCENARIOS[name]

@@ -1,0 +1,92 @@
+"""The loads that the "TTFT tripled" scenarios inject: long chat histories resent as messages,
+long documents, and clients that read their streams slowly (against a live server: the
+server's output backlog must grow for them, and only for them)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+
+from servelm.bench.client import ClientConfig, request_body
+from servelm.bench.profiles import TEMPLATE_TOKENS_PER_MESSAGE, build_workload
+from servelm.bench.runner import RunLimits, run_workload
+from servelm.bench.slow_reader import SlowReading, mark_slow_readers
+from servelm.bench.tokens import TokenSource
+from servelm.bench.workload import LengthLimits, WorkloadRequest
+
+LIMITS = LengthLimits(max_context=8192)
+
+
+def test_longchat_turns_resend_a_growing_history_as_messages(tokens: TokenSource):
+    requests = build_workload("longchat", 160, tokens, LIMITS, seed=0)
+    by_index = {r.index: r for r in requests}
+    longest = 0
+    for request in requests:
+        messages = request.messages
+        assert messages is not None and messages[-1]["role"] == "user"
+        assert [m["role"] for m in messages] == ["user", "assistant"] * (len(messages) // 2) + ["user"]
+        assert "".join(m["content"] for m in messages) == request.prompt_text
+        assert len(request.prompt_ids) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages) + request.max_tokens <= 8192
+        if request.after is not None:  # the previous turn of the session, resent whole, plus its reply
+            previous = by_index[request.after]
+            assert previous.session_id == request.session_id
+            assert messages[: len(previous.messages)] == previous.messages
+            assert len(messages) == len(previous.messages) + 2
+            assert request.shared_prefix_tokens > len(previous.prompt_ids)
+        longest = max(longest, len(messages))
+        body = request_body(ClientConfig(base_url="http://x", endpoint="completions"), request)
+        assert body["messages"] == messages and "prompt" not in body  # messages go to chat whatever the endpoint
+    assert longest >= 21, "tens of turns"
+    assert max(r.num_prompt_tokens for r in requests) >= 4000, "histories of several thousand tokens"
+
+
+def test_long_documents_override_the_analytics_lengths(tokens: TokenSource):
+    normal = build_workload("analytics", 20, tokens, LIMITS, seed=0)
+    long = build_workload("analytics", 20, tokens, LIMITS, seed=0, document_tokens=(3000, 7000))
+    assert all(500 <= r.num_prompt_tokens <= 2001 for r in normal)
+    assert all(3000 <= r.num_prompt_tokens <= 7001 for r in long)
+    assert long[0].prompt_ids[:64] == normal[0].prompt_ids[:64]  # the same tenant: one shared instruction
+
+
+def test_slow_readers_are_a_seeded_fraction(tokens: TokenSource):
+    requests = build_workload("chat", 400, tokens, LIMITS, seed=0)
+    marked = [r.index for r in mark_slow_readers(requests, 0.25, seed=0) if r.slow_reader]
+    assert 70 <= len(marked) <= 130
+    again = [r.index for r in mark_slow_readers(requests, 0.25, seed=0) if r.slow_reader]
+    assert marked == again
+
+
+def _peak_backlog(base_url: str, reading: SlowReading) -> tuple[float, list]:
+    """Run 3 slow-reader streams (logprobs: ~0.9 kB per token, 540 kB each: more than the ~220 kB of socket buffers between client and server) while polling the server's backlog gauge."""
+    requests = [WorkloadRequest(index=i, traffic_class="chat", prompt_ids=[], num_prompt_tokens=3, max_tokens=600,
+                                prompt_text=" hello world", arrival_s=0.1 * i, slow_reader=True) for i in range(3)]  # fmt: skip
+    client = ClientConfig(base_url=base_url, slow_reading=reading, slow_reader_logprobs=20)
+    peak, stop = [0.0], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+                if line.split("{", 1)[0].split(" ", 1)[0] == "servelm:num_outputs_queued_in_api":
+                    peak[0] = max(peak[0], float(line.rsplit(" ", 1)[1]))
+            time.sleep(0.1)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        result = asyncio.run(run_workload(requests, client, RunLimits(duration_s=8, progress=False)))
+    finally:
+        stop.set()
+        poller.join()
+    return peak[0], result.records
+
+
+def test_slow_readers_back_up_the_servers_output_path(bench_server):
+    fast_peak, fast = _peak_backlog(bench_server.base_url, SlowReading(read_delay_s=0.0))
+    assert all(r.ok and r.slow_reader and r.num_output_tokens == 600 for r in fast)
+    assert fast_peak <= 5, f"clients that read at once left {fast_peak:.0f} outputs queued"
+    slow_peak, slow = _peak_backlog(bench_server.base_url, SlowReading(read_delay_s=0.2, read_bytes=1024))
+    assert slow_peak >= 100, f"slow readers left only {slow_peak:.0f} outputs queued in the API"
+    assert all(r.slow_reader and r.first_token_s is not None for r in slow)
