@@ -22,7 +22,7 @@ BASE = {
     "requests": 100, "ingress": 0.002, "queue": 0.005, "prefill": 0.02, "preemption": 0.0, "output": 0.003,
     "prompt_tokens": 100, "long_prompts": 0, "generation_tokens": 20, "step_s": 0.01, "step_tokens": 50,
     "preemptions": 0, "hits": 5000, "queries": 10000, "evicted": 0, "kv_usage": 0.3, "waiting": 0.5,
-    "outputs_queued": 0.0, "loop_lag": 0.001, "network": None,
+    "outputs_queued": 0.0, "loop_lag": 0.001, "network": None, "itl": 0.03, "client_tbt": 0.03,
 }  # fmt: skip
 
 
@@ -52,6 +52,7 @@ def write_window(directory: Path, label: str, **changes: float | None) -> Path:
     lines += _histogram("servelm:engine_step_seconds", 'model_name="m"', [float(w["step_s"])] * 50)
     lines += _histogram("servelm:iteration_tokens", 'model_name="m"', [float(w["step_tokens"])] * 50)
     lines += _histogram("servelm:api_event_loop_lag_seconds", 'model_name="m"', [float(w["loop_lag"])] * 20)
+    lines += _histogram("servelm:inter_token_latency_seconds", M, [float(w["itl"])] * 10 * n)
     lines += _counter("servelm:request_success", n, f'finished_reason="length",{M}')
     lines += _counter("servelm:prompt_tokens", sum(prompts), M)
     lines += _counter("servelm:generation_tokens", n * float(w["generation_tokens"]), M)
@@ -74,6 +75,7 @@ def write_window(directory: Path, label: str, **changes: float | None) -> Path:
             "num_ok": n, "num_prompt_tokens": sum(prompts), "num_output_tokens": n * 20, "request_throughput": n / 10,
             "ttft_s": {"mean": ttft + float(w["network"]), "p90": ttft + float(w["network"])},
             "ttft_breakdown_s": {"network": w["network"]},
+            "tbt_s": {"mean": w["client_tbt"], "p90": w["client_tbt"]},
         }  # fmt: skip
         (directory / "bench.json").write_text(
             json.dumps({"schema": "servelm-bench/1", "summary": {"overall": overall}})
@@ -116,6 +118,29 @@ def test_each_cause(tmp_path: Path, current: dict, cause: str):
     if cause != "none":
         assert top["explains_s"] > 0.8 * report["ttft"]["growth_s"] and top["knob"]
         assert all(e.keys() == {"signal", "baseline", "current", "ratio"} for e in top["evidence"])
+
+
+@pytest.mark.parametrize(
+    ("current", "cause"),
+    [
+        # slow readers: the API takes their outputs late, outputs pile up; steps as before
+        ({"itl": 0.5, "outputs_queued": 300.0}, "output"),
+        # steps got longer (long prompts' chunks in them): every stream's gaps with them
+        ({"itl": 0.2, "step_s": 0.2, "step_tokens": 2000}, "scheduler"),
+        ({"itl": 0.2, "loop_lag": 0.1}, "frontend"),
+        # the client's gaps grew, the server kept pace: the path between them
+        ({"client_tbt": 0.3, "network": 0.001}, "network"),
+        ({"itl": 0.035}, "none"),  # +5 ms: noise
+    ],
+)
+def test_when_ttft_holds_the_time_between_tokens_is_explained(tmp_path: Path, current: dict, cause: str):
+    baseline = {"network": 0.001} if "network" in current else {}
+    report = _diagnose(tmp_path, baseline, current)
+    assert report["ttft"]["grew"] is False
+    assert report["top_cause"] == cause, json.dumps(report["causes"], indent=1)
+    if cause != "none":
+        assert report["latency"] == "tbt" and report["causes"][0]["components"] == ["tbt"]
+        assert report["causes"][0]["explains_s"] > 0.1 and report["causes"][0]["knob"]
 
 
 def test_growth_split_between_causes_ranks_the_larger_first(tmp_path: Path):

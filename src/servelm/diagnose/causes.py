@@ -19,6 +19,17 @@
        queue and prefill growth, and the fix is capacity, not scheduling. A mix change (a few long
        documents among the same short requests) moves the mean prompt, not the median: scheduler.
     3. Causes rank by the seconds per request they explain; the top one is the diagnosis.
+    4. TTFT within noise: the same question for the time between tokens (TBT p90, the client's
+       from bench.json in both windows, else the server's inter-token latency, which the API
+       measures as its streams take their outputs). Its growth goes to one cause:
+
+         steps grew (engine step p90 x STEP_GROWTH)   → load when the load grew, else scheduler
+         outputs pile up in the API (OUTPUT_BACKLOG)  → output   (streams not read: slow clients)
+         the API event loop runs late (lag p99 x 2)   → frontend
+         none of these, on the client's figure        → network  (the server kept pace; the path did not)
+
+       A stream that its client does not read makes every other stream's TTFT no worse in servelm
+       (each stream has its own queue), so slow readers show here, not in step 2.
 
 Without a TTFT split (an older server, vLLM's metrics) the whole growth goes to the first of
 load, kv_cache, scheduler whose signals moved (scheduler when none did: the queue is its own).
@@ -32,6 +43,8 @@ from typing import Any
 from servelm.diagnose.signals import COMPONENTS, Signals
 
 CAUSES = ("scheduler", "kv_cache", "output", "network", "frontend", "load", "none")
+STEP_GROWTH = 1.5  # engine steps this much longer (p90): the gaps between tokens are the steps
+OUTPUT_BACKLOG = 10.0  # outputs queued in the API (max over the window) that count as a pile-up, if 2x the baseline
 LOAD_GROWTH = 1.5  # rate or request size up by this factor: the same queueing is simply more work
 KV_USAGE_FULL = 0.9
 HIT_RATE_DROP = 0.1  # absolute fall of prefix hits / queries that counts as "the cache lost its prefixes"
@@ -82,6 +95,9 @@ class Noise:
         return growth > self.min_seconds and growth > self.min_ratio * baseline
 
 
+TBT_NOISE = Noise(min_ratio=0.2, min_seconds=0.01)  # gaps are tens of ms: 10 ms is already felt
+
+
 @dataclass(frozen=True)
 class Evidence:
     signal: str
@@ -123,6 +139,7 @@ class Diagnosis:
     causes: list[Cause]  # ranked, the top first
     ttft_grew: bool
     notes: list[str] = field(default_factory=list)
+    latency: str = "ttft"  # what the causes explain: "ttft", or "tbt" when only the time between tokens grew
 
     @property
     def top_cause(self) -> str:
@@ -173,10 +190,37 @@ def cause_of(component: str, baseline: Signals, current: Signals) -> str:
     return "kv_cache" if kv else "scheduler"
 
 
-def _cause(name: str, explains_s: float, components: list[str], baseline: Signals, current: Signals) -> Cause:
+def tbt_signal(baseline: Signals, current: Signals) -> str | None:
+    """The TBT figure both windows have: the client's (what users see) before the server's."""
+    for name in ("client_tbt_p90_s", "itl_p90_s"):
+        if signal_value(baseline, name) is not None and signal_value(current, name) is not None:
+            return name
+    return None
+
+
+def outputs_piled_up(baseline: Signals, current: Signals) -> bool:
+    after = signal_value(current, "outputs_queued_max")
+    before = signal_value(baseline, "outputs_queued_max") or 0.0
+    return after is not None and after >= OUTPUT_BACKLOG and after >= 2 * before
+
+
+def tbt_cause(baseline: Signals, current: Signals, measured_by: str) -> str:
+    if _grew(baseline, current, "step_time_p90_s", STEP_GROWTH):
+        return "load" if load_grew(baseline, current) else "scheduler"
+    if outputs_piled_up(baseline, current):
+        return "output"
+    if _grew(baseline, current, "loop_lag_p99_s", 2.0):
+        return "frontend"
+    return "network" if measured_by == "client_tbt_p90_s" else "output"
+
+
+def _cause(
+    name: str, explains_s: float, components: list[str], baseline: Signals, current: Signals, latency: str = "ttft"
+) -> Cause:
+    measured = ("ttft_mean_s",) if latency == "ttft" else ("client_tbt_p90_s", "itl_p90_s", "step_time_p90_s")
     evidence = [
         Evidence(signal, signal_value(baseline, signal), signal_value(current, signal))
-        for signal in ("ttft_mean_s", *EVIDENCE[name])
+        for signal in dict.fromkeys((*measured, *EVIDENCE[name]))
     ]
     shown = [e for e in evidence if e.baseline is not None or e.current is not None]
     return Cause(name, explains_s, components, shown, KNOBS.get(name))
@@ -191,7 +235,7 @@ def diagnose(baseline: Signals, current: Signals, noise: Noise | None = None) ->
         notes.append("TTFT is unknown in one window: nothing to explain")
         return Diagnosis(baseline, current, [_cause("none", 0.0, [], baseline, current)], False, notes)
     if not noise.grew(before, after):
-        return Diagnosis(baseline, current, [_cause("none", 0.0, [], baseline, current)], False, notes)
+        return _diagnose_tbt(baseline, current, notes)
     explained: dict[str, tuple[float, list[str]]] = {}
     for component in COMPONENTS:
         old, new = baseline.components.get(component), current.components.get(component)
@@ -206,3 +250,17 @@ def diagnose(baseline: Signals, current: Signals, noise: Noise | None = None) ->
     causes = [_cause(name, seconds, names, baseline, current) for name, (seconds, names) in explained.items()]
     causes.sort(key=lambda cause: cause.explains_s, reverse=True)
     return Diagnosis(baseline, current, causes, True, notes)
+
+
+def _diagnose_tbt(baseline: Signals, current: Signals, notes: list[str]) -> Diagnosis:
+    """Step 4 (module doc): TTFT held; did the time between tokens grow, and why?"""
+    measured_by = tbt_signal(baseline, current)
+    if measured_by is not None:
+        before, after = signal_value(baseline, measured_by), signal_value(current, measured_by)
+        assert before is not None and after is not None  # tbt_signal checked both
+        if TBT_NOISE.grew(before, after):
+            name = tbt_cause(baseline, current, measured_by)
+            notes.append(f"TTFT held; the time between tokens grew ({measured_by}): the causes explain that")
+            cause = _cause(name, after - before, ["tbt"], baseline, current, latency="tbt")
+            return Diagnosis(baseline, current, [cause], False, notes, latency="tbt")
+    return Diagnosis(baseline, current, [_cause("none", 0.0, [], baseline, current)], False, notes)

@@ -1,6 +1,6 @@
 """A diagnosis as text (top cause first, its evidence, the knob) and as JSON with stable field names:
 
-{"top_cause", "causes": [{"name", "explains_s", "components", "evidence": [{"signal", "baseline",
+{"top_cause", "latency" ("ttft", or "tbt" when only the time between tokens grew), "causes": [{"name", "explains_s", "components", "evidence": [{"signal", "baseline",
  "current", "ratio"}], "knob"}], "ttft": {"baseline", "current", "growth_s", "grew"},
  "components": {name: {"baseline", "current", "delta"}}, "signals": {name: {"baseline", "current", "ratio"}},
  "classes": {class: {"baseline", "current"}}, "prefix_evictions_by_tenant": {"baseline", "current"},
@@ -24,6 +24,7 @@ def to_json(diagnosis: Diagnosis) -> dict[str, Any]:
     base, cur = diagnosis.baseline, diagnosis.current
     return {
         "top_cause": diagnosis.top_cause,
+        "latency": diagnosis.latency,
         "causes": [cause.to_dict() for cause in diagnosis.causes],
         "ttft": {
             "baseline": base.ttft_mean_s,
@@ -94,7 +95,8 @@ def to_text(diagnosis: Diagnosis) -> str:
     ]
     for rank, cause in enumerate(diagnosis.causes):
         title = "Top cause" if rank == 0 else "Also"
-        share = f": explains {_num(cause.explains_s, 'ms')} per request" if cause.explains_s else ""
+        per = "per request" if diagnosis.latency == "ttft" else "of the time between tokens (p90)"
+        share = f": explains {_num(cause.explains_s, 'ms')} {per}" if cause.explains_s else ""
         parts = f" (growth of {', '.join(cause.components)})" if cause.components else ""
         lines.append(f"{title}: {cause.name}{share}{parts}")
         if cause.knob:

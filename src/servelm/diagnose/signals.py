@@ -35,6 +35,10 @@ SIGNAL_DOCS = {
     "ttft_p99_s": "server TTFT p99",
     "client_ttft_mean_s": "client-measured TTFT mean (bench.json)",
     "client_ttft_p90_s": "client-measured TTFT p90 (bench.json)",
+    "itl_mean_s": "server time between a stream's tokens (taken by the stream in the API), mean",
+    "itl_p90_s": "server time between a stream's tokens, p90",
+    "client_tbt_mean_s": "client-measured time between tokens, mean (bench.json)",
+    "client_tbt_p90_s": "client-measured time between tokens, p90 (bench.json)",
     "waiting_mean": "requests in the waiting queue, mean",
     "waiting_max": "requests in the waiting queue, max",
     "running_mean": "requests running, mean",
@@ -102,6 +106,7 @@ def window_signals(window: Window) -> Signals:
     queries, hits = window.counter(P + "prefix_cache_queries"), window.counter(P + "prefix_cache_hits")
     step, step_tokens = window.histogram(P + "engine_step_seconds"), window.histogram(P + "iteration_tokens")
     lag = window.histogram(P + "api_event_loop_lag_seconds")
+    itl = window.histogram(P + "inter_token_latency_seconds")
     values: dict[str, float | None] = {
         "request_rate": _ratio(requests, window.duration_s) if requests is not None else _client_rate(window),
         "prompt_tokens_per_request": _ratio(prompt_tokens, requests),
@@ -113,6 +118,10 @@ def window_signals(window: Window) -> Signals:
         "ttft_p99_s": _quantile(ttft, 0.99),
         "client_ttft_mean_s": client.ttft_s.get("mean") if client else None,
         "client_ttft_p90_s": client.ttft_s.get("p90") if client else None,
+        "itl_mean_s": _mean(itl),
+        "itl_p90_s": _quantile(itl, 0.9),
+        "client_tbt_mean_s": client.tbt_s.get("mean") if client else None,
+        "client_tbt_p90_s": client.tbt_s.get("p90") if client else None,
         "waiting_mean": _gauge(window, "num_requests_waiting", "mean"),
         "waiting_max": _gauge(window, "num_requests_waiting", "max"),
         "running_mean": _gauge(window, "num_requests_running", "mean"),

@@ -85,6 +85,7 @@ class ClientSide:
     """bench.json's overall summary: what the load generator measured."""
 
     ttft_s: dict[str, float | None]  # count, mean, p50, p90, p95, p99 (stats.distribution)
+    tbt_s: dict[str, float | None]  # the gaps between a stream's tokens as the client read them
     network_s: float | None  # mean client TTFT less the server's, over requests with servelm's breakdown
     request_rate: float  # successful requests / s
     prompt_tokens_per_request: float | None
@@ -218,6 +219,7 @@ def client_side(report: dict[str, Any]) -> ClientSide:
     breakdown = overall.get("ttft_breakdown_s")
     return ClientSide(
         ttft_s=overall["ttft_s"],
+        tbt_s=overall.get("tbt_s") or {},
         network_s=breakdown.get(NETWORK) if breakdown else None,
         request_rate=overall["request_throughput"],
         prompt_tokens_per_request=overall["num_prompt_tokens"] / num_ok if num_ok else None,
