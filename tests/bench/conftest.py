@@ -22,6 +22,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_8k_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with SmolLM2's 8192-token context: scenarios that send real-length documents."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-bench-8k") / "model", seed=0,
+                                 max_position_embeddings=8192)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def tokens(tiny_model_dir: Path) -> TokenSource:
     """The tiny model's tokenizer: SmolLM2's real 49152-token BPE."""
     return load_token_source(tiny_model_dir)

@@ -29,7 +29,13 @@ def test_the_registry_names_each_scenario_and_its_cause():
         get_scenario("ttft-tripled")
 
 
-def test_quick_network_delay_scenario_end_to_end(tiny_model_dir: Path, tmp_path: Path):
+# (scenario, window seconds): the quick sizes the tiny model shows each cause at, end to end.
+# The rest of the suite (kv-pressure, long-histories) needs the real model's costs: the benchmark.
+CI_SCENARIOS = [("network-delay", 6.0), ("long-docs", 10.0), ("slow-readers", 8.0)]
+
+
+@pytest.mark.parametrize(("name", "seconds"), CI_SCENARIOS)
+def test_quick_scenario_end_to_end_names_its_cause(tiny_model_8k_dir: Path, tmp_path: Path, name: str, seconds: float):
     started: list[list[str]] = []
 
     @contextlib.contextmanager
@@ -38,8 +44,8 @@ def test_quick_network_delay_scenario_end_to_end(tiny_model_dir: Path, tmp_path:
         with launch_server(model, args) as server:
             yield server.base_url
 
-    scenario = get_scenario("network-delay")
-    options = ScenarioOptions(out_dir=tmp_path / "run", quick=True, model=str(tiny_model_dir), seconds=6.0,
+    scenario = get_scenario(name)
+    options = ScenarioOptions(out_dir=tmp_path / "run", quick=True, model=str(tiny_model_8k_dir), seconds=seconds,
                               progress=False)  # fmt: skip
     result = run_scenario(scenario, options, launcher)
 
@@ -50,10 +56,14 @@ def test_quick_network_delay_scenario_end_to_end(tiny_model_dir: Path, tmp_path:
         meta = json.loads((window / "window.json").read_text())
         assert meta["label"] == label and meta["end_unix"] > meta["start_unix"]
         bench = json.loads((window / "bench.json").read_text())
-        assert bench["schema"] == "servelm-bench/1" and len(bench["requests"]) == 24
-        assert all(r["status"] == "ok" for r in bench["requests"]), label
-    baseline = json.loads((tmp_path / "run/baseline/bench.json").read_text())["summary"]["overall"]
-    today = json.loads((tmp_path / "run/today/bench.json").read_text())["summary"]["overall"]
-    assert today["ttft_s"]["p50"] > baseline["ttft_s"]["p50"] + 0.25, "two 150 ms one-way delays on every request"
+        assert bench["schema"] == "servelm-bench/1"
+        assert len(bench["requests"]) == round(scenario.quick.rate * seconds)
+        # Slow readers may still be reading when the window ends (then cancelled); nothing fails.
+        assert all(r["status"] == "ok" or (r["status"] == "cancelled" and r.get("slow_reader"))
+                   for r in bench["requests"]), label  # fmt: skip
+    if name == "network-delay":
+        baseline = json.loads((tmp_path / "run/baseline/bench.json").read_text())["summary"]["overall"]
+        today = json.loads((tmp_path / "run/today/bench.json").read_text())["summary"]["overall"]
+        assert today["ttft_s"]["p50"] > baseline["ttft_s"]["p50"] + 0.25, "two 150 ms one-way delays on every request"
     assert (tmp_path / "run/diagnosis.json").exists() and result.top_cause is not None
-    assert result.top_cause == "network", (tmp_path / "run/diagnosis.txt").read_text()
+    assert result.top_cause == scenario.expected_cause, (tmp_path / "run/diagnosis.txt").read_text()

@@ -95,7 +95,9 @@ SCENARIOS: dict[str, Scenario] = {
             baseline=WindowLoad(),
             today=WindowLoad(document_tokens=(3000, 7000)),
             full=ScenarioSize(rate=0.5, seconds=90.0, max_output_tokens=64),
-            quick=_QUICK,
+            # Real lengths even in CI: the tiny model needs documents this long to be slow at all
+            # (its context must hold them: the CI fixture's has 8192 tokens).
+            quick=ScenarioSize(rate=4.0, seconds=10.0, max_output_tokens=32, drain_s=30.0),
             quick_server_args=_QUICK_SERVER,
         ),
         Scenario(

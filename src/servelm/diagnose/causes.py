@@ -19,11 +19,13 @@
        queue and prefill growth, and the fix is capacity, not scheduling. A mix change (a few long
        documents among the same short requests) moves the mean prompt, not the median: scheduler.
     3. Causes rank by the seconds per request they explain; the top one is the diagnosis.
-    4. TTFT within noise: the same question for the time between tokens (TBT p90, the client's
-       from bench.json in both windows, else the server's inter-token latency, which the API
-       measures as its streams take their outputs). Its growth goes to one cause:
+    4. TTFT within noise: the same question for the time between tokens (the mean TBT, the
+       client's from bench.json in both windows, else the server's inter-token latency, which the
+       API measures as its streams take their outputs; the mean, not a percentile: a stream read
+       late takes its tokens in bursts, many gaps near 0 and a few long ones, and its time per
+       token is what grew). Its growth goes to one cause:
 
-         steps grew (engine step p90 x STEP_GROWTH)   → load when the load grew, else scheduler
+         steps grew (engine step mean x STEP_GROWTH)  → load when the load grew, else scheduler
          outputs pile up in the API (OUTPUT_BACKLOG)  → output   (streams not read: slow clients)
          the API event loop runs late (lag p99 x 2)   → frontend
          none of these, on the client's figure        → network  (the server kept pace; the path did not)
@@ -43,7 +45,7 @@ from typing import Any
 from servelm.diagnose.signals import COMPONENTS, Signals
 
 CAUSES = ("scheduler", "kv_cache", "output", "network", "frontend", "load", "none")
-STEP_GROWTH = 1.5  # engine steps this much longer (p90): the gaps between tokens are the steps
+STEP_GROWTH = 1.5  # engine steps this much longer (mean): the gaps between tokens are the steps
 OUTPUT_BACKLOG = 10.0  # outputs queued in the API (max over the window) that count as a pile-up, if 2x the baseline
 LOAD_GROWTH = 1.5  # rate or request size up by this factor: the same queueing is simply more work
 KV_USAGE_FULL = 0.9
@@ -192,7 +194,7 @@ def cause_of(component: str, baseline: Signals, current: Signals) -> str:
 
 def tbt_signal(baseline: Signals, current: Signals) -> str | None:
     """The TBT figure both windows have: the client's (what users see) before the server's."""
-    for name in ("client_tbt_p90_s", "itl_p90_s"):
+    for name in ("client_tbt_mean_s", "itl_mean_s"):
         if signal_value(baseline, name) is not None and signal_value(current, name) is not None:
             return name
     return None
@@ -205,19 +207,19 @@ def outputs_piled_up(baseline: Signals, current: Signals) -> bool:
 
 
 def tbt_cause(baseline: Signals, current: Signals, measured_by: str) -> str:
-    if _grew(baseline, current, "step_time_p90_s", STEP_GROWTH):
+    if _grew(baseline, current, "step_time_mean_s", STEP_GROWTH):
         return "load" if load_grew(baseline, current) else "scheduler"
     if outputs_piled_up(baseline, current):
         return "output"
     if _grew(baseline, current, "loop_lag_p99_s", 2.0):
         return "frontend"
-    return "network" if measured_by == "client_tbt_p90_s" else "output"
+    return "network" if measured_by == "client_tbt_mean_s" else "output"
 
 
 def _cause(
     name: str, explains_s: float, components: list[str], baseline: Signals, current: Signals, latency: str = "ttft"
 ) -> Cause:
-    measured = ("ttft_mean_s",) if latency == "ttft" else ("client_tbt_p90_s", "itl_p90_s", "step_time_p90_s")
+    measured = ("ttft_mean_s",) if latency == "ttft" else ("client_tbt_mean_s", "itl_mean_s", "step_time_mean_s")
     evidence = [
         Evidence(signal, signal_value(baseline, signal), signal_value(current, signal))
         for signal in dict.fromkeys((*measured, *EVIDENCE[name]))

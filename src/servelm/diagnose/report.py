@@ -95,7 +95,7 @@ def to_text(diagnosis: Diagnosis) -> str:
     ]
     for rank, cause in enumerate(diagnosis.causes):
         title = "Top cause" if rank == 0 else "Also"
-        per = "per request" if diagnosis.latency == "ttft" else "of the time between tokens (p90)"
+        per = "per request" if diagnosis.latency == "ttft" else "of the mean time between tokens"
         share = f": explains {_num(cause.explains_s, 'ms')} {per}" if cause.explains_s else ""
         parts = f" (growth of {', '.join(cause.components)})" if cause.components else ""
         lines.append(f"{title}: {cause.name}{share}{parts}")
