@@ -143,6 +143,16 @@ def test_when_ttft_holds_the_time_between_tokens_is_explained(tmp_path: Path, cu
         assert report["causes"][0]["explains_s"] > 0.1 and report["causes"][0]["knob"]
 
 
+def test_longer_prompts_served_from_the_prefix_cache_are_not_more_load(tmp_path: Path):
+    """Long histories re-sent: prompts 4x, all of the growth prefix-cache hits (no more prefill work),
+    while rendering and tokenizing them costs the API process."""
+    cached = {"ingress": 0.2, "queue": 0.05, "prompt_tokens": 400, "hits": 35000, "queries": 40000}
+    report = _diagnose(tmp_path / "cached", {}, cached)
+    assert [c["name"] for c in report["causes"]] == ["frontend", "scheduler"]
+    computed = {**cached, "hits": 5000}  # the same prompts, computed: that is more work
+    assert [c["name"] for c in _diagnose(tmp_path / "computed", {}, computed)["causes"]] == ["frontend", "load"]
+
+
 def test_growth_split_between_causes_ranks_the_larger_first(tmp_path: Path):
     report = _diagnose(tmp_path, {}, {"ingress": 0.1, "output": 0.3, "outputs_queued": 40.0})
     assert [c["name"] for c in report["causes"]] == ["output", "frontend"]

@@ -75,6 +75,7 @@ EVIDENCE = {
     "network": ("ttft.network", "client_ttft_mean_s", "ttft_p90_s"),
     "frontend": ("ttft.ingress", "loop_lag_mean_s", "loop_lag_p99_s", "prompt_tokens_per_request"),
     "load": ("ttft.queue", "ttft.prefill", "request_rate", "prompt_tokens_p50", "prompt_tokens_per_request",
+             "uncached_prompt_tokens_per_request",
              "generation_tokens_per_request", "prompt_tokens_per_s", "waiting_mean"),
     "none": ("ttft_p50_s", "ttft_p90_s"),
 }  # fmt: skip
@@ -165,9 +166,14 @@ def _grew(baseline: Signals, current: Signals, name: str, factor: float) -> bool
 
 
 def load_grew(baseline: Signals, current: Signals) -> bool:
-    return any(
-        _grew(baseline, current, name, LOAD_GROWTH)
-        for name in ("request_rate", "prompt_tokens_p50", "generation_tokens_per_request")
+    """More requests, longer outputs, or the typical prompt longer AND more work: a history re-sent
+    from the prefix cache makes the prompt longer but not the prefill (where the server reports its
+    cache hits, the prompt must also have grown in tokens it had to compute)."""
+    if any(_grew(baseline, current, name, LOAD_GROWTH) for name in ("request_rate", "generation_tokens_per_request")):
+        return True
+    uncached_known = signal_value(current, "uncached_prompt_tokens_per_request") is not None
+    return _grew(baseline, current, "prompt_tokens_p50", LOAD_GROWTH) and (
+        not uncached_known or _grew(baseline, current, "uncached_prompt_tokens_per_request", LOAD_GROWTH)
     )
 
 

@@ -28,6 +28,7 @@ SIGNAL_DOCS = {
     "request_rate": "requests finished per second",
     "prompt_tokens_per_request": "mean prompt tokens per request",
     "prompt_tokens_p50": "median prompt tokens per request (the typical request, not the tail)",
+    "uncached_prompt_tokens_per_request": "mean prompt tokens per request not found in the prefix cache (computed)",
     "generation_tokens_per_request": "mean generated tokens per request",
     "prompt_tokens_per_s": "prompt tokens per second (rate x length: the offered prefill work)",
     "ttft_p50_s": "server TTFT p50",
@@ -111,6 +112,7 @@ def window_signals(window: Window) -> Signals:
         "request_rate": _ratio(requests, window.duration_s) if requests is not None else _client_rate(window),
         "prompt_tokens_per_request": _ratio(prompt_tokens, requests),
         "prompt_tokens_p50": _quantile(window.histogram(P + "request_prompt_tokens"), 0.5),
+        "uncached_prompt_tokens_per_request": _ratio(_minus(prompt_tokens, hits), requests),
         "generation_tokens_per_request": _ratio(window.counter(P + "generation_tokens"), requests),
         "prompt_tokens_per_s": window.rate(P + "prompt_tokens"),
         "ttft_p50_s": _quantile(ttft, 0.5),
@@ -195,6 +197,10 @@ def _network(window: Window) -> float | None:
     if client.network_s is not None:
         return client.network_s
     return _plus(client.ttft_s.get("mean"), _neg(_mean(window.histogram(P + "time_to_first_token_seconds"))))
+
+
+def _minus(value: float | None, less: float | None) -> float | None:
+    return None if value is None or less is None else max(value - less, 0.0)
 
 
 def _neg(value: float | None) -> float | None:
