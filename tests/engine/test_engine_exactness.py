@@ -97,17 +97,23 @@ def test_randomized_workload_matches_reference(tiny_dir, reference_model):
     assert stats.num_used_blocks == 0
 
 
+def _contended_engine(tiny_dir):
+    """A pool small enough to preempt, a budget that caps chunks and leaves prompts a step out,
+    fast aging: every ordering mechanism at work."""
+    config = EngineConfig.from_flat(
+        model=str(tiny_dir), num_blocks=48, block_size=16, max_num_batched_tokens=96, max_num_seqs=16,
+        max_num_partial_prefills=2, long_prefill_token_threshold=16, aging_s=0.05,
+    )  # fmt: skip
+    return build_engine(config)
+
+
 def test_classes_slots_and_aging_change_order_not_results(tiny_dir, reference_model):
     """Better classes overtaking running prompts, capped chunks that sit a step out and are topped
     up, and aged requests started in whatever blocks are free: the same greedy tokens."""
     vocab = reference_model.arch.vocab_size
     workload = _workload(seed=23, count=24, vocab=vocab)
     priorities = [random.Random(i).randint(0, 2) for i in range(len(workload))]
-    config = EngineConfig.from_flat(
-        model=str(tiny_dir), num_blocks=48, block_size=16, max_num_batched_tokens=96, max_num_seqs=16,
-        max_num_partial_prefills=2, long_prefill_token_threshold=16, aging_s=0.05,
-    )  # fmt: skip
-    built = build_engine(config)
+    built = _contended_engine(tiny_dir)
     tokens, finish, _ = _run(built.core, workload, priorities=priorities)
     assert built.core.stats().num_preemptions > 0, "the pool was meant to be small enough to preempt"
     for i, (prompt, max_tokens, _) in enumerate(workload):
@@ -127,11 +133,7 @@ def test_slo_classes_and_tenants_change_order_not_results(tiny_dir, reference_mo
     for _ in workload:
         name, ttft, tbt = rng.choice(classes)
         slos.append(RequestSlo(tenant=rng.choice(["t0", "t1", "t2"]), slo_class=name, ttft_target_s=ttft, tbt_target_s=tbt))
-    config = EngineConfig.from_flat(
-        model=str(tiny_dir), num_blocks=48, block_size=16, max_num_batched_tokens=96, max_num_seqs=16,
-        max_num_partial_prefills=2, long_prefill_token_threshold=16, aging_s=0.05,
-    )  # fmt: skip
-    built = build_engine(config)
+    built = _contended_engine(tiny_dir)
     tokens, finish, _ = _run(built.core, workload, slos=slos)
     stats = built.core.stats()
     assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"

@@ -87,15 +87,27 @@ def launch_server(
     )
     server = ServerProcess(process, port, Path(log_file.name), "https" if "--ssl-certfile" in extra_args else "http")
     log_file.close()
-    deadline = time.monotonic() + startup_timeout_s
+    try:
+        wait_until_ready(process, f"{server.base_url}/health", startup_timeout_s, verify=verify)
+    except RuntimeError as exc:
+        server.stop()
+        raise RuntimeError(f"servelm serve {exc}:\n{server.log_tail()}") from None
+    return server
+
+
+def wait_until_ready(
+    process: subprocess.Popen, url: str, timeout_s: float, *, verify: bool | ssl.SSLContext = True, interval_s: float = 0.2
+) -> None:
+    """Poll `url` until it answers 200; RuntimeError ("exited with N during start-up" / "not ready
+    after T s") if the process dies first or the time runs out. Any HTTP server, any process."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"servelm serve exited with {process.returncode} during start-up:\n{server.log_tail()}")
+            raise RuntimeError(f"exited with {process.returncode} during start-up")
         try:
-            if httpx.get(f"{server.base_url}/health", timeout=1.0, verify=verify).status_code == 200:
-                return server
+            if httpx.get(url, timeout=1.0, verify=verify).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"servelm serve not healthy after {startup_timeout_s:.0f} s:\n{server.log_tail()}")
+        time.sleep(interval_s)
+    raise RuntimeError(f"not ready after {timeout_s:.0f} s")
