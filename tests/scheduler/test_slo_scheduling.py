@@ -175,6 +175,24 @@ def test_step_time_target_is_the_tightest_of_max_step_ms_and_the_tbt_targets() -
     assert step_time_target_s(10.0, [0.1]) == pytest.approx(0.01)
 
 
+def test_the_step_that_gives_a_realtime_prompt_its_first_token_stays_within_its_target() -> None:
+    s = make_scheduler(num_blocks=256, max_num_batched_tokens=256, max_model_len=512)  # max_step_ms off
+    _teach_cost(s, fixed_s=0.002, per_token_s=0.001)  # 0.8 * 25 ms = 20 ms fits 18 tokens
+    s.add_request(slo_request("doc", 500, BATCH))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"doc": 256}  # alone: the whole budget
+    s.add_request(slo_request("rt", 10, REALTIME))
+    so, out = step(s)
+    # The realtime prompt first; the document's chunk gets only what keeps the step within
+    # 20 ms (before: its top-up took the other 246 tokens, and the first token waited for them).
+    assert so.num_scheduled_tokens == {"rt": 10, "doc": 8} and out["rt"].new_token_ids
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"rt": 1, "doc": 17}  # now a realtime decode bounds the step
+    s.add_request(slo_request("doc2", 40, BATCH))
+    so, _ = step(s)  # a batch prompt's first token bounds nothing beyond the decode's target
+    assert so.num_scheduled_tokens == {"rt": 1, "doc": 17}
+
+
 def test_a_realtime_stream_shortens_steps_and_batch_alone_lets_them_grow() -> None:
     s = make_scheduler(num_blocks=256, max_num_batched_tokens=256, max_model_len=512)  # max_step_ms off
     _teach_cost(s, fixed_s=0.002, per_token_s=0.001)  # 0.8 * 25 ms = 20 ms fits 18 tokens

@@ -38,7 +38,10 @@ update() then advances num_computed_tokens by what was scheduled, caches newly f
 blocks, appends sampled tokens, checks stop conditions and frees finished requests; it
 also feeds the runner's timing of the step to the step-cost model, the scheduled tokens to
 fair share, and the step log (metrics). The step-time target (step_cost.step_time_target_s)
-is max_step_ms or, tighter, the smallest TBT target of the requests decoding.
+is max_step_ms or, tighter, the smallest TBT target of the requests decoding; it sets the
+budget. A prompt with a class TBT target that completes in step 2 bounds the rest of the step
+the same way (its first token is due at the step's end), so the top-up does not fill a
+realtime request's first step with others' bulk prefill.
 
 Calling protocol (one thread, the engine core's): schedule() → the runner executes the
 SchedulerOutput → update() with that output, before the next schedule(). add_request()
@@ -258,14 +261,27 @@ class Scheduler:
         """max_num_batched_tokens, or less while requests decode under a step-time target."""
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self._running if not r.is_prefilling]
-        target_s = step_time_target_s(self.config.max_step_ms, (r.slo.tbt_target_s for r in decoding))
-        if target_s is None or not decoding:
-            return budget
-        fits = self.step_cost.tokens_within(target_s)
+        fits = self._tokens_within(self.config.max_step_ms, decoding) if decoding else None
         if fits is None:
             return budget
         # Every decode, and at least one block of prefill so waiting prompts still move.
         return min(budget, max(fits, len(decoding) + self._kv.block_size))
+
+    def _tokens_within(self, max_step_ms: float, requests: Iterable[Request]) -> int | None:
+        """Tokens a step may carry to end within the step-time target of max_step_ms and these
+        requests' classes (None: no target, or no cost model yet)."""
+        target_s = step_time_target_s(max_step_ms, (r.slo.tbt_target_s for r in requests))
+        return None if target_s is None else self.step_cost.tokens_within(target_s)
+
+    def _bound_for_first_token(self, request: Request, plan: StepPlan) -> None:
+        """`request`'s prompt completes in this step: its first token is due at the step's end, a
+        gap like a decode's. Bound what the step may still take (lower-ranked chunks, the top-up)
+        by its step-time target, so a realtime prompt does not wait for others' bulk prefill in
+        its own step. Its own chunk is already in: it is never cut. Only a class's target counts
+        here: max_step_ms bounds steps that carry decodes, as it always has."""
+        fits = self._tokens_within(0.0, (request,))
+        if fits is not None:
+            plan.budget = min(plan.budget, max(0, fits - plan.num_tokens))
 
     def schedule(self) -> SchedulerOutput:
         now = self._clock()
@@ -342,6 +358,8 @@ class Scheduler:
         if new_block_ids is not None:
             sent = self._send_running(request, new_block_ids, plan)
             plan.take_prefill(request, num_new, num_uncomputed, sent.new_block_ids)
+            if num_new == num_uncomputed:
+                self._bound_for_first_token(request, plan)
 
     def _top_up_prefills(self, plan: StepPlan) -> None:
         """Budget nobody else could use: to the chunks that left their prompt unfinished, then
@@ -460,6 +478,8 @@ class Scheduler:
         )
         request.num_sent_tokens = request.num_tokens
         plan.take_prefill(request, num_new, num_uncomputed, block_ids)
+        if num_new == num_uncomputed:
+            self._bound_for_first_token(request, plan)
         return True
 
     def _lookup(self, request: Request) -> ComputedBlocks:

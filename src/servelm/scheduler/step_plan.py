@@ -31,6 +31,11 @@ class StepPlan:
     unfinished_prefills: list[tuple[Request, list[int]]] = field(default_factory=list)
     sat_out: list[Request] = field(default_factory=list)  # running prompts left without a slot
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens scheduled so far this step."""
+        return sum(self.num_scheduled_tokens.values())
+
     def take(self, request_id: str, num_tokens: int) -> None:
         self.num_scheduled_tokens[request_id] = self.num_scheduled_tokens.get(request_id, 0) + num_tokens
         self.budget -= num_tokens
