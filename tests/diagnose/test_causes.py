@@ -72,13 +72,13 @@ def write_window(directory: Path, label: str, **changes: float | None) -> Path:
     (directory / "gauges.jsonl").write_text("".join(json.dumps({"t": t, **gauges}) + "\n" for t in (0.0, 5.0, 10.0)))
     if w["network"] is not None:
         overall = {
-            "num_ok": n, "num_prompt_tokens": sum(prompts), "num_output_tokens": n * 20, "request_throughput": n / 10,
+            "num_ok": n, "num_requests": n + int(w.get("unfinished", 0)), "num_prompt_tokens": sum(prompts), "num_output_tokens": n * 20, "request_throughput": n / 10,
             "ttft_s": {"mean": ttft + float(w["network"]), "p90": ttft + float(w["network"])},
             "ttft_breakdown_s": {"network": w["network"]},
             "tbt_s": {"mean": w["client_tbt"], "p90": w["client_tbt"]},
         }  # fmt: skip
         (directory / "bench.json").write_text(
-            json.dumps({"schema": "servelm-bench/1", "summary": {"overall": overall}})
+            json.dumps({"schema": "servelm-bench/1", "summary": {"overall": overall, "duration_s": 10.0}})
         )
     return directory
 
@@ -151,6 +151,17 @@ def test_longer_prompts_served_from_the_prefix_cache_are_not_more_load(tmp_path:
     assert [c["name"] for c in report["causes"]] == ["frontend", "scheduler"]
     computed = {**cached, "hits": 5000}  # the same prompts, computed: that is more work
     assert [c["name"] for c in _diagnose(tmp_path / "computed", {}, computed)["causes"]] == ["frontend", "load"]
+
+
+def test_requests_left_waiting_at_the_windows_end_count_by_littles_law(tmp_path: Path):
+    """An overloaded window looks fast in the histograms (its slow requests never got a first token
+    in it); the waiting gauge and the client's arrival count tell the truth."""
+    overloaded = {"network": 0.001, "waiting": 20.0, "unfinished": 60, "step_s": 0.1, "step_tokens": 2000}
+    report = _diagnose(tmp_path, {"network": 0.001}, overloaded)
+    # 160 arrivals in 10 s with 20 waiting on average: 1.25 s of queue per request, not 5 ms.
+    assert report["components"]["queue"]["current"] == pytest.approx(1.25)
+    assert report["top_cause"] == "scheduler" and report["ttft"]["grew"]
+    assert any("Little's law" in note for note in report["notes"])
 
 
 def test_growth_split_between_causes_ranks_the_larger_first(tmp_path: Path):

@@ -88,6 +88,7 @@ class ClientSide:
     tbt_s: dict[str, float | None]  # the gaps between a stream's tokens as the client read them
     network_s: float | None  # mean client TTFT less the server's, over requests with servelm's breakdown
     request_rate: float  # successful requests / s
+    arrival_rate: float | None  # requests sent / s, finished or not (None: an older report)
     prompt_tokens_per_request: float | None
     output_tokens_per_request: float | None
     class_ttft_s: dict[str, dict[str, float | None]]  # per traffic class
@@ -222,6 +223,7 @@ def client_side(report: dict[str, Any]) -> ClientSide:
         tbt_s=overall.get("tbt_s") or {},
         network_s=breakdown.get(NETWORK) if breakdown else None,
         request_rate=overall["request_throughput"],
+        arrival_rate=overall["num_requests"] / report["summary"]["duration_s"] if report["summary"].get("duration_s") else None,
         prompt_tokens_per_request=overall["num_prompt_tokens"] / num_ok if num_ok else None,
         output_tokens_per_request=overall["num_output_tokens"] / num_ok if num_ok else None,
         class_ttft_s={name: group["ttft_s"] for name, group in report["summary"].get("classes", {}).items()},
