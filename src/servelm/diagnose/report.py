@@ -75,7 +75,8 @@ def _ratio(value: float | None) -> str:
 
 
 def _evidence_unit(signal: str) -> str:
-    return "ms" if signal.endswith("_s") or signal.startswith("ttft.") else ""
+    seconds = signal.endswith("_s") and not signal.endswith("_per_s")  # a rate is not a duration
+    return "ms" if seconds or signal.startswith("ttft.") else ""
 
 
 def _class_ttft(signals: Signals, name: str) -> str:
