@@ -156,6 +156,10 @@ class DelayProxy:
         try:
             # Both directions end (EOF each way), or one side breaks: then the rest go too.
             await asyncio.wait(pumps, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            # The proxy is closing (__aexit__ cancels open connections). Returning instead of
+            # re-raising: asyncio's stream server would log a cancelled handler as an error.
+            pass
         finally:
             for pump in pumps:
                 pump.cancel()
