@@ -38,9 +38,8 @@ update() then advances num_computed_tokens by what was scheduled, caches newly f
 blocks, appends sampled tokens, checks stop conditions and frees finished requests; it
 also feeds the runner's timing of the step to the step-cost model, the scheduled tokens to
 fair share, and the step log (metrics). The step-time target (step_cost.step_time_target_s)
-is max_step_ms or, tighter, the smallest TBT target of the requests decoding, or, tighter
-still, half the smallest TTFT target of the classes seen in the last minute (so an arrival of
-the most urgent class never waits out a long step); it sets the budget. A prompt with a class TBT target that completes in step 2 bounds the rest of the step
+is max_step_ms or, tighter, the smallest TBT target of the requests decoding; it sets the
+budget. A prompt with a class TBT target that completes in step 2 bounds the rest of the step
 the same way (its first token is due at the step's end), so the top-up does not fill a
 realtime request's first step with others' bulk prefill.
 
@@ -72,7 +71,7 @@ from servelm.kv.block_pool import KVCacheEvent, PrefixCacheStats
 from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
 from servelm.scheduler.ranking import FairShare, Ranking, prefill_order
 from servelm.scheduler.request import Request, RequestStatus
-from servelm.scheduler.step_cost import TTFT_STEP_SHARE, RecentTtftTargets, StepCostModel, step_time_target_s
+from servelm.scheduler.step_cost import StepCostModel, step_time_target_s
 from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.step_plan import StepPlan
 from servelm.scheduler.stop import check_stop
@@ -116,7 +115,6 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # the runner must forget these next step
         self._pending_outputs: list[EngineOutput] = []  # aborts, delivered by the next update()
         self._next_arrival_seq = 0
-        self._recent_ttft_targets = RecentTtftTargets()  # classes seen lately: bound every step (step_cost.py)
         self.step_cost = StepCostModel()  # learned in update() from the runner's timings; used when max_step_ms > 0
         self.step_log = StepLog()  # what the executed steps were, for metrics
 
@@ -176,7 +174,6 @@ class Scheduler:
         request.record(EventType.QUEUED, now)
         self._requests[request_id] = request
         self._waiting.add(request)
-        self._recent_ttft_targets.note(request.slo.ttft_target_s, now)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests now and free their blocks. Unknown or finished ids are ignored
@@ -260,17 +257,11 @@ class Scheduler:
 
     # -- schedule -------------------------------------------------------------------
 
-    def _step_budget(self, now: float) -> int:
-        """max_num_batched_tokens, or less while requests decode under a step-time target or a
-        class with a TTFT target was seen lately (an arrival of it must not wait out a long step)."""
+    def _step_budget(self) -> int:
+        """max_num_batched_tokens, or less while requests decode under a step-time target."""
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self._running if not r.is_prefilling]
-        targets = [step_time_target_s(self.config.max_step_ms, (r.slo.tbt_target_s for r in decoding))] if decoding else []
-        urgent_class_ttft_s = self._recent_ttft_targets.tightest(now)
-        if urgent_class_ttft_s is not None:
-            targets.append(TTFT_STEP_SHARE * urgent_class_ttft_s)
-        target_s = min((t for t in targets if t is not None), default=None)
-        fits = None if target_s is None else self.step_cost.tokens_within(target_s)
+        fits = self._tokens_within(self.config.max_step_ms, decoding) if decoding else None
         if fits is None:
             return budget
         # Every decode, and at least one block of prefill so waiting prompts still move.
@@ -296,7 +287,7 @@ class Scheduler:
         now = self._clock()
         config = self.config
         plan = StepPlan(
-            budget=self._step_budget(now),
+            budget=self._step_budget(),
             chunk_cap=config.prefill_chunk_cap,
             # Unchunked, no prompt may be left unfinished: a chunk is the whole prompt or nothing.
             partial_slots=config.max_num_partial_prefills if config.enable_chunked_prefill else 0,

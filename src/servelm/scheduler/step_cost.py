@@ -26,33 +26,6 @@ MIN_TOKEN_SPREAD = 8  # the window's step sizes must differ by this much for a s
 # (scheduling, update, sending the output), and the fit predicts a mean step while the target
 # binds a tail: a fifth is left for both.
 TBT_STEP_SHARE = 0.8
-# Share of the tightest TTFT target among recently seen classes that ANY step may take: a
-# request of that class arriving mid-step waits for the step to end before its own begins,
-# so a step may use half its target, its own step and the rest the other half.
-TTFT_STEP_SHARE = 0.5
-RECENT_CLASS_WINDOW_S = 60.0  # a class unseen for this long no longer bounds steps
-
-
-@dataclass
-class RecentTtftTargets:
-    """The TTFT targets of the classes whose requests arrived in the last `window_s` seconds.
-
-    Steps stay short enough for the most urgent of them to be served on arrival even while
-    none of its requests runs: without this, a realtime request arriving during a long batch
-    prefill waits out a step of thousands of tokens (seconds on a CPU) before its deadline
-    order can help it. Few distinct targets exist (one per class): O(classes) per call.
-    """
-
-    window_s: float = RECENT_CLASS_WINDOW_S
-    _last_seen: dict[float, float] = field(default_factory=dict)  # target → when last seen
-
-    def note(self, ttft_target_s: float | None, now: float) -> None:
-        if ttft_target_s is not None and ttft_target_s > 0:
-            self._last_seen[ttft_target_s] = max(now, self._last_seen.get(ttft_target_s, now))
-
-    def tightest(self, now: float) -> float | None:
-        self._last_seen = {t: seen for t, seen in self._last_seen.items() if now - seen <= self.window_s}
-        return min(self._last_seen, default=None)
 
 
 def step_time_target_s(max_step_ms: float, tbt_targets_s: Iterable[float | None]) -> float | None:
