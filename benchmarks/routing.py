@@ -46,7 +46,7 @@ import httpx
 
 from servelm.bench.tokens import TokenSource, load_token_source
 from servelm.cluster.ports import free_port_range
-from servelm.server.launcher import ServerProcess, launch_server
+from servelm.server.launcher import ServerProcess, launch_server, wait_until_ready
 
 BLOCK_SIZE = 16
 POLICIES = ("round_robin", "least_load", "prefix", "kv")
@@ -166,18 +166,12 @@ def start_router(policy: str, port: int, replicas: list[ServerProcess], kv_ports
         command += ["--replica", f"{replica.base_url},kv=tcp://127.0.0.1:{kv_port}"]
     with open(log_dir / f"router-{policy}.log", "wb") as log:  # the child keeps its own copy of the fd
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None:
-            break
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"router ({policy}) did not start: see {log_dir}")
+    try:
+        wait_until_ready(process, f"http://127.0.0.1:{port}/health", 120)
+    except RuntimeError as exc:
+        process.kill()
+        raise RuntimeError(f"router ({policy}) {exc}: see {log_dir}") from None
+    return process
 
 
 def wait_idle(replicas: list[ServerProcess], timeout_s: float = 120) -> None:
