@@ -6,6 +6,7 @@ field (never `assert`, which `python -O` strips).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -110,13 +111,14 @@ class SchedulerConfig:
         # Checked only against the resolved window. Like vLLM (SchedulerConfig.verify_max_model_len),
         # refused rather than silently raised: the budget is a memory and latency decision.
         _require(
-            self.enable_chunked_prefill or self.max_model_len is None or self.max_num_batched_tokens >= self.max_model_len,
+            self.enable_chunked_prefill
+            or self.max_model_len is None
+            or self.max_num_batched_tokens >= self.max_model_len,
             f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= the "
             f"context window max_model_len ({self.max_model_len}), or a longest prompt could never be scheduled: "
             "raise max_num_batched_tokens or lower max_model_len",
         )
         _require(self.aging_s >= 0, f"aging_s must be >= 0, got {self.aging_s}")
-
 
     @property
     def prefill_chunk_cap(self) -> int:
@@ -145,7 +147,9 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len > 1,
             f"max_model_len must be at least 2, got {self.max_model_len}",
         )
-        _require(self.num_threads is None or self.num_threads > 0, f"num_threads must be positive, got {self.num_threads}")
+        _require(
+            self.num_threads is None or self.num_threads > 0, f"num_threads must be positive, got {self.num_threads}"
+        )
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,100 @@ class KVEventsConfig:
         return self.kv_events_port is not None
 
 
+# -- speculative decoding ----------------------------------------------------------------
+# Given as JSON on the command line in vLLM's shape:
+#     --speculative-config '{"method": "ngram", "num_speculative_tokens": 5,
+#                            "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+# Keys follow vLLM where vLLM has one (method, num_speculative_tokens, prompt_lookup_min/max,
+# model); the rest are ours (adaptive, draft_num_layers, suffix_max_cached_requests).
+
+SPEC_METHODS = ("ngram", "suffix", "draft")
+
+
+class SpeculativeConfigError(ValueError):
+    """--speculative-config is malformed; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (servelm.spec): which proposer, how many draft tokens at most, its knobs."""
+
+    method: str
+    # Most draft tokens verified per request per step (k). The controller picks 0..k each step.
+    num_speculative_tokens: int = 5
+    # ngram (vLLM semantics): match the last n tokens, n from prompt_lookup_max down to
+    # prompt_lookup_min; one given → the other equals it; neither → both 5 (vLLM's default).
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # draft: a servelm-loadable checkpoint with the target's tokenizer; or None with
+    # draft_num_layers = N for a self-speculative draft (the target's first N layers + its norm and head).
+    model: str | None = None
+    draft_num_layers: int | None = None
+    # suffix: how many finished requests' tokens the cross-request index keeps (oldest dropped first).
+    suffix_max_cached_requests: int = 256
+    # The goodput controller (True) or a fixed k = num_speculative_tokens whenever drafts exist (False).
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise SpeculativeConfigError(f"method {self.method!r} is not one of {', '.join(SPEC_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise SpeculativeConfigError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        assert lo is not None and hi is not None
+        if not 1 <= lo <= hi:
+            raise SpeculativeConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.method == "draft" and (self.model is None) == (self.draft_num_layers is None):
+            raise SpeculativeConfigError("method 'draft' needs exactly one of model (a checkpoint) or draft_num_layers")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise SpeculativeConfigError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")
+        if self.suffix_max_cached_requests < 0:
+            raise SpeculativeConfigError(
+                f"suffix_max_cached_requests must be >= 0, got {self.suffix_max_cached_requests}"
+            )
+
+    @property
+    def lookup_min(self) -> int:
+        assert self.prompt_lookup_min is not None  # resolved in __post_init__
+        return self.prompt_lookup_min
+
+    @property
+    def lookup_max(self) -> int:
+        assert self.prompt_lookup_max is not None
+        return self.prompt_lookup_max
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """From the flag's JSON text (or an already-decoded dict); unknown keys are errors."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise SpeculativeConfigError(f"--speculative-config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise SpeculativeConfigError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise SpeculativeConfigError(f"unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        if "method" not in value:
+            raise SpeculativeConfigError(f"'method' is required: one of {', '.join(SPEC_METHODS)}")
+        try:
+            return cls(**value)
+        except TypeError as exc:
+            raise SpeculativeConfigError(str(exc)) from exc
+
+
 # Fields the engine builder fills in from other slices: never a user setting of their own.
 _RESOLVED_BY_BUILDER: dict[type, set[str]] = {SchedulerConfig: {"max_model_len"}}
 
@@ -187,6 +285,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def scheduler_for(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler slice with the context window the engine builder resolved from
@@ -200,8 +299,11 @@ class EngineConfig:
         `max_model_len` goes to ModelConfig, its one owner: the scheduler receives the resolved
         window through `scheduler_for` once the model and the KV pool are known.
 
-        `kv_cache_memory_gib` is accepted as a convenience for `kv_cache_memory_bytes`.
+        `kv_cache_memory_gib` is accepted as a convenience for `kv_cache_memory_bytes`;
+        `speculative_config` (JSON text, a dict or a SpeculativeConfig; None: off) for `speculative`.
         """
+        speculative_value = overrides.pop("speculative_config", None)
+        speculative = SpeculativeConfig.parse(speculative_value) if speculative_value is not None else None
         if overrides.get("kv_cache_memory_gib") is not None:
             overrides["kv_cache_memory_bytes"] = int(overrides.pop("kv_cache_memory_gib") * 2**30)
         overrides.pop("kv_cache_memory_gib", None)
@@ -212,7 +314,7 @@ class EngineConfig:
         for key, value in overrides.items():
             owner = next((c for c in slices if key in settable[c]), None)
             if owner is None:
-                valid = sorted(set().union(*settable.values()) | {"kv_cache_memory_gib"})
+                valid = sorted(set().union(*settable.values()) | {"kv_cache_memory_gib", "speculative_config"})
                 raise ValueError(f"unknown engine setting {key!r}; valid: {', '.join(valid)}")
             slices[owner][key] = value
         return cls(
@@ -220,4 +322,5 @@ class EngineConfig:
             cache=CacheConfig(**slices[CacheConfig]),
             scheduler=SchedulerConfig(**slices[SchedulerConfig]),
             kv_events=KVEventsConfig(**slices[KVEventsConfig]),
+            speculative=speculative,
         )

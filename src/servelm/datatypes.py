@@ -34,6 +34,7 @@ class EventType(str, enum.Enum):
     PREFILL_CHUNK = "prefill_chunk"  # one chunk of prompt computed
     PREEMPTED = "preempted"  # lost its blocks; will recompute
     FIRST_TOKEN = "first_token"  # first output token sampled
+    SPEC_VERIFIED = "spec_verified"  # drafts verified in a step; detail = how many were accepted
     FINISHED = "finished"
 
 
@@ -133,6 +134,9 @@ class SchedulerOutput:
     # Requests the runner must forget: finished, aborted or preempted since the last step.
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: request_id → the k draft tokens it verifies this step. Its
+    # num_scheduled_tokens is then 1 + k: its last token and the drafts after it, in one pass.
+    scheduled_draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -145,7 +149,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelOutput:
-    """Per scheduled request: the token(s) sampled, empty when a prefill chunk ended mid-prompt."""
+    """Per scheduled request: the token(s) sampled, empty when a prefill chunk ended mid-prompt.
+    With drafts verified, the accepted drafts then the target's own next token (1..k+1 tokens)."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
@@ -153,3 +158,6 @@ class ModelOutput:
     # Wall seconds the runner spent on this step (inputs, forward, sampling, the copy back):
     # feeds the scheduler's step-cost model (max_step_ms) and the step histograms.
     execute_seconds: float = 0.0
+    # Speculative decoding: drafts the proposer made after this step's sampling, for the next
+    # step (request_id → up to num_speculative_tokens ids; missing: no guess).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

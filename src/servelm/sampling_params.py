@@ -52,6 +52,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Speculative decoding for this request: None = the server's setting (its controller decides),
+    # 0 = never, n > 0 = at most n draft tokens per step (the server's maximum still bounds it).
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +99,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
                 "prompt_logprobs must be in [0, 20]",
             ),
+            (
+                "num_speculative_tokens",
+                self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,
+                "num_speculative_tokens must be in [0, 16]",
+            ),
         ]
         for param, ok, message in checks:
             if not ok:
@@ -107,4 +115,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_INT_FIELDS = (
+    "n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "num_speculative_tokens",
+)  # fmt: skip
