@@ -138,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout", type=int, default=30, dest="shutdown_timeout_s",
         help="on SIGTERM, seconds in-flight requests may take to finish before they are cut",
     )  # fmt: skip
-    serve.add_argument("--tokenizer-threads", type=int, default=2, help="threads that tokenize prompts off the event loop")
+    serve.add_argument(
+        "--tokenizer-threads", type=int, default=2, help="threads that tokenize prompts off the event loop"
+    )
     serve.add_argument(
         "--kv-events-port", type=int, default=None,
         help="publish KV-cache events for a router: PUB on tcp://127.0.0.1:P, snapshots on P+1",

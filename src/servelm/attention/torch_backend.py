@@ -144,7 +144,9 @@ def _build_decodes(common: CommonAttentionInputs, indices: torch.Tensor) -> Kern
         # Only the blocks a request's seq_len reaches are read; the columns past them never are.
         width = (max_seq_len + bs - 1) // bs
         tables = common.block_table[indices, :width].contiguous()
-        return KernelDecodes(kernel, rows, covers_batch, kernel.prepare_decode(tables, seq_lens.contiguous(), max_seq_len))
+        return KernelDecodes(
+            kernel, rows, covers_batch, kernel.prepare_decode(tables, seq_lens.contiguous(), max_seq_len)
+        )
     positions = torch.arange(max_seq_len)  # [max_len]
     valid = positions.unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, max_len]
     width = common.block_table.shape[1]

@@ -20,6 +20,7 @@ from servelm.models.factory import build_model, resolve_device, resolve_dtype
 from servelm.models.llama import LlamaForCausalLM
 from servelm.models.loader import load_checkpoint
 from servelm.scheduler.scheduler import Scheduler
+from servelm.spec.proposer import Proposer, build_proposer
 from servelm.worker.kv_cache import allocate_kv_caches, free_device_memory, num_blocks_for_budget
 from servelm.worker.model_runner import ModelRunner
 
@@ -44,7 +45,9 @@ def eos_token_ids(arch: ModelArchConfig, tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def build_engine(config: EngineConfig) -> BuiltEngine:
+def build_engine(config: EngineConfig, proposer: Proposer | None = None) -> BuiltEngine:
+    """`proposer`: with config.speculative set, one to use in place of the one its method names
+    (a custom proposer; the tests' scripted ones)."""
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     checkpoint = load_checkpoint(config.model.model)
@@ -52,11 +55,11 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     dtype = resolve_dtype(config.model.dtype, device)
     model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend)
     del checkpoint.weights  # the model holds its own copies now
-    return assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, checkpoint.source)
+    return assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, checkpoint.source, proposer)
 
 
 def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelArchConfig, tokenizer: Any,
-                    source: str) -> BuiltEngine:  # fmt: skip
+                    source: str, proposer: Proposer | None = None) -> BuiltEngine:  # fmt: skip
     """KV pool, runner, scheduler and core around a built model (a checkpoint's, or random
     weights of a shape no file exists for, as benchmarks/gpu_checks.py builds)."""
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
@@ -73,12 +76,19 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
         max_model_len = num_blocks * block_size
     kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
     eos_ids = eos_token_ids(arch, tokenizer)
+    speculative = config.speculative
+    if speculative is not None and proposer is None:
+        proposer = build_proposer(speculative)
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
+        proposer=proposer if speculative is not None else None,
+        max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
     )  # fmt: skip
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
-    scheduler = Scheduler(config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids)
+    scheduler = Scheduler(
+        config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative
+    )
     return BuiltEngine(
         core=EngineCore(scheduler, runner, kv_manager),
         tokenizer=tokenizer,

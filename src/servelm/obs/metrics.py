@@ -113,17 +113,28 @@ class ServerMetrics:
             return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
 
         lengths = length_buckets(max_model_len)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (HTTP received → first token out).", _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs of a request.", _TOKEN_GAP_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds", "Decode time / (generated tokens - 1).", _TOKEN_GAP_BUCKETS)
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token (HTTP received → first token out).", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between consecutive outputs of a request.", _TOKEN_GAP_BUCKETS
+        )
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Decode time / (generated tokens - 1).", _TOKEN_GAP_BUCKETS
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "HTTP received → finished.", _REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Core: arrived → first scheduled.", _REQUEST_BUCKETS)
-        self.prefill = histogram("request_prefill_time_seconds", "Core: first scheduled → first token.", _REQUEST_BUCKETS)
+        self.prefill = histogram(
+            "request_prefill_time_seconds", "Core: first scheduled → first token.", _REQUEST_BUCKETS
+        )
         self.decode = histogram("request_decode_time_seconds", "Core: first token → finished.", _REQUEST_BUCKETS)
         self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per request.", lengths)
         self.generation_len = histogram("request_generation_tokens", "Generated tokens per request.", lengths)
         self.ttft_component = histogram(
-            "ttft_component_seconds", "TTFT split by cause (see servelm.obs.attribution).", _LATENCY_BUCKETS, ("component",)
+            "ttft_component_seconds",
+            "TTFT split by cause (see servelm.obs.attribution).",
+            _LATENCY_BUCKETS,
+            ("component",),
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
@@ -253,8 +264,12 @@ class _CoreCollector(Collector):
             ("kv_cache_used_blocks", "KV blocks held by requests.", stats.num_used_blocks),
             ("kv_cache_total_blocks", "KV blocks in the pool.", self.num_blocks),
             ("num_requests_in_api", "Engine requests the API process has in flight.", self.num_in_api()),
-            ("num_outputs_queued_in_api", "Engine outputs the API process received that their streams have not taken "
-             "yet, summed over streams: near 0 while clients read; grows while one does not.", self.num_outputs_queued()),
+            (
+                "num_outputs_queued_in_api",
+                "Engine outputs the API process received that their streams have not taken "
+                "yet, summed over streams: near 0 while clients read; grows while one does not.",
+                self.num_outputs_queued(),
+            ),
         )
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])

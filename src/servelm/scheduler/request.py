@@ -80,6 +80,9 @@ class Request:
     # Prompt logprobs collected chunk by chunk, delivered with the first output.
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # Speculative decoding: tokens the runner's proposer guessed follow all_token_ids, for the
+    # next step to verify (scheduler/drafts.py chooses how many). Replaced after every step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -56,7 +56,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterable
 
-from servelm.config import SchedulerConfig
+from servelm.config import SchedulerConfig, SpeculativeConfig
 from servelm.datatypes import (
     CachedRequestData,
     EngineOutput,
@@ -69,6 +69,7 @@ from servelm.datatypes import (
 )
 from servelm.kv.block_pool import KVCacheEvent, PrefixCacheStats
 from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
+from servelm.scheduler.drafts import DraftScheduling, SpecCounters
 from servelm.scheduler.ranking import FairShare, Ranking, prefill_order
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.step_cost import StepCostModel, step_time_target_s
@@ -76,6 +77,7 @@ from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.step_plan import StepPlan
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.waiting_queue import WaitingQueue
+from servelm.spec.controller import StepCost
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -89,6 +91,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         eos_token_ids: Collection[int] = (),
         clock: Callable[[], float] = time.time,  # wall clock for events and aging
+        speculative: SpeculativeConfig | None = None,  # None: no request ever verifies drafts
     ) -> None:
         if scheduler_config.max_model_len is None:
             raise ValueError(
@@ -117,6 +120,7 @@ class Scheduler:
         self._next_arrival_seq = 0
         self.step_cost = StepCostModel()  # learned in update() from the runner's timings; used when max_step_ms > 0
         self.step_log = StepLog()  # what the executed steps were, for metrics
+        self._drafts = DraftScheduling(speculative, self.max_model_len) if speculative is not None else None
 
     # -- queries -------------------------------------------------------------------
 
@@ -148,6 +152,11 @@ class Scheduler:
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self._kv.stats
+
+    @property
+    def spec_counters(self) -> SpecCounters | None:
+        """Drafts verified and accepted so far; None without speculative decoding."""
+        return self._drafts.counters if self._drafts is not None else None
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Block stored / removed events since the last call (for a router)."""
@@ -310,19 +319,34 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_request_ids=finished,
             preempted_request_ids={r.request_id for r in plan.preempted},
+            scheduled_draft_token_ids=plan.draft_token_ids,
         )
 
     def _schedule_decodes(self, plan: StepPlan, now: float) -> None:
-        for request in list(self._running):  # a copy: preemption takes requests off the list
+        decodes = [r for r in self._running if not r.is_prefilling]
+        num_drafts = self._choose_drafts(decodes, plan.budget)
+        for request in decodes:
             if plan.budget <= 0:
                 break
-            if request.is_prefilling or request.status is not RequestStatus.RUNNING:
-                continue  # a prompt (step 2), or preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
-            new_block_ids = self._allocate_or_preempt(request, num_new, plan, now)
+            # Drafts ride on a caught-up decode only, as far as the budget left after it goes.
+            k = min(num_drafts.get(request.request_id, 0), plan.budget - num_new) if num_new == 1 else 0
+            new_block_ids = self._allocate_or_preempt(request, num_new + k, plan, now)
             if new_block_ids is not None:
                 self._send_running(request, new_block_ids, plan)
-                plan.take(request.request_id, num_new)
+                plan.take(request.request_id, num_new + k)
+                if k:
+                    plan.draft_token_ids[request.request_id] = request.draft_token_ids[:k]
+
+    def _choose_drafts(self, decodes: list[Request], budget: int) -> dict[str, int]:
+        """k per decode (missing: 0): what each may verify, and what pays at this step's size and cost."""
+        if self._drafts is None or not decodes:
+            return {}
+        fitted = self.step_cost.current()
+        cost = StepCost(fixed_s=fitted[0], per_token_s=fitted[1]) if fitted is not None else None
+        return self._drafts.choose(decodes, cost)
 
     def _schedule_prefills(self, plan: StepPlan, now: float) -> None:
         """Running prompts mid-prefill and waiting requests, merged by (effective priority,
@@ -425,9 +449,15 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.num_sent_tokens = 0  # the runner drops its mirror; it is re-sent in full
+        self._drop_drafts(request)
         request.record(EventType.PREEMPTED, now)
         request.record(EventType.QUEUED, now)
         plan.preempted.append(request)
+
+    def _drop_drafts(self, request: Request) -> None:
+        request.draft_token_ids = []
+        if self._drafts is not None:
+            self._drafts.forget(request.request_id)
 
     def _take_off_lists(self, requests: list[Request]) -> None:
         """Remove live requests from the running list or the waiting queue, whichever holds each."""
@@ -503,7 +533,9 @@ class Scheduler:
             request = self._requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted after schedule(): its output is already out
-            output = self._update_request(request, num_scheduled, model_output, now)
+            output = self._update_request(
+                request, num_scheduled, model_output, scheduler_output.scheduled_draft_token_ids, now
+            )
             if output is not None:
                 outputs.append(output)
             any_finished |= request.status.is_finished
@@ -512,7 +544,12 @@ class Scheduler:
         return outputs
 
     def _update_request(
-        self, request: Request, num_scheduled: int, model_output: ModelOutput, now: float
+        self,
+        request: Request,
+        num_scheduled: int,
+        model_output: ModelOutput,
+        scheduler_output_drafts: dict[str, list[int]],
+        now: float,
     ) -> EngineOutput | None:
         request_id = request.request_id
         computed_before = request.num_computed_tokens
@@ -521,9 +558,14 @@ class Scheduler:
         if caught_up and not sampled:
             # It would have nothing left to compute and never finish: fail loudly instead.
             raise ValueError(f"ModelOutput has no sampled token for {request_id!r}, whose step reached its last token")
-        request.num_computed_tokens += num_scheduled
+        drafts = scheduler_output_drafts.get(request_id, [])
+        num_accepted = self._accepted_drafts(request, drafts, sampled, now)
+        # Only accepted positions hold valid KV: the rejected drafts' slots are overwritten later.
+        request.num_computed_tokens += num_scheduled - (len(drafts) - num_accepted)
         self._fair_share.add(request.slo, num_scheduled)
-        self._kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens, request.slo.tenant)
+        # The accepted drafts are the tokens at the newly computed positions (appended below).
+        token_ids = request.all_token_ids + drafts[:num_accepted] if num_accepted else request.all_token_ids
+        self._kv.cache_full_blocks(request_id, token_ids, request.num_computed_tokens, request.slo.tenant)
         if computed_before < request.num_prefill_tokens:
             request.record(EventType.PREFILL_CHUNK, now, detail=num_scheduled)
         chunk_logprobs = model_output.prompt_logprobs.get(request_id)
@@ -532,10 +574,28 @@ class Scheduler:
         new_token_ids: list[int] = []
         if caught_up:  # the step's last logits gave new token(s); mid-prompt samples are ignored
             new_token_ids = self._append_sampled(request, sampled, now)
+            if not request.status.is_finished:
+                request.draft_token_ids = model_output.draft_token_ids.get(request_id, [])
         if not new_token_ids and not request.status.is_finished:
             return None
         logprobs = model_output.logprobs.get(request_id)
         return self._make_output(request, new_token_ids, logprobs[: len(new_token_ids)] if logprobs else None)
+
+    def _accepted_drafts(self, request: Request, drafts: list[int], sampled: list[int], now: float) -> int:
+        """How many of the step's `drafts` the runner accepted (it emits them, then one token of its
+        own); recorded for metrics, the controller and the request's timeline."""
+        if not drafts:
+            return 0
+        num_accepted = len(sampled) - 1
+        if not 0 <= num_accepted <= len(drafts) or sampled[:num_accepted] != drafts[:num_accepted]:
+            raise ValueError(
+                f"{request.request_id!r}: the runner returned {sampled} for drafts {drafts}: want the accepted "
+                "drafts then one token"
+            )
+        assert self._drafts is not None  # drafts are scheduled only with speculative decoding on
+        self._drafts.verified(request, len(drafts), num_accepted)
+        request.record(EventType.SPEC_VERIFIED, now, detail=num_accepted)
+        return num_accepted
 
     def _append_sampled(self, request: Request, sampled: list[int], now: float) -> list[int]:
         """Append tokens one by one; tokens after a stop are dropped (several come with speculation)."""
@@ -556,6 +616,7 @@ class Scheduler:
         """Free its blocks and forget it. The caller takes it off the running/waiting lists."""
         self._kv.free(request.request_id)
         request.status = status
+        self._drop_drafts(request)
         request.record(EventType.FINISHED, now)
         if request.num_sent_tokens > 0:  # the runner mirrors it
             self._finished_ids.add(request.request_id)

@@ -30,6 +30,7 @@ class StepPlan:
     # top-up extends both.
     unfinished_prefills: list[tuple[Request, list[int]]] = field(default_factory=list)
     sat_out: list[Request] = field(default_factory=list)  # running prompts left without a slot
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts verified this step
 
     @property
     def num_tokens(self) -> int:

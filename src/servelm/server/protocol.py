@@ -167,7 +167,10 @@ class CompletionRequest(_GenerationRequest):
         engine_max = 1 if self.max_tokens == 0 else self.max_tokens
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         return self.sampling_params(
-            max_tokens=engine_max, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs, max_tokens_param="max_tokens"
+            max_tokens=engine_max,
+            logprobs=self.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            max_tokens_param="max_tokens",
         )
 
 
@@ -220,13 +223,13 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request(
                 f"response_format {self.response_format.type!r} is not supported by this server (no guided "
-                "decoding); use \"text\"",
+                'decoding); use "text"',
                 param="response_format",
             )
         if self.tools:
             raise bad_request("tools are not supported by this server (no tool calling)", param="tools")
         if isinstance(self.tool_choice, dict):
-            raise bad_request("tool_choice may only be \"none\" or \"auto\": no tool calling here", param="tool_choice")
+            raise bad_request('tool_choice may only be "none" or "auto": no tool calling here', param="tool_choice")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -273,4 +276,3 @@ class DetokenizeRequest(_Strict):
 
     model: Identifier | None = None
     tokens: list[int]  # within the vocabulary: checked by the engine front
-

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from servelm.config import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class DraftRequest:
@@ -36,3 +38,8 @@ class Proposer(Protocol):
         """The request finished (`token_ids`: its prompt + output, which a cross-request index may
         keep) or was preempted/aborted (None: it may come back with the same id)."""
         ...
+
+
+def build_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer `config.method` names."""
+    raise ValueError(f"speculative method {config.method!r} has no proposer yet")

@@ -171,7 +171,9 @@ def write_tiny_gguf(
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
             values = llama_cpp_permute(values, heads)
-        qtype = (override_types or {}).get(gguf_name, tensor_type if values.ndim == 2 else gguf.GGMLQuantizationType.F32)
+        qtype = (override_types or {}).get(
+            gguf_name, tensor_type if values.ndim == 2 else gguf.GGMLQuantizationType.F32
+        )
         _add_tensor(writer, gguf_name, values, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -20,11 +20,13 @@ import torch
 from servelm.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionInputs, slots_of
 from servelm.datatypes import ModelOutput, PositionLogprobs, SchedulerOutput
 from servelm.models.llama import LlamaForCausalLM
+from servelm.spec.proposer import DraftRequest, Proposer
 from servelm.worker.block_table import BlockTable
 from servelm.worker.prompt_logprobs import chunk_prompt_logprobs
 from servelm.worker.request_state import RunnerRequestState
 from servelm.worker.sampler import Sampler
 from servelm.worker.sampling_metadata import SamplingMetadata
+from servelm.worker.spec_verify import VerificationRows, accept_drafts
 
 
 def attention_backend_of(model: LlamaForCausalLM) -> AttentionBackend:
@@ -41,8 +43,10 @@ class StepInputs:
     positions: torch.Tensor  # [T] long, on device
     common: CommonAttentionInputs  # what the backend built `metadata` from
     metadata: AttentionMetadata  # the backend's own, built once for every layer
-    sample_request_ids: list[str]  # requests whose last scheduled token is their last token
-    sample_rows: list[int]  # flattened row of each one's last token
+    # Requests whose last scheduled token is their last token (and drafts after it, if any),
+    # with their sampler rows: the last 1 + k rows of their tokens, k = drafts verified.
+    samples: list[VerificationRows]
+    sample_rows: list[int]  # flattened batch rows of every sampler row, request after request
 
 
 def token_positions(num_computed: torch.Tensor, query_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +71,8 @@ class ModelRunner:
         device: torch.device,
         max_num_seqs: int,  # most requests the scheduler runs at once: rows of the block table
         max_model_len: int,  # longest request: bounds the block table's width
+        proposer: Proposer | None = None,  # speculative decoding: guesses drafts after each step's sampling
+        max_draft_tokens: int = 0,  # most drafts proposed per request (SpeculativeConfig.num_speculative_tokens)
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend_of(model)
@@ -79,6 +85,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
         self.block_table = BlockTable(max_num_seqs, (max_model_len + block_size - 1) // block_size)
+        self.proposer = proposer
+        self.max_draft_tokens = max_draft_tokens
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Run one step; the output carries how long that took (the runner is the one that knows)."""
@@ -95,8 +103,10 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches)
         output = ModelOutput(sampled_token_ids={rid: [] for rid in inputs.request_ids})
         output.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
-        if inputs.sample_request_ids:
+        if inputs.samples:
             self._sample(inputs, hidden, output)
+            if self.proposer is not None:
+                output.draft_token_ids = self._propose(inputs.samples, output)
         return output
 
     # -- mirrors -----------------------------------------------------------------------
@@ -104,8 +114,12 @@ class ModelRunner:
     def _update_mirrors(self, so: SchedulerOutput) -> None:
         """The one place SchedulerOutput is applied: request states and their block table rows."""
         for request_id in so.finished_request_ids | so.preempted_request_ids:
-            if self.requests.pop(request_id, None) is not None:
+            state = self.requests.pop(request_id, None)
+            if state is not None:
                 self.block_table.remove(request_id)
+                if self.proposer is not None:
+                    finished = request_id in so.finished_request_ids
+                    self.proposer.release(request_id, state.all_token_ids() if finished else None)
         for new in so.new_requests:
             self.requests[new.request_id] = RunnerRequestState.from_new(new, self.device, self.vocab_size)
             self.block_table.add(new.request_id, new.block_ids)
@@ -122,9 +136,12 @@ class ModelRunner:
         query_lens = torch.tensor([so.num_scheduled_tokens[rid] for rid in request_ids], dtype=torch.long)  # [R]
         seq_lens = num_computed + query_lens  # [R]
         ends_in_request = seq_lens.tolist()
+        drafts = [so.scheduled_draft_token_ids.get(rid, []) for rid in request_ids]
         token_ids: list[int] = []
-        for state, start, end in zip(states, num_computed.tolist(), ends_in_request):
-            token_ids.extend(state.token_ids(start, end))
+        for state, start, end, request_drafts in zip(states, num_computed.tolist(), ends_in_request, drafts):
+            # Drafts follow the request's last token: they are not its tokens until accepted.
+            token_ids.extend(state.token_ids(start, end - len(request_drafts)))
+            token_ids.extend(request_drafts)
         positions, request_of_token = token_positions(num_computed, query_lens)  # [T] each
         rows = torch.tensor([self.block_table.row(rid) for rid in request_ids], dtype=torch.long)  # [R]
         bs = self.block_size
@@ -140,52 +157,77 @@ class ModelRunner:
             dtype=self.dtype,
         )
         ends_in_batch = common.query_start_loc[1:].tolist()
-        # Caught up (this step's last logits give a new token): sample from the request's last row.
-        samples = [
-            (rid, ends_in_batch[i] - 1)
-            for i, (rid, state) in enumerate(zip(request_ids, states))
-            if ends_in_request[i] == state.num_tokens
-        ]
+        # Caught up (this step's last logits give a new token): sample from the request's last row,
+        # or from its last 1 + k rows when it verifies k drafts.
+        samples: list[VerificationRows] = []
+        sample_rows: list[int] = []
+        for i, state in enumerate(states):
+            if ends_in_request[i] == state.num_tokens + len(drafts[i]):
+                verification = VerificationRows.of(state, drafts[i])
+                samples.append(verification)
+                sample_rows.extend(range(ends_in_batch[i] - verification.num_rows, ends_in_batch[i]))
         return StepInputs(
             request_ids=request_ids,
             input_ids=torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True),
             positions=positions.to(self.device, non_blocking=True),
             common=common,
             metadata=self.attention_backend.build_metadata(common),
-            sample_request_ids=[rid for rid, _ in samples],
-            sample_rows=[row for _, row in samples],
+            samples=samples,
+            sample_rows=sample_rows,
         )
 
     # -- sampling ----------------------------------------------------------------------
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelOutput) -> None:
+        """One sampler row per verified position (see spec_verify.py); without drafts, one per request."""
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [S, V] float32
-        states = [self.requests[rid] for rid in inputs.sample_request_ids]
+        row_states = [v.state for v in inputs.samples for _ in range(v.num_rows)]
+        histories = [history for v in inputs.samples for history in v.output_histories()]
         metadata = SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            generators=[s.generator for s in states],
+            params=[s.sampling_params for s in row_states],
+            prompt_token_ids=[s.prompt_token_ids for s in row_states],
+            output_token_ids=histories,
+            generators=[s.generator for s in row_states],
             vocab_size=self.vocab_size,
             device=self.device,
-            banned_token_ids=[self._banned_ids(s) for s in states],
+            banned_token_ids=[self._banned_ids(s, len(h)) for s, h in zip(row_states, histories)],
         )
         result = self.sampler(logits, metadata)
         sampled = result.sampled_token_ids.tolist()
         position_logprobs: list[PositionLogprobs | None] = (
             result.logprobs.to_position_logprobs(metadata.num_logprobs) if result.logprobs is not None else []
         )
-        for i, request_id in enumerate(inputs.sample_request_ids):
-            output.sampled_token_ids[request_id] = [sampled[i]]
-            entry = position_logprobs[i] if position_logprobs else None
-            if entry is not None:
-                output.logprobs[request_id] = [entry]
+        first_row = 0
+        for verification in inputs.samples:
+            request_id = verification.state.request_id
+            end_row = first_row + verification.num_rows
+            emitted = accept_drafts(verification.drafts, sampled[first_row:end_row])
+            verification.rewind(len(emitted), self.device, self.vocab_size)
+            output.sampled_token_ids[request_id] = emitted
+            entries = position_logprobs[first_row : first_row + len(emitted)] if position_logprobs else []
+            if entries and all(e is not None for e in entries):
+                output.logprobs[request_id] = [e for e in entries if e is not None]
+            first_row = end_row
 
-    def _banned_ids(self, state: RunnerRequestState) -> list[int]:
-        """Under min_tokens a request may not stop: its EOS and stop ids are masked out."""
+    def _propose(self, samples: list[VerificationRows], output: ModelOutput) -> dict[str, list[int]]:
+        """Drafts for the next step, for the requests that sampled and may speculate."""
+        assert self.proposer is not None
+        requests = []
+        for verification in samples:
+            state = verification.state
+            override = state.sampling_params.num_speculative_tokens
+            limit = self.max_draft_tokens if override is None else min(override, self.max_draft_tokens)
+            if limit > 0:
+                token_ids = state.all_token_ids() + output.sampled_token_ids[state.request_id]
+                requests.append(DraftRequest(state.request_id, token_ids, len(state.prompt_token_ids), limit))
+        return self.proposer.propose(requests) if requests else {}
+
+    def _banned_ids(self, state: RunnerRequestState, num_output_tokens: int) -> list[int]:
+        """Under min_tokens a request may not stop: its EOS and stop ids are masked out. A draft
+        position counts the drafts before it as output (`num_output_tokens`)."""
         params = state.sampling_params
-        if len(state.output_token_ids) >= params.min_tokens:
+        if num_output_tokens >= params.min_tokens:
             return []
         banned = list(params.stop_token_ids)
         if not params.ignore_eos:

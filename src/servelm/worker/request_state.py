@@ -35,7 +35,7 @@ class RunnerRequestState:
             # A request resumed after preemption re-enters with outputs already drawn:
             # advance the stream past them so the next token is the one it would have had.
             for _ in data.output_token_ids:
-                _advance(generator, device, vocab_size)
+                advance_generator(generator, device, vocab_size)
         return cls(
             request_id=data.request_id,
             prompt_token_ids=list(data.prompt_token_ids),
@@ -53,6 +53,10 @@ class RunnerRequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def all_token_ids(self) -> list[int]:
+        """prompt + output, as a new list."""
+        return self.prompt_token_ids + self.output_token_ids
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output."""
         num_prompt = len(self.prompt_token_ids)
@@ -63,6 +67,6 @@ class RunnerRequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
-def _advance(generator: torch.Generator, device: torch.device, vocab_size: int) -> None:
+def advance_generator(generator: torch.Generator, device: torch.device, vocab_size: int) -> None:
     """Replay one sampled token's draw: the sampler takes one row of `vocab_size` exponentials."""
     torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)

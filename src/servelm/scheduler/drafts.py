@@ -1,0 +1,67 @@
+"""Which drafts a step verifies: k per decoding request, and the counters of what was accepted.
+
+The runner's proposer leaves draft tokens on a request after each step it sampled in
+(`Request.draft_token_ids`). When the request next decodes, the scheduler asks this module how
+many of them to verify: at most what the request may still use (its max_tokens, the context
+window, its own `num_speculative_tokens` override, the configured k), and — with the goodput
+controller (`SpeculativeConfig.adaptive`) — what pays at this step's batch and cost. The
+request is then scheduled with 1 + k tokens. After the step, `verified` records how many were
+accepted (metrics, and the controller's acceptance estimate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from servelm.config import SpeculativeConfig
+from servelm.scheduler.request import Request
+from servelm.spec.controller import DraftOffer, StepCost
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative, since the engine started (vLLM's spec_decode_* counters)."""
+
+    num_drafts: int = 0  # verifications: requests × steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts at position j accepted
+
+
+class DraftScheduling:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.max_k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def usable_drafts(self, request: Request) -> int:
+        """Drafts `request` could verify now, before any cost consideration."""
+        if not request.draft_token_ids:
+            return 0
+        params = request.sampling_params
+        limit = self.max_k if params.num_speculative_tokens is None else min(self.max_k, params.num_speculative_tokens)
+        if params.max_tokens is not None:
+            # All k accepted emit k + 1 tokens; past max_tokens they would be dropped unread.
+            limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
+        # Positions computed this step reach num_tokens - 1 + k; they must stay inside the window.
+        limit = min(limit, self.max_model_len - request.num_tokens - 1)
+        return max(0, min(limit, len(request.draft_token_ids)))
+
+    def choose(self, decodes: Sequence[Request], cost: StepCost | None) -> dict[str, int]:
+        """k per decoding request this step (missing: 0). `decodes` are the requests step 1 will
+        schedule one token each, in schedule order."""
+        offers = [DraftOffer(r.request_id, n) for r in decodes if (n := self.usable_drafts(r)) > 0]
+        return {offer.request_id: offer.num_available for offer in offers}
+
+    def verified(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """A step verified `num_drafted` of `request`'s drafts and accepted the first `num_accepted`."""
+        counters = self.counters
+        counters.num_drafts += 1
+        counters.num_draft_tokens += num_drafted
+        counters.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            counters.accepted_per_position[position] += 1
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or lost its KV: nothing of it is kept."""
