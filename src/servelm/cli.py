@@ -49,6 +49,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-step-ms", type=float, default=None,
         help="inter-token latency target: while requests decode, prefill chunks shrink to keep steps under it (0 = off)",
     )  # fmt: skip
+    group.add_argument(
+        "--speculative-config", default=None,
+        help='speculative decoding, JSON in vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
+        "(methods: ngram, suffix, draft; off when not given)",
+    )  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -71,6 +76,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "aging_s",
             "max_step_ms",
             "kv_events_port",
+            "speculative_config",
         )
         if getattr(args, name, None) is not None
     }

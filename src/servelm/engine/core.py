@@ -69,6 +69,7 @@ class EngineCore:
     def stats(self) -> CoreStats:
         kv = self.kv_manager
         prefix = kv.stats
+        spec = self.scheduler.spec_counters
         return CoreStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -79,6 +80,10 @@ class EngineCore:
             prefix_hits=prefix.num_hit_tokens,
             prefix_evictions_by_tenant=dict(prefix.evicted_blocks_by_tenant),
             num_preemptions=self.scheduler.step_log.num_preemptions,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_accepted_per_position=list(spec.accepted_per_position) if spec else [],
         )
 
     def take_step_records(self) -> list[tuple[int, float]]:

@@ -279,7 +279,12 @@ class _CoreCollector(Collector):
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
             ("num_preemptions", "Preemptions (a running request lost its blocks).", stats.num_preemptions),
-        )
+            ("spec_decode_num_drafts", "Speculative decoding: request-steps that verified draft tokens.",
+             stats.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.", stats.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+             stats.spec_num_accepted_tokens),
+        )  # fmt: skip
         for name, doc, value in counters:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], float(value))
@@ -289,3 +294,9 @@ class _CoreCollector(Collector):
         for tenant, count in sorted(stats.prefix_evictions_by_tenant.items()):
             evicted.add_metric([self.model_name, tenant], float(count))
         yield evicted
+        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Speculative "
+                                           "decoding: draft tokens accepted, by draft position (0 = the first).",
+                                           labels=["model_name", "position"])  # fmt: skip
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], float(count))
+        yield per_position

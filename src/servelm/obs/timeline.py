@@ -98,6 +98,8 @@ class RequestTimeline:
                         {"type": e.type.value, "t_ms": _ms(e.timestamp - origin), "detail": e.detail} for e in events
                     ],
                     "num_preemptions": sum(1 for e in events if e.type is EventType.PREEMPTED),
+                    # Speculative decoding: drafts accepted in each step that verified some.
+                    "spec_accepted_per_step": [e.detail for e in events if e.type is EventType.SPEC_VERIFIED],
                 }
                 for index, events in sorted(self.choice_events.items())
             ],

@@ -19,6 +19,11 @@ class CoreStats(msgspec.Struct, kw_only=True):
     num_preemptions: int = 0  # cumulative
     # cumulative hashed blocks evicted from the prefix cache, by the tenant whose request cached them
     prefix_evictions_by_tenant: dict[str, int] = {}
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters); all 0 without it.
+    spec_num_drafts: int = 0  # request-steps that verified drafts
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []  # [j]: drafts at position j (0-based) accepted
     # (scheduled tokens, runner seconds) of every step since the previous batch, mid-prefill
     # steps included (they send no outputs), for the step histograms.
     recent_steps: list[tuple[int, float]] = []

@@ -83,6 +83,9 @@ class _GenerationRequest(_Strict):
     # so one tenant cannot learn from cache timing what another tenant's prompts were.
     cache_salt: Identifier | None = None
     logit_bias: dict[str, float] | None = None  # accepted only empty: not supported
+    # Speculative decoding for this request (ours): false = never, true/absent = the server's
+    # setting, n = at most n draft tokens per step. No effect on a server without speculation.
+    speculative: bool | Int64 | None = None
     servelm: ServelmOptions | None = None
 
     @property
@@ -132,12 +135,23 @@ class _GenerationRequest(_Strict):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                num_speculative_tokens=self._num_speculative_tokens,
                 **{k: v for k, v in given.items() if v is not None},
             )
         except SamplingParamsError as exc:
+            if exc.param == "num_speculative_tokens":
+                raise bad_request(
+                    f"speculative must be true, false or 0..16, got {self.speculative}", param="speculative"
+                ) from exc
             # Chat names its limit max_completion_tokens: say what the client sent.
             param = max_tokens_param if exc.param == "max_tokens" else exc.param
             raise bad_request(str(exc).replace("max_tokens", max_tokens_param), param=param) from exc
+
+    @property
+    def _num_speculative_tokens(self) -> int | None:
+        if self.speculative is None or self.speculative is True:
+            return None
+        return 0 if self.speculative is False else int(self.speculative)
 
 
 class CompletionRequest(_GenerationRequest):
