@@ -33,6 +33,9 @@ class DraftScheduling:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.max_k = config.num_speculative_tokens
         self.max_model_len = max_model_len
+        # A draft model writes its own K/V for the positions it guesses, in the request's blocks
+        # (same block table): a decode step reserves room for them beyond its verified tokens.
+        self.lookahead_slots = config.num_speculative_tokens if config.method == "draft" else 0
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
 
     def usable_drafts(self, request: Request) -> int:

@@ -333,12 +333,20 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             # Drafts ride on a caught-up decode only, as far as the budget left after it goes.
             k = min(num_drafts.get(request.request_id, 0), plan.budget - num_new) if num_new == 1 else 0
-            new_block_ids = self._allocate_or_preempt(request, num_new + k, plan, now)
+            new_block_ids = self._allocate_or_preempt(request, num_new + k + self._lookahead(request, k), plan, now)
             if new_block_ids is not None:
                 self._send_running(request, new_block_ids, plan)
                 plan.take(request.request_id, num_new + k)
                 if k:
                     plan.draft_token_ids[request.request_id] = request.draft_token_ids[:k]
+
+    def _lookahead(self, request: Request, num_drafts: int) -> int:
+        """Slots past this step's tokens a draft model writes its next guesses into (0 for token-only
+        proposers); never past the context window."""
+        if self._drafts is None:
+            return 0
+        room = self.max_model_len - (request.num_computed_tokens + 1 + num_drafts)
+        return max(0, min(self._drafts.lookahead_slots, room))
 
     def _choose_drafts(self, decodes: list[Request], budget: int) -> dict[str, int]:
         """k per decode (missing: 0): what each may verify, and what pays at this step's size and cost."""
