@@ -8,11 +8,13 @@ that the target's own samples agree with.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from servelm.config import SpeculativeConfig
+from servelm.spec.ngram import NgramProposer
+from servelm.spec.suffix import SuffixProposer
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,15 @@ class DraftRequest:
     token_ids: Sequence[int]
     num_prompt_tokens: int
     max_draft_tokens: int  # propose at most this many (>= 1)
+
+    def __post_init__(self) -> None:
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"request {self.request_id}: max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        if not 0 <= self.num_prompt_tokens <= len(self.token_ids):
+            raise ValueError(
+                f"request {self.request_id}: num_prompt_tokens {self.num_prompt_tokens} is outside "
+                f"0..{len(self.token_ids)} (the number of token_ids)"
+            )
 
 
 class Proposer(Protocol):
@@ -40,6 +51,19 @@ class Proposer(Protocol):
         ...
 
 
+# The token-only methods; "draft" needs the engine's model and KV and is built by the worker.
+_REGISTRY: dict[str, Callable[[SpeculativeConfig], Proposer]] = {
+    "ngram": lambda config: NgramProposer(config.lookup_min, config.lookup_max, config.num_speculative_tokens),
+    "suffix": lambda config: SuffixProposer(config.num_speculative_tokens, config.suffix_max_cached_requests),
+}
+
+
 def build_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer `config.method` names."""
-    raise ValueError(f"speculative method {config.method!r} has no proposer yet")
+    """The proposer for a token-only method; ValueError naming the valid ones for any other."""
+    factory = _REGISTRY.get(config.method)
+    if factory is None:
+        raise ValueError(
+            f"build_proposer builds {', '.join(sorted(_REGISTRY))}, not {config.method!r} "
+            "(a draft-model proposer is built with the model runner)"
+        )
+    return factory(config)
