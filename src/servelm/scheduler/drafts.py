@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from servelm.config import SpeculativeConfig
 from servelm.scheduler.request import Request
-from servelm.spec.controller import DraftOffer, StepCost
+from servelm.spec.controller import DraftOffer, SpecController, StepCost
 
 
 @dataclass
@@ -37,6 +37,7 @@ class DraftScheduling:
         # (same block table): a decode step reserves room for them beyond its verified tokens.
         self.lookahead_slots = config.num_speculative_tokens if config.method == "draft" else 0
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.controller = SpecController(config.num_speculative_tokens, adaptive=config.adaptive)
 
     def usable_drafts(self, request: Request) -> int:
         """Drafts `request` could verify now, before any cost consideration."""
@@ -53,9 +54,11 @@ class DraftScheduling:
 
     def choose(self, decodes: Sequence[Request], cost: StepCost | None) -> dict[str, int]:
         """k per decoding request this step (missing: 0). `decodes` are the requests step 1 will
-        schedule one token each, in schedule order."""
+        schedule one token each, in schedule order: the step's size without drafts."""
         offers = [DraftOffer(r.request_id, n) for r in decodes if (n := self.usable_drafts(r)) > 0]
-        return {offer.request_id: offer.num_available for offer in offers}
+        if not offers:
+            return {}
+        return self.controller.choose(offers, len(decodes), cost)
 
     def verified(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """A step verified `num_drafted` of `request`'s drafts and accepted the first `num_accepted`."""
@@ -65,6 +68,8 @@ class DraftScheduling:
         counters.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             counters.accepted_per_position[position] += 1
+        self.controller.observe(request.request_id, num_drafted, num_accepted)
 
     def forget(self, request_id: str) -> None:
         """The request finished or lost its KV: nothing of it is kept."""
+        self.controller.forget(request_id)
