@@ -417,11 +417,17 @@ def main() -> None:
         tables.append(f"Chat (ShareGPT-like lengths), {args.chat_requests} requests per level:\n\n{chat_table(chat)}")
 
     if skipped:
-        tables.append("Not run: " + "; ".join(f"{name} ({why.splitlines()[0]})" for name, why in skipped.items()))
+        tables.append("Not run: " + "; ".join(f"{name} ({_gist(why)})" for name, why in skipped.items()))
     text = "\n\n".join(tables)
     print(text)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "speculative.json").write_text(json.dumps(report, indent=1))
+
+
+def _gist(error: str) -> str:
+    """A start-up error's first line and its log's last (where the cause usually is)."""
+    lines = [line for line in error.splitlines() if line.strip()]
+    return " … ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else "no message"
 
 
 def _measurement_json(m: Measurement, reference: Measurement | None) -> dict[str, Any]:
