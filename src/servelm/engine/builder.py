@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig
+from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpeculativeConfig
 from servelm.engine.core import EngineCore
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.models.arch import ModelArchConfig
@@ -21,6 +21,9 @@ from servelm.models.llama import LlamaForCausalLM
 from servelm.models.loader import load_checkpoint
 from servelm.scheduler.scheduler import Scheduler
 from servelm.spec.proposer import Proposer, build_proposer
+from servelm.worker.block_table import BlockTable
+from servelm.worker.draft_model import DraftModel, load_draft_model
+from servelm.worker.draft_proposer import DraftModelProposer
 from servelm.worker.kv_cache import allocate_kv_caches, free_device_memory, num_blocks_for_budget
 from servelm.worker.model_runner import ModelRunner
 
@@ -76,14 +79,20 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
         max_model_len = num_blocks * block_size
     kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
     eos_ids = eos_token_ids(arch, tokenizer)
+    # One table for the runner and a draft-model proposer: the draft's K/V sit in the same blocks.
+    block_table = BlockTable.for_requests(config.scheduler.max_num_seqs, max_model_len, block_size)
     speculative = config.speculative
     if speculative is not None and proposer is None:
-        proposer = build_proposer(speculative)
+        if speculative.method == "draft":
+            proposer = _draft_model_proposer(config, speculative, model, kv_caches, tokenizer, num_blocks, block_table)
+        else:
+            proposer = build_proposer(speculative)
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
         proposer=proposer if speculative is not None else None,
         max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
+        block_table=block_table,
     )  # fmt: skip
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
     scheduler = Scheduler(
@@ -97,6 +106,28 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
         num_blocks=num_blocks,
         source=source,
     )
+
+
+def _draft_model_proposer(
+    config: EngineConfig,
+    speculative: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    target_kv_caches: list[torch.Tensor],
+    tokenizer: Any,
+    num_blocks: int,
+    block_table: BlockTable,
+) -> DraftModelProposer:
+    """method "draft": the target's first draft_num_layers layers, or the checkpoint at `model`."""
+    block_size = config.cache.block_size
+    if speculative.draft_num_layers is not None:
+        draft = DraftModel.first_layers_of(target, target_kv_caches, speculative.draft_num_layers)
+    else:
+        assert speculative.model is not None  # SpeculativeConfig: exactly one of the two
+        draft = load_draft_model(
+            speculative.model, target, tokenizer, num_blocks, block_size, config.model.attention_backend
+        )
+    # A prompt's catch-up through the draft takes at most a step's token budget per step.
+    return DraftModelProposer(draft, block_table, block_size, config.scheduler.max_num_batched_tokens)
 
 
 def _num_kv_blocks(config: EngineConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> int:
