@@ -122,6 +122,18 @@ def test_a_draft_must_share_the_targets_vocabulary(tmp_path, tiny_dir):
         build_engine(too_deep)
 
 
+def test_a_kv_memory_budget_holds_the_draft_models_pool_too(tiny_dir, draft_dirs):
+    budget = 4 * 2**20
+    speculative = {"method": "draft", "model": str(draft_dirs["first_layer"])}
+    built = build_engine(EngineConfig.from_flat(model=str(tiny_dir), kv_cache_memory_bytes=budget,
+                                                speculative_config=speculative))  # fmt: skip
+    target_kv, draft_kv = built.core.runner.kv_caches, built.core.runner.proposer.draft.kv_caches
+    used = sum(t.numel() * t.element_size() for t in target_kv + draft_kv)
+    per_block = used // built.num_blocks
+    assert len(target_kv) == 2 and len(draft_kv) == 1 and draft_kv[0].shape == target_kv[0].shape
+    assert used <= budget < used + per_block  # as many blocks as fit, each with both models' K/V
+
+
 @pytest.mark.slow
 def test_default_model_self_speculative_greedy_is_unchanged():
     prompts = [

@@ -56,18 +56,20 @@ class DraftModel:
         """A model of its own, with a KV pool of its own of `num_blocks` blocks (the target's count)."""
         weight = model.embed_tokens.weight
         kv_caches = allocate_kv_caches(model.arch, num_blocks, block_size, weight.dtype, weight.device)
+        logger.info(
+            "draft model: %d layers; its KV pool takes %.1f MiB next to the target's (%d blocks)",
+            model.arch.num_hidden_layers,
+            bytes_per_block(model.arch, block_size, weight.dtype) * num_blocks / 2**20,
+            num_blocks,
+        )
         return cls(model, model.arch.num_hidden_layers, kv_caches, shares_target_kv=False)
 
 
 def load_draft_model(
-    path: str,
-    target: LlamaForCausalLM,
-    target_tokenizer: Any,
-    num_blocks: int,
-    block_size: int,
-    attention_backend: str,
-) -> DraftModel:
-    """Load a draft checkpoint in the target's dtype on its device, with a KV pool of `num_blocks`.
+    path: str, target: LlamaForCausalLM, target_tokenizer: Any, attention_backend: str
+) -> LlamaForCausalLM:
+    """Load a draft checkpoint in the target's dtype on its device (its KV pool comes later, with
+    `DraftModel.separate`, once the pool's size is known).
 
     Raises ValueError when its vocabulary is not the target's (see `check_same_vocabulary`), and what
     `load_checkpoint` raises for a path it cannot load.
@@ -77,16 +79,8 @@ def load_draft_model(
     weight = target.embed_tokens.weight
     model = build_model(checkpoint.arch, checkpoint.weights, weight.dtype, weight.device, attention_backend)
     del checkpoint.weights  # the model holds its own copies now
-    draft = DraftModel.separate(model, num_blocks, block_size)
-    kv_bytes = bytes_per_block(checkpoint.arch, block_size, weight.dtype) * num_blocks
-    logger.info(
-        "draft model %s: %d layers; its KV pool takes %.1f MiB on top of the target's (%d blocks)",
-        checkpoint.source,
-        checkpoint.arch.num_hidden_layers,
-        kv_bytes / 2**20,
-        num_blocks,
-    )
-    return draft
+    logger.info("draft model %s loaded (%d layers)", checkpoint.source, checkpoint.arch.num_hidden_layers)
+    return model
 
 
 def check_same_vocabulary(
