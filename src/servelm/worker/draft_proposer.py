@@ -21,7 +21,10 @@ A separate draft model keeps, per request, which of its positions hold K/V of th
 tokens, and which hold its last guesses (valid only as far as the guesses were accepted). Its
 first propose() after the prompt is the whole prompt through the draft; a catch-up longer than
 `max_catch_up_tokens` (over all requests of one call) goes in chunks over several steps, the
-request drafting nothing until its chunk reaches its last token.
+request drafting nothing until its chunk reaches its last token. Its catch-up rewrites positions in
+prefix-cached blocks that other running requests share: with the same tokens at the same positions
+(a block's hash covers its whole prefix), so what their drafts read there stays right. Whatever the
+draft's K/V hold, the target's output cannot change: only acceptance can.
 """
 
 from __future__ import annotations
