@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig
+from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpeculativeConfig
 from servelm.engine.core import EngineCore
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.models.arch import ModelArchConfig
@@ -21,6 +21,9 @@ from servelm.models.llama import LlamaForCausalLM
 from servelm.models.loader import load_checkpoint
 from servelm.scheduler.scheduler import Scheduler
 from servelm.spec.proposer import Proposer, build_proposer
+from servelm.worker.block_table import BlockTable
+from servelm.worker.draft_model import DraftModel, load_draft_model
+from servelm.worker.draft_proposer import DraftModelProposer
 from servelm.worker.kv_cache import allocate_kv_caches, free_device_memory, num_blocks_for_budget
 from servelm.worker.model_runner import ModelRunner
 
@@ -65,7 +68,11 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
-    num_blocks = _num_kv_blocks(config, arch, dtype, device)
+    # A separate draft model is loaded first: free memory is measured after its weights, and each
+    # block then holds its K/V too.
+    draft_model = _load_draft_checkpoint(config, model, tokenizer) if proposer is None else None
+    kv_archs = [arch] if draft_model is None else [arch, draft_model.arch]
+    num_blocks = _num_kv_blocks(config, kv_archs, dtype, device)
     block_size = config.cache.block_size
     if num_blocks * block_size < max_model_len:
         logger.warning(
@@ -76,14 +83,22 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
         max_model_len = num_blocks * block_size
     kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
     eos_ids = eos_token_ids(arch, tokenizer)
+    # One table for the runner and a draft-model proposer: the draft's K/V sit in the same blocks.
+    block_table = BlockTable.for_requests(config.scheduler.max_num_seqs, max_model_len, block_size)
     speculative = config.speculative
     if speculative is not None and proposer is None:
-        proposer = build_proposer(speculative)
+        if speculative.method == "draft":
+            proposer = _draft_model_proposer(
+                config, speculative, model, kv_caches, draft_model, num_blocks, block_table
+            )
+        else:
+            proposer = build_proposer(speculative)
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
         proposer=proposer if speculative is not None else None,
         max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
+        block_table=block_table,
     )  # fmt: skip
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
     scheduler = Scheduler(
@@ -99,7 +114,38 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     )
 
 
-def _num_kv_blocks(config: EngineConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> int:
+def _load_draft_checkpoint(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Any) -> LlamaForCausalLM | None:
+    """The draft checkpoint of method "draft" with `model` set; None for any other configuration."""
+    speculative = config.speculative
+    if speculative is None or speculative.method != "draft" or speculative.model is None:
+        return None
+    return load_draft_model(speculative.model, target, tokenizer, config.model.attention_backend)
+
+
+def _draft_model_proposer(
+    config: EngineConfig,
+    speculative: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    target_kv_caches: list[torch.Tensor],
+    draft_model: LlamaForCausalLM | None,
+    num_blocks: int,
+    block_table: BlockTable,
+) -> DraftModelProposer:
+    """method "draft": `draft_model` (the checkpoint at speculative.model) with a KV pool of the
+    target's block count, or the target's first draft_num_layers layers."""
+    block_size = config.cache.block_size
+    if draft_model is not None:
+        draft = DraftModel.separate(draft_model, num_blocks, block_size)
+    else:
+        assert speculative.draft_num_layers is not None  # SpeculativeConfig: exactly one of the two
+        draft = DraftModel.first_layers_of(target, target_kv_caches, speculative.draft_num_layers)
+    # A prompt's catch-up through the draft takes at most a step's token budget per step.
+    return DraftModelProposer(draft, block_table, block_size, config.scheduler.max_num_batched_tokens)
+
+
+def _num_kv_blocks(config: EngineConfig, archs: list[ModelArchConfig], dtype: torch.dtype, device: torch.device) -> int:
+    """Blocks of the KV pool: as configured, or what the memory budget holds with the K/V of every
+    model in `archs` per block (--kv-cache-memory covers a draft model's pool too)."""
     cache = config.cache
     if cache.num_blocks:
         return cache.num_blocks
@@ -109,4 +155,4 @@ def _num_kv_blocks(config: EngineConfig, arch: ModelArchConfig, dtype: torch.dty
         free = free_device_memory(device)
         # On an accelerator take a fraction of what is free after the weights; on CPU a fixed default.
         budget = int(free * DEFAULT_GPU_MEMORY_FRACTION) if free is not None else DEFAULT_CPU_KV_CACHE_BYTES
-    return num_blocks_for_budget(arch, cache.block_size, dtype, budget)
+    return num_blocks_for_budget(archs, cache.block_size, dtype, budget)

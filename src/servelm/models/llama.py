@@ -173,11 +173,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] long, position of each token within its request
         metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor] | None = None,  # one [2, blocks, block_size, KVH, D] per layer
+        num_layers: int | None = None,  # run only the first N decoder layers (a self-speculative draft)
     ) -> torch.Tensor:  # [T, hidden]
         hidden = self.embed_tokens(input_ids)
         # Every layer rotates by the same angles: computed once per forward, not once per layer.
         rope = self.decoder_layers[0].self_attn.rotary.cos_sin(positions, hidden.dtype)
-        for i, layer in enumerate(self.decoder_layers):
+        for i, layer in enumerate(self.decoder_layers[:num_layers]):
             hidden = layer(rope, hidden, None if kv_caches is None else kv_caches[i], metadata)
         return self.norm(hidden)
 

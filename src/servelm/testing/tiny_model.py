@@ -2,6 +2,7 @@
 
     write_tiny_checkpoint(dir)          -> a Hugging Face directory transformers and servelm both load
     write_tiny_gguf(path, dir, ...)     -> the same weights as llama.cpp would write them (no tokenizer)
+    write_first_layers_checkpoint(src, dir, n) -> src's first n layers with its embedding, norm and head
     write_random_checkpoint(dir, ...)   -> a random Llama of a real shape (SmolLM2-135M's by default) in
                                            bf16, written tensor by tensor (hundreds of MB in seconds)
 
@@ -13,6 +14,7 @@ so the 49152-row embedding is the bulk of the ~25 MB.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,25 @@ def write_random_checkpoint(
     config = {**hf_config_dict(arch), "torch_dtype": str(dtype).removeprefix("torch.")}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(str(out))
+    return out
+
+
+def write_first_layers_checkpoint(source: str | Path, directory: str | Path, num_layers: int) -> Path:
+    """A Hugging Face checkpoint (one safetensors file) cut to its first `num_layers` decoder layers,
+    embedding, final norm and head kept, tokenizer copied: a draft model that often agrees with its
+    source (the same as a self-speculative draft of `num_layers`, as a checkpoint of its own)."""
+    src, out = Path(source), Path(directory)
+    shutil.copytree(src, out)
+    config = json.loads((src / "config.json").read_text())
+    if not 1 <= num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in 1..{config['num_hidden_layers']}, got {num_layers}")
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}, indent=2) + "\n")
+    kept = {
+        name: tensor
+        for name, tensor in load_file(str(src / "model.safetensors")).items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+    }
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

@@ -31,6 +31,11 @@ class BlockTable:
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_requests - 1, -1, -1))  # a stack: row 0 is taken first
 
+    @classmethod
+    def for_requests(cls, max_num_requests: int, max_model_len: int, block_size: int) -> BlockTable:
+        """Room for `max_num_requests` requests of up to `max_model_len` tokens each."""
+        return cls(max_num_requests, (max_model_len + block_size - 1) // block_size)
+
     def add(self, request_id: str, block_ids: list[int]) -> int:
         """Give a request the lowest free row, holding `block_ids`; returns the row."""
         if request_id in self._row_of:

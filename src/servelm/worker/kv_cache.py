@@ -6,6 +6,8 @@ addressed by block id exactly as the block pool in servelm.kv hands them out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from servelm.models.arch import ModelArchConfig
@@ -17,12 +19,17 @@ def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) 
     return per_token * block_size * arch.num_hidden_layers
 
 
-def num_blocks_for_budget(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    num_blocks = budget_bytes // bytes_per_block(arch, block_size, dtype)
+def num_blocks_for_budget(
+    archs: Sequence[ModelArchConfig], block_size: int, dtype: torch.dtype, budget_bytes: int
+) -> int:
+    """Blocks `budget_bytes` holds when each block id holds the K/V of every model in `archs` (the
+    target's, and a draft model's own pool addressed by the same block ids)."""
+    block_bytes = sum(bytes_per_block(arch, block_size, dtype) for arch in archs)
+    num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"a KV cache budget of {budget_bytes / 2**20:.1f} MiB holds no block of "
-            f"{bytes_per_block(arch, block_size, dtype) / 2**20:.2f} MiB; raise --kv-cache-memory"
+            f"{block_bytes / 2**20:.2f} MiB; raise --kv-cache-memory"
         )
     return int(num_blocks)
 

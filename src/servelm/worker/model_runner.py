@@ -73,6 +73,9 @@ class ModelRunner:
         max_model_len: int,  # longest request: bounds the block table's width
         proposer: Proposer | None = None,  # speculative decoding: guesses drafts after each step's sampling
         max_draft_tokens: int = 0,  # most drafts proposed per request (SpeculativeConfig.num_speculative_tokens)
+        # The table this runner mirrors block ids into; given when a draft-model proposer reads the same
+        # rows (its own KV in the same blocks). None: a table of its own.
+        block_table: BlockTable | None = None,
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend_of(model)
@@ -84,7 +87,9 @@ class ModelRunner:
         self.vocab_size = model.arch.vocab_size
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
-        self.block_table = BlockTable(max_num_seqs, (max_model_len + block_size - 1) // block_size)
+        if block_table is None:
+            block_table = BlockTable.for_requests(max_num_seqs, max_model_len, block_size)
+        self.block_table = block_table
         self.proposer = proposer
         self.max_draft_tokens = max_draft_tokens
 

@@ -1,0 +1,162 @@
+"""The draft-model proposer: speed may change, output never.
+
+Greedy tokens equal the single-sequence reference under preemption, chunked prefill (and chunked
+draft catch-up) and prefix hits, with the KV invariants checked every step, for separate draft
+checkpoints and for self-speculative drafts (the target's first layers writing into the target's
+own KV caches). A draft that computes what the target computes must have every draft accepted:
+that holds only if its K/V (caught up, guessed, invalidated after rejections, kept in the
+target's blocks) are right at every position it reads.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from servelm.config import EngineConfig
+from servelm.datatypes import EngineRequest, FinishReason
+from servelm.engine.builder import assemble_engine, build_engine
+from servelm.models.factory import build_model
+from servelm.models.loader import load_checkpoint
+from servelm.sampling_params import SamplingParams
+from servelm.testing.reference_decode import greedy_decode
+from servelm.testing.tiny_model import write_first_layers_checkpoint, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=7)
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory, tiny_dir):
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        "first_layer": write_first_layers_checkpoint(tiny_dir, root / "first_layer", 1),
+        "unrelated": write_tiny_checkpoint(root / "unrelated", seed=8, num_hidden_layers=1),
+        "same": tiny_dir,
+    }
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_dir):
+    """24 requests (every third shares a 150-token prefix), their arrival steps and reference outputs."""
+    checkpoint = load_checkpoint(tiny_dir)
+    model = build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu")
+    rng = random.Random(3)
+    vocab = checkpoint.arch.vocab_size
+    shared = [rng.randrange(vocab) for _ in range(150)]
+    prompts = [
+        (shared if i % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for i in range(24)
+    ]
+    max_tokens = [rng.randint(1, 40) for _ in prompts]
+    arrivals = [rng.randint(0, 20) for _ in prompts]
+    expected = [greedy_decode(model, p, n) for p, n in zip(prompts, max_tokens)]
+    return prompts, max_tokens, arrivals, expected
+
+
+def _run_speculative(tiny_dir, workload, draft: dict):
+    """The workload through an engine that preempts (40 blocks of 16), chunks (64-token budget) and
+    hits the prefix cache; returns the engine after checking tokens against the reference."""
+    prompts, max_tokens, arrivals, expected = workload
+    config = EngineConfig.from_flat(
+        model=str(tiny_dir), num_blocks=40, block_size=16, max_num_batched_tokens=64, max_num_seqs=12,
+        speculative_config={"method": "draft", "num_speculative_tokens": 4, "adaptive": False, **draft},
+    )  # fmt: skip
+    built = build_engine(config)
+    core = built.core
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    finish = {}
+    step = 0
+    while len(finish) < len(prompts):
+        for i, (prompt, n, arrival) in enumerate(zip(prompts, max_tokens, arrivals)):
+            if arrival == step:
+                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                core.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params))
+        for output in core.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                finish[output.request_id] = output.finish_reason
+        core.scheduler.check_invariants()
+        step += 1
+        assert step < 20000, "engine did not finish the workload"
+    for i, want in enumerate(expected):
+        assert tokens[str(i)] == want, f"request {i} diverged from the reference"
+        assert finish[str(i)] == FinishReason.LENGTH
+    stats = core.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_hits > 0, "the workload was meant to preempt and hit"
+    assert stats.num_used_blocks == 0
+    return built
+
+
+@pytest.mark.parametrize("draft", ["self_1_layer", "first_layer", "unrelated"])
+def test_greedy_output_is_the_reference(tiny_dir, draft_dirs, workload, draft):
+    settings = {"draft_num_layers": 1} if draft == "self_1_layer" else {"model": str(draft_dirs[draft])}
+    counters = _run_speculative(tiny_dir, workload, settings).core.scheduler.spec_counters
+    assert counters is not None and counters.num_draft_tokens > 0
+    if draft != "unrelated":  # two random models agree on next to nothing in a 49152-token vocabulary
+        assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+
+
+@pytest.mark.parametrize("draft", ["self_all_layers", "same"])
+def test_a_draft_that_is_the_target_has_every_draft_accepted(tiny_dir, draft_dirs, workload, draft):
+    settings = {"draft_num_layers": 2} if draft == "self_all_layers" else {"model": str(draft_dirs["same"])}
+    counters = _run_speculative(tiny_dir, workload, settings).core.scheduler.spec_counters
+    assert counters is not None and counters.num_draft_tokens > 100
+    assert counters.num_accepted_tokens == counters.num_draft_tokens
+
+
+def test_a_draft_must_share_the_targets_vocabulary(tmp_path, tiny_dir):
+    other_vocab = write_tiny_checkpoint(tmp_path / "other", seed=1, vocab_size=50000)
+    config = EngineConfig.from_flat(
+        model=str(tiny_dir), num_blocks=8, speculative_config={"method": "draft", "model": str(other_vocab)}
+    )
+    with pytest.raises(ValueError, match="vocab_size 50000, the target 49152"):
+        build_engine(config)
+    too_deep = EngineConfig.from_flat(
+        model=str(tiny_dir), num_blocks=8, speculative_config={"method": "draft", "draft_num_layers": 3}
+    )
+    with pytest.raises(ValueError, match=r"draft_num_layers must be in 1\.\.2"):
+        build_engine(too_deep)
+
+
+def test_a_kv_memory_budget_holds_the_draft_models_pool_too(tiny_dir, draft_dirs):
+    budget = 4 * 2**20
+    speculative = {"method": "draft", "model": str(draft_dirs["first_layer"])}
+    built = build_engine(EngineConfig.from_flat(model=str(tiny_dir), kv_cache_memory_bytes=budget,
+                                                speculative_config=speculative))  # fmt: skip
+    target_kv, draft_kv = built.core.runner.kv_caches, built.core.runner.proposer.draft.kv_caches
+    used = sum(t.numel() * t.element_size() for t in target_kv + draft_kv)
+    per_block = used // built.num_blocks
+    assert len(target_kv) == 2 and len(draft_kv) == 1 and draft_kv[0].shape == target_kv[0].shape
+    assert used <= budget < used + per_block  # as many blocks as fit, each with both models' K/V
+
+
+@pytest.mark.slow
+def test_default_model_self_speculative_greedy_is_unchanged():
+    prompts = [
+        "Write a Python function that returns the n-th Fibonacci number.",
+        "The three primary colours are",
+    ]
+    checkpoint = load_checkpoint(None)
+    model = build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu")
+    outputs = {}
+    for speculative in (None, {"method": "draft", "draft_num_layers": 8, "num_speculative_tokens": 4}):
+        config = EngineConfig.from_flat(num_blocks=64, speculative_config=speculative)
+        built = assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, checkpoint.source)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+            ids = built.tokenizer.encode(prompt)
+            built.core.add_request(EngineRequest(request_id=str(i), prompt_token_ids=ids, sampling_params=params))
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        while built.core.has_work():
+            for output in built.core.step():
+                tokens[output.request_id].extend(output.new_token_ids)
+        outputs[speculative is not None] = tokens
+        if speculative is not None:
+            counters = built.core.scheduler.spec_counters
+            assert counters is not None and counters.num_accepted_tokens > 0
+    assert outputs[True] == outputs[False]
+    assert all(len(t) == 32 for t in outputs[True].values())
