@@ -137,6 +137,9 @@ class SchedulerOutput:
     # Speculative decoding: request_id → the k draft tokens it verifies this step. Its
     # num_scheduled_tokens is then 1 + k: its last token and the drafts after it, in one pass.
     scheduled_draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Most drafts the proposer should make for a request after this step (the controller's use
+    # for them next step); missing: the configured num_speculative_tokens.
+    num_drafts_wanted: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -60,6 +60,13 @@ class DraftScheduling:
             return {}
         return self.controller.choose(offers, len(decodes), cost)
 
+    def drafts_wanted(self, request: Request, num_drafts: int) -> int:
+        """Drafts worth proposing for `request` after this step, which verifies `num_drafts` of its
+        drafts; counts a decode without drafts towards the controller's next probe."""
+        if num_drafts == 0 and not request.draft_token_ids:
+            self.controller.decoded_without_drafts(request.request_id)
+        return self.controller.drafts_wanted(request.request_id)
+
     def verified(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """A step verified `num_drafted` of `request`'s drafts and accepted the first `num_accepted`."""
         counters = self.counters

@@ -320,6 +320,7 @@ class Scheduler:
             finished_request_ids=finished,
             preempted_request_ids={r.request_id for r in plan.preempted},
             scheduled_draft_token_ids=plan.draft_token_ids,
+            num_drafts_wanted=plan.num_drafts_wanted,
         )
 
     def _schedule_decodes(self, plan: StepPlan, now: float) -> None:
@@ -339,6 +340,8 @@ class Scheduler:
                 plan.take(request.request_id, num_new + k)
                 if k:
                     plan.draft_token_ids[request.request_id] = request.draft_token_ids[:k]
+                if self._drafts is not None:
+                    plan.num_drafts_wanted[request.request_id] = self._drafts.drafts_wanted(request, k)
 
     def _lookahead(self, request: Request, num_drafts: int) -> int:
         """Slots past this step's tokens a draft model writes its next guesses into (0 for token-only

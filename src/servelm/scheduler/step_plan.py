@@ -31,6 +31,7 @@ class StepPlan:
     unfinished_prefills: list[tuple[Request, list[int]]] = field(default_factory=list)
     sat_out: list[Request] = field(default_factory=list)  # running prompts left without a slot
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts verified this step
+    num_drafts_wanted: dict[str, int] = field(default_factory=dict)  # drafts worth proposing after it
 
     @property
     def num_tokens(self) -> int:

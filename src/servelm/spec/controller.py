@@ -206,6 +206,24 @@ class SpecController:
             state.probed(num_drafted, num_accepted, self.max_k)
         self._global.add(num_drafted, num_accepted)
 
+    def drafts_wanted(self, request_id: str) -> int:
+        """How many drafts the request's next step could use: the proposer need not make more (a
+        draft model pays a forward for every guess). Its k plus one (room to grow), a probe when
+        one is due, else 0; max_k for a request not seen yet."""
+        state = self._requests.get(request_id)
+        if not self.adaptive or state is None:
+            return self.max_k
+        if state.wanted_k > 0:
+            return min(self.max_k, state.wanted_k + 1)
+        return state.probe_k if state.steps_at_zero + 1 >= PROBE_EVERY else 0
+
+    def decoded_without_drafts(self, request_id: str) -> None:
+        """The request decoded a step with no drafts on hand (none were wanted): it counts towards
+        its next probe as a step at k = 0 does."""
+        state = self._requests.get(request_id)
+        if state is not None and state.wanted_k == 0:
+            state.steps_at_zero += 1
+
     def forget(self, request_id: str) -> None:
         """Drop the request's acceptance and k (it finished, or was preempted: its next
         proposals start again from the global average). What it taught the global average stays."""

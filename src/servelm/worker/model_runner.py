@@ -111,7 +111,7 @@ class ModelRunner:
         if inputs.samples:
             self._sample(inputs, hidden, output)
             if self.proposer is not None:
-                output.draft_token_ids = self._propose(inputs.samples, output)
+                output.draft_token_ids = self._propose(inputs.samples, output, scheduler_output.num_drafts_wanted)
         return output
 
     # -- mirrors -----------------------------------------------------------------------
@@ -215,16 +215,24 @@ class ModelRunner:
                 output.logprobs[request_id] = [e for e in entries if e is not None]
             first_row = end_row
 
-    def _propose(self, samples: list[VerificationRows], output: ModelOutput) -> dict[str, list[int]]:
-        """Drafts for the next step, for the requests that sampled and may speculate."""
+    def _propose(
+        self, samples: list[VerificationRows], output: ModelOutput, wanted: dict[str, int]
+    ) -> dict[str, list[int]]:
+        """Drafts for the next step, for the requests that sampled and may speculate, as many as
+        the scheduler's controller can use and the request's max_tokens leaves room for."""
         assert self.proposer is not None
         requests = []
         for verification in samples:
             state = verification.state
-            override = state.sampling_params.num_speculative_tokens
-            limit = self.max_draft_tokens if override is None else min(override, self.max_draft_tokens)
+            params = state.sampling_params
+            emitted = output.sampled_token_ids[state.request_id]
+            limit = min(self.max_draft_tokens, wanted.get(state.request_id, self.max_draft_tokens))
+            if params.num_speculative_tokens is not None:
+                limit = min(limit, params.num_speculative_tokens)
+            if params.max_tokens is not None:  # all accepted would emit limit + 1 tokens
+                limit = min(limit, params.max_tokens - len(state.output_token_ids) - len(emitted) - 1)
             if limit > 0:
-                token_ids = state.all_token_ids() + output.sampled_token_ids[state.request_id]
+                token_ids = state.all_token_ids() + emitted
                 requests.append(DraftRequest(state.request_id, token_ids, len(state.prompt_token_ids), limit))
         return self.proposer.propose(requests) if requests else {}
 
