@@ -4,8 +4,10 @@ Each request has a full K/V history; the part before this step's chunk is writte
 scattered pool blocks beforehand (cached context, e.g. a prefix hit), the chunk's own
 K/V go through `forward`. The reference attends each request's queries to its history
 in position order with an explicit causal softmax, no pool and no SDPA involved.
-Batches: decode-only, prefill-only (fresh prompts), mixed, and chunks after cached
-context; each with the CPU paged kernel and with the SDPA gather path.
+Batches: decode-only, prefill-only (fresh prompts), mixed, chunks after cached context,
+and short queries after cached context (speculative verification, attended as decode
+rows) among decodes and chunks; each with the CPU paged kernel and with the SDPA gather
+path, over several block sizes.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import torch
 
 from servelm.attention import torch_backend
 from servelm.attention.backend import CommonAttentionInputs
-from servelm.attention.torch_backend import GatherDecodes, KernelDecodes, TorchAttentionBackend
+from servelm.attention.torch_backend import SHORT_QUERY_MAX, GatherDecodes, KernelDecodes, TorchAttentionBackend
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, SCALE = 6, 2, 16, 4, 0.3
+HEADS, KV_HEADS, HEAD_DIM, SCALE = 6, 2, 16, 0.3
 
 # (query_len, seq_len) per request, in batch order
 BATCHES = {
@@ -27,7 +29,17 @@ BATCHES = {
     "prefill_only": [(9, 9), (1, 1), (17, 17)],
     "mixed": [(1, 13), (9, 9), (1, 1), (6, 17), (1, 29)],
     "prefix_cached_chunks": [(6, 17), (3, 35), (12, 12), (1, 40)],
+    # 1 + k tokens after context (k up to 15), with decodes, a fresh short prompt (stays a chunk)
+    # and queries just past the short-query bound (chunks)
+    "spec_verify_mixed": [(3, 40), (1, 13), (9, 60), (2, 2), (SHORT_QUERY_MAX, 33), (1, 1), (SHORT_QUERY_MAX + 1, 50)],
+    "spec_verify_only": [(2, 30), (5, 21), (SHORT_QUERY_MAX, SHORT_QUERY_MAX + 1), (1, 7), (8, 64)],
+    "spec_verify_lone": [(6, 45)],
 }
+
+
+def _is_decode_row(query_len: int, seq_len: int) -> bool:
+    """Whether a request's tokens are attended as decode rows (a decode, or a short query after context)."""
+    return query_len == 1 or (query_len <= SHORT_QUERY_MAX and seq_len > query_len)
 
 
 def _dense_reference(q, history_k, history_v, q_len):
@@ -42,21 +54,21 @@ def _dense_reference(q, history_k, history_v, q_len):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
 
-def _step(requests, seed: int):
+def _step(requests, seed: int, block_size: int = 4):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_request = [(s + BLOCK_SIZE - 1) // BLOCK_SIZE for _, s in requests]
+    blocks_per_request = [(s + block_size - 1) // block_size for _, s in requests]
     num_blocks = sum(blocks_per_request) + 5
     free = list(range(num_blocks))
     rng.shuffle(free)  # blocks scattered through the pool, as after churn
     width = max(blocks_per_request)
     tables = [[free.pop() for _ in range(n)] + [0] * (width - n) for n in blocks_per_request]
-    pool = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)  # garbage where unwritten
+    pool = torch.randn(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, generator=gen)  # garbage where unwritten
     histories, queries, slots = [], [], []
     for (q_len, seq_len), table in zip(requests, tables):
         k = torch.randn(seq_len, KV_HEADS, HEAD_DIM, generator=gen)
         v = torch.randn(seq_len, KV_HEADS, HEAD_DIM, generator=gen)
-        request_slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len)]
+        request_slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
         cached = seq_len - q_len
         flat = pool.view(2, -1, KV_HEADS, HEAD_DIM)
         flat[0, request_slots[:cached]], flat[1, request_slots[:cached]] = k[:cached], v[:cached]
@@ -68,7 +80,7 @@ def _step(requests, seed: int):
         [s for _, s in requests],
         slot_mapping=torch.tensor(slots),
         block_table=torch.tensor(tables, dtype=torch.int32),
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
     )
     q = torch.cat(queries)
     k = torch.cat([h[0][s - n :] for h, (n, s) in zip(histories, requests)])
@@ -77,28 +89,32 @@ def _step(requests, seed: int):
     return q, k, v, pool, common, expected
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
-def test_paged_backend_equals_dense_reference(monkeypatch, batch, use_kernel):
+def test_paged_backend_equals_dense_reference(monkeypatch, batch, use_kernel, block_size):
     if not use_kernel:
         monkeypatch.setattr(torch_backend, "_paged_kernel", lambda device, dtype: None)
     elif torch_backend._paged_kernel(torch.device("cpu"), torch.float32) is None:
         pytest.skip("no C compiler: the kernel cannot be built here")
     requests = BATCHES[batch]
-    q, k, v, pool, common, expected = _step(requests, seed=len(batch))
+    q, k, v, pool, common, expected = _step(requests, seed=len(batch), block_size=block_size)
     backend = TorchAttentionBackend()
     metadata = backend.build_metadata(common)
 
-    num_decodes = sum(1 for n, _ in requests if n == 1)
+    as_rows = [_is_decode_row(n, s) for n, s in requests]
     expected_path = KernelDecodes if use_kernel else GatherDecodes
-    if use_kernel or num_decodes > 1:
+    if use_kernel or sum(as_rows) > 1:
         assert isinstance(metadata.decodes, expected_path)
-        assert len(metadata.chunks) == len(requests) - num_decodes
-    else:  # a lone decode without the kernel rides with the chunks
-        assert metadata.decodes is None and len(metadata.chunks) == len(requests)
-    assert [c.context_slots is None for c in metadata.chunks] == [
-        n == s for n, s in requests if metadata.decodes is None or n != 1
-    ]
+        starts = common.query_start_loc.tolist()
+        token_rows = [t for i, row in enumerate(as_rows) if row for t in range(starts[i], starts[i + 1])]
+        assert metadata.decodes.rows.tolist() == token_rows  # a request's rows adjacent, in batch order
+        assert metadata.decodes.covers_batch == (len(token_rows) == common.num_tokens)
+    else:  # a lone request without the kernel rides with the chunks
+        as_rows = [False] * len(requests)
+        assert metadata.decodes is None
+    chunked = [r for r, row in zip(requests, as_rows) if not row]
+    assert [(c.end - c.start, c.context_slots is None) for c in metadata.chunks] == [(n, n == s) for n, s in chunked]
 
     out = backend.forward(q, k, v, pool, metadata, SCALE)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
