@@ -14,7 +14,9 @@ import pytest
 from servelm.server.launcher import launch_server
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+# A fixed k: every test here must see drafts verified, whatever the controller would decide for a
+# random tiny model (the controller's own behaviour is measured in benchmarks/speculative.py).
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": false}'
 PROMPTS = [
     "one two three four one two three four one two three four one two",
     "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n\ndef h(x):\n",
