@@ -211,11 +211,14 @@ class Measurement:
     output_texts: list[str | None] = field(repr=False)  # per request, in workload order
 
 
-def measure(base_url: str, requests: list[WorkloadRequest], concurrency: int, duration_s: float) -> Measurement:
-    """Send `requests` as chat messages, `concurrency` at a time, greedy with ignore_eos; counters
-    are read after the runner's warm-up request, so their difference counts the workload alone."""
+def measure(
+    base_url: str, requests: list[WorkloadRequest], concurrency: int, duration_s: float, temperature: float = 0.0
+) -> Measurement:
+    """Send `requests` as chat messages, `concurrency` at a time, with ignore_eos (greedy unless
+    `temperature` > 0); counters are read after the runner's warm-up request, so their difference
+    counts the workload alone."""
     client = ClientConfig(base_url=base_url, model=probe_server(base_url).model_id, endpoint="chat",
-                          temperature=0.0, ignore_eos=True, keep_output_text=True)  # fmt: skip
+                          temperature=temperature, ignore_eos=True, keep_output_text=True)  # fmt: skip
     before = SpecCounters()
 
     def snapshot() -> None:
@@ -350,6 +353,11 @@ def main() -> None:
     parser.add_argument("--code-max-tokens", type=int, default=1024)
     parser.add_argument("--chat-requests", type=int, default=64, help="per concurrency level")
     parser.add_argument("--chat-max-tokens", type=int, default=256, help="caps the profile's output lengths")
+    parser.add_argument(
+        "--chat-temperature", type=float, default=0.0,
+        help="chat sampling temperature (0: greedy; a 135M model's greedy output loops, which n-grams catch: "
+        "1.0 gives the little-repetition chat the controller must not lose on)",
+    )  # fmt: skip
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--duration-s", type=float, default=3600.0, help="wall-clock limit of each run")
@@ -409,12 +417,17 @@ def main() -> None:
                     for salt, concurrency in enumerate(levels):
                         print(f"chat: {system} at concurrency {concurrency}", flush=True)
                         requests = chat_requests(tokens, args.chat_requests, args.chat_max_tokens, args.seed, salt)
-                        chat[system][concurrency] = measure(base_url, requests, concurrency, args.duration_s)
+                        chat[system][concurrency] = measure(
+                            base_url, requests, concurrency, args.duration_s, args.chat_temperature
+                        )
             except SystemUnavailable as exc:
                 skipped[f"chat/{system}"] = str(exc)
                 print(f"  skipped: {exc}", flush=True)
         report["chat"] = {s: {str(c): _measurement_json(m, None) for c, m in by.items()} for s, by in chat.items()}
-        tables.append(f"Chat (ShareGPT-like lengths), {args.chat_requests} requests per level:\n\n{chat_table(chat)}")
+        tables.append(
+            f"Chat (ShareGPT-like lengths), temperature {args.chat_temperature}, {args.chat_requests} requests per "
+            f"level:\n\n{chat_table(chat)}"
+        )
 
     if skipped:
         tables.append("Not run: " + "; ".join(f"{name} ({_gist(why)})" for name, why in skipped.items()))

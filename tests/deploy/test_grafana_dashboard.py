@@ -216,7 +216,11 @@ def problems(refs: QueryRefs, exposition: Exposition) -> list[str]:
 def exposition(tmp_path_factory: pytest.TempPathFactory) -> Exposition:
     """/metrics of a real server after streamed and whole requests of both priority classes."""
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-dashboard") / "model", seed=3)
-    server = launch_server(model, ["--num-blocks", "256", "--max-num-seqs", "8", "--num-threads", "1"])
+    # With speculation on, so the spec_decode_* counters (by position too) have samples.
+    speculative = '{"method": "ngram", "num_speculative_tokens": 2, "adaptive": false}'
+    server = launch_server(
+        model, ["--num-blocks", "256", "--max-num-seqs", "8", "--num-threads", "1", "--speculative-config", speculative]
+    )
     try:
         with httpx.Client(base_url=server.base_url, timeout=60) as client:
             for priority, stream in ((0, True), (5, False), (0, False), (5, True)):
