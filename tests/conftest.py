@@ -1,6 +1,26 @@
-"""Suite-wide settings: no model hub is reachable, so transformers must never try one."""
+"""Suite-wide settings (no model hub is reachable, so transformers must never try one), and the tiny
+checkpoint + single-sequence reference model the exactness tests share (a module may define its own
+`tiny_dir`, which then wins)."""
 
 import os
 
+import pytest
+import torch
+
+from servelm.models.factory import build_model
+from servelm.models.loader import load_checkpoint
+from servelm.testing.tiny_model import write_tiny_checkpoint
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_dir):
+    checkpoint = load_checkpoint(tiny_dir)
+    return build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu")

@@ -10,28 +10,11 @@ from __future__ import annotations
 
 import random
 
-import pytest
-import torch
-
 from servelm.config import EngineConfig
 from servelm.datatypes import DEFAULT_SLO, EngineRequest, FinishReason, RequestSlo
 from servelm.engine.builder import build_engine
-from servelm.models.factory import build_model
-from servelm.models.loader import load_checkpoint
 from servelm.sampling_params import SamplingParams
 from servelm.testing.reference_decode import greedy_decode
-from servelm.testing.tiny_model import write_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=7)
-
-
-@pytest.fixture(scope="module")
-def reference_model(tiny_dir):
-    checkpoint = load_checkpoint(tiny_dir)
-    return build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu")
 
 
 def _workload(seed: int, count: int, vocab: int):

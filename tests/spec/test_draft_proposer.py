@@ -21,13 +21,9 @@ from servelm.engine.builder import assemble_engine, build_engine
 from servelm.models.factory import build_model
 from servelm.models.loader import load_checkpoint
 from servelm.sampling_params import SamplingParams
+from servelm.testing.engine_run import run_requests
 from servelm.testing.reference_decode import greedy_decode
 from servelm.testing.tiny_model import write_first_layers_checkpoint, write_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -67,21 +63,13 @@ def _run_speculative(tiny_dir, workload, draft: dict):
     )  # fmt: skip
     built = build_engine(config)
     core = built.core
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    finish = {}
-    step = 0
-    while len(finish) < len(prompts):
-        for i, (prompt, n, arrival) in enumerate(zip(prompts, max_tokens, arrivals)):
-            if arrival == step:
-                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                core.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params))
-        for output in core.step():
-            tokens[output.request_id].extend(output.new_token_ids)
-            if output.finish_reason is not None:
-                finish[output.request_id] = output.finish_reason
-        core.scheduler.check_invariants()
-        step += 1
-        assert step < 20000, "engine did not finish the workload"
+    requests = [
+        EngineRequest(request_id=str(i), prompt_token_ids=prompt,
+                      sampling_params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens))
+    ]  # fmt: skip
+    run = run_requests(core, requests, arrivals)
+    tokens, finish = run.tokens, run.finish
     for i, want in enumerate(expected):
         assert tokens[str(i)] == want, f"request {i} diverged from the reference"
         assert finish[str(i)] == FinishReason.LENGTH

@@ -8,16 +8,13 @@ import json
 import random
 
 import pytest
-import torch
 
 from servelm import LLM, SamplingParams
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
 from servelm.engine.builder import build_engine
-from servelm.models.factory import build_model
-from servelm.models.loader import load_checkpoint
+from servelm.testing.engine_run import run_requests
 from servelm.testing.reference_decode import greedy_decode
-from servelm.testing.tiny_model import write_tiny_checkpoint
 
 METHODS = ["ngram", "suffix"]
 
@@ -32,17 +29,6 @@ def _spec(method: str, adaptive: bool = False) -> str:
             "adaptive": adaptive,
         }
     )
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=7)
-
-
-@pytest.fixture(scope="module")
-def reference_model(tiny_dir):
-    checkpoint = load_checkpoint(tiny_dir)
-    return build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu")
 
 
 def _repetitive_prompts(seed: int, count: int, vocab: int) -> list[list[int]]:
@@ -70,21 +56,11 @@ def test_tiny_model_greedy_matches_reference(tiny_dir, reference_model, method, 
         speculative_config=_spec(method, adaptive),
     )  # fmt: skip
     core = build_engine(config).core
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    finished: set[str] = set()
-    step = 0
-    while len(finished) < len(prompts):
-        for i, arrival in enumerate(arrivals):
-            if arrival == step:
-                params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True)
-                core.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompts[i], sampling_params=params))
-        for output in core.step():
-            tokens[output.request_id].extend(output.new_token_ids)
-            if output.finish_reason is not None:
-                finished.add(output.request_id)
-        core.scheduler.check_invariants()
-        step += 1
-        assert step < 20000
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    requests = [
+        EngineRequest(request_id=str(i), prompt_token_ids=p, sampling_params=params[i]) for i, p in enumerate(prompts)
+    ]
+    tokens = run_requests(core, requests, arrivals).tokens
     for i, prompt in enumerate(prompts):
         assert tokens[str(i)] == greedy_decode(reference_model, prompt, max_tokens[i]), f"request {i} diverged"
     stats = core.stats()

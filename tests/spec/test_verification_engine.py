@@ -11,54 +11,20 @@ from __future__ import annotations
 
 import random
 
-import pytest
-import torch
-
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest, EventType, FinishReason
 from servelm.engine.builder import build_engine
-from servelm.models.factory import build_model
-from servelm.models.loader import load_checkpoint
 from servelm.sampling_params import SamplingParams
+from servelm.testing.engine_run import run_requests
 from servelm.testing.reference_decode import greedy_decode
 from servelm.testing.scripted_proposer import ScriptedProposer
-from servelm.testing.tiny_model import write_tiny_checkpoint
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}'
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=7)
-
-
-@pytest.fixture(scope="module")
-def reference_model(tiny_dir):
-    checkpoint = load_checkpoint(tiny_dir)
-    return build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu")
-
-
 def _run(core, requests: list[EngineRequest], arrivals: list[int]):
-    """Feed requests at their arrival steps; collect tokens, logprobs, finish reasons and events."""
-    tokens = {r.request_id: [] for r in requests}
-    logprobs = {r.request_id: [] for r in requests}
-    events = {r.request_id: [] for r in requests}
-    finish = {}
-    step = 0
-    while len(finish) < len(requests):
-        for request, arrival in zip(requests, arrivals):
-            if arrival == step:
-                core.add_request(request)
-        for output in core.step():
-            tokens[output.request_id].extend(output.new_token_ids)
-            logprobs[output.request_id].extend(output.new_logprobs or [])
-            events[output.request_id].extend(output.events)
-            if output.finish_reason is not None:
-                finish[output.request_id] = output.finish_reason
-        core.scheduler.check_invariants()
-        step += 1
-        assert step < 20000, "engine did not finish the workload"
-    return tokens, logprobs, finish, events
+    run = run_requests(core, requests, arrivals)
+    return run.tokens, run.logprobs, run.finish, run.events
 
 
 def _prompts(seed: int, count: int, vocab: int) -> list[list[int]]:
