@@ -120,16 +120,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, launch_server=None)
     scenario = sub.add_parser("scenario", help='"TTFT tripled": a baseline and a today window, then diagnose')
     scenario.add_argument("name", help="long-docs | kv-pressure | slow-readers | network-delay | long-histories | all")
     scenario.add_argument("--out", type=Path, required=True, help="DIR: DIR/baseline, DIR/today (all: DIR/NAME/...)")
-    scenario.add_argument(
-        "--base-url", default=None, help="a running server (default: start one with the scenario's flags)"
-    )
+    scenario.add_argument("--base-url", default=None, help="a running server (default: start one with the scenario's flags)")
     scenario.add_argument("--model", default=None, help="the started server's model (default: the embedded default)")
     scenario.add_argument("--api-key", default=None)
     scenario.add_argument("--tokenizer", default=None)
     scenario.add_argument("--quick", action="store_true", help="CI size: short windows, prompts for the tiny model")
-    scenario.add_argument(
-        "--rate", type=float, default=None, help="requests/s in both windows (default: the scenario's)"
-    )
+    scenario.add_argument("--rate", type=float, default=None, help="requests/s in both windows (default: the scenario's)")
     scenario.add_argument("--seconds", type=float, default=None, help="each window's length (default: the scenario's)")
     scenario.add_argument("--seed", type=int, default=0)
     scenario.add_argument("--no-progress", action="store_false", dest="progress")

@@ -183,3 +183,4 @@ async def serve_forever(target: str, listen_port: int, faults: LinkFaults, seed:
     async with DelayProxy(host, port, faults, listen_port, seed) as proxy:
         print(f"delay proxy {proxy.url} -> {host}:{port}: {faults.describe()}", flush=True)
         await asyncio.Event().wait()
+

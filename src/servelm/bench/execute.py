@@ -174,9 +174,7 @@ def run_once(target: Target, config: BenchConfig, load: Load, out_dir: Path, sal
         nonlocal before
         before = scrape_counters(config.base_url, target.client.api_key) if target.server.has_metrics else None
 
-    result: RunResult = asyncio.run(
-        run_workload(requests, target.client, limits, target.tokens, after_warm_up=snapshot)
-    )
+    result: RunResult = asyncio.run(run_workload(requests, target.client, limits, target.tokens, after_warm_up=snapshot))
     after = scrape_counters(config.base_url, target.client.api_key) if target.server.has_metrics else None
     summary = summarize(result.records, config.slos, result.duration_s)
     described = {"load": load.describe(config), "load_kind": load.kind, "load_value": load.value, "salt": salt}

@@ -104,12 +104,8 @@ def _string_cases() -> list[HostileCase]:
         ("/v1/completions", COMPLETION, ["cache_salt"], "cache_salt"),
         ("/v1/completions", COMPLETION, ["model"], "model"),
         ("/v1/chat/completions", CHAT, ["messages", 0, "content"], "messages"),
-        (
-            "/v1/chat/completions",
-            {**CHAT, "messages": [{"role": "user", "content": "hi", "name": "a"}]},
-            ["messages", 0, "name"],
-            "messages.0.name",
-        ),  # fmt: skip
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi", "name": "a"}]},
+         ["messages", 0, "name"], "messages.0.name"),  # fmt: skip
     ]
     cases = []
     for path, base, where, param in fields:
@@ -117,11 +113,7 @@ def _string_cases() -> list[HostileCase]:
             cases.append(HostileCase(f"{path} {param}={label}", path, _with_raw(base, where, raw), param))
     # /tokenize answers a long valid prompt (that is its job); a lone surrogate is never valid.
     raw = STRING_EDGES["lone-surrogate"]
-    cases.append(
-        HostileCase(
-            "/tokenize prompt=lone-surrogate", "/tokenize", _with_raw({"prompt": "x"}, ["prompt"], raw), "prompt"
-        )
-    )
+    cases.append(HostileCase("/tokenize prompt=lone-surrogate", "/tokenize", _with_raw({"prompt": "x"}, ["prompt"], raw), "prompt"))
     return cases
 
 
@@ -129,11 +121,8 @@ def _envelope_cases(max_body_bytes: int) -> list[HostileCase]:
     completion = json.dumps(COMPLETION).encode()
     cases = [
         HostileCase(f"{path} content-type={kind}", path, body, None, content_type=kind)
-        for path, body in (
-            ("/v1/completions", completion),
-            ("/v1/chat/completions", json.dumps(CHAT).encode()),
-            ("/tokenize", b'{"prompt": "hi"}'),
-        )  # fmt: skip
+        for path, body in (("/v1/completions", completion), ("/v1/chat/completions", json.dumps(CHAT).encode()),
+                           ("/tokenize", b'{"prompt": "hi"}'))  # fmt: skip
         for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None)
     ]
     oversize = _with_raw(COMPLETION, ["prompt"], json.dumps("a" * (max_body_bytes + MEGABYTE)))
@@ -159,7 +148,7 @@ class CaseResult:
 
     @property
     def outcome(self) -> str:
-        """ "4xx" | "5xx" | "2xx" (wrong: accepted) | "no-answer"."""
+        """"4xx" | "5xx" | "2xx" (wrong: accepted) | "no-answer"."""
         if self.status == 0:
             return "no-answer"
         return f"{self.status // 100}xx" if self.status // 100 in (2, 4, 5) else str(self.status)
@@ -207,11 +196,7 @@ class _Connection:
 
 
 def run_hostile(
-    base_url: str,
-    cases: list[HostileCase],
-    model: str | None = None,
-    api_key: str | None = None,
-    timeout_s: float = 120,
+    base_url: str, cases: list[HostileCase], model: str | None = None, api_key: str | None = None, timeout_s: float = 120
 ) -> HostileReport:
     """Send every case, each followed by a normal completion on the same connection."""
     extra = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -233,10 +218,7 @@ def run_hostile(
             follow_status, follow_data = connection.request(
                 "POST", "/v1/completions", normal, {**extra, "Content-Type": "application/json"}
             )
-            follow_ok, detail = (
-                follow_status == 200,
-                "" if follow_status == 200 else follow_data[:200].decode(errors="replace"),
-            )
+            follow_ok, detail = follow_status == 200, "" if follow_status == 200 else follow_data[:200].decode(errors="replace")
         except (OSError, http.client.HTTPException) as exc:
             follow_ok, detail = False, f"follow-up: {type(exc).__name__}: {exc}"
             connection.reset()

@@ -117,10 +117,7 @@ class _Run:
 
 
 async def run_workload(
-    requests: list[WorkloadRequest],
-    client: ClientConfig,
-    limits: RunLimits,
-    tokens: TokenSource | None = None,
+    requests: list[WorkloadRequest], client: ClientConfig, limits: RunLimits, tokens: TokenSource | None = None,
     after_warm_up: Callable[[], None] | None = None,
 ) -> RunResult:
     """Send the workload (see module doc); returns every sent request's record. `after_warm_up`

@@ -68,9 +68,7 @@ class ScenarioResult:
                 "ok": self.ok, "out_dir": str(self.out_dir), "error": self.error}  # fmt: skip
 
 
-def bench_config(
-    load: WindowLoad, size: ScenarioSize, base_url: str, out_dir: Path, options: ScenarioOptions
-) -> BenchConfig:
+def bench_config(load: WindowLoad, size: ScenarioSize, base_url: str, out_dir: Path, options: ScenarioOptions) -> BenchConfig:
     """The `servelm bench run` configuration of one window."""
     return BenchConfig(
         base_url=base_url, out_dir=out_dir, profile=load.profile, weights=dict(load.weights), seed=options.seed,
@@ -82,9 +80,7 @@ def bench_config(
     )  # fmt: skip
 
 
-async def run_window(
-    label: str, load: WindowLoad, size: ScenarioSize, server_url: str, options: ScenarioOptions
-) -> Path:
+async def run_window(label: str, load: WindowLoad, size: ScenarioSize, server_url: str, options: ScenarioOptions) -> Path:
     """One window: the load at `size.rate`, recorded into out_dir/label; returns that directory."""
     window_dir = options.out_dir / label
     async with contextlib.AsyncExitStack() as stack:
@@ -104,9 +100,7 @@ async def run_window(
     return window_dir
 
 
-def run_scenario(
-    scenario: Scenario, options: ScenarioOptions, launcher: ServerLauncher | None = None
-) -> ScenarioResult:
+def run_scenario(scenario: Scenario, options: ScenarioOptions, launcher: ServerLauncher | None = None) -> ScenarioResult:
     """Both windows (on `options.base_url`, or on a server `launcher` starts with the scenario's
     flags), then the diagnosis. Writes everything under options.out_dir (see module doc)."""
     size = scenario.size(options.quick)
@@ -115,9 +109,7 @@ def run_scenario(
     if options.base_url is None and options.tokenizer is None:
         options = replace(options, tokenizer=options.model)  # the server started here serves that model
     options.out_dir.mkdir(parents=True, exist_ok=True)
-    (options.out_dir / "scenario.json").write_text(
-        json.dumps(_describe(scenario, size, options), indent=1, default=str)
-    )
+    (options.out_dir / "scenario.json").write_text(json.dumps(_describe(scenario, size, options), indent=1, default=str))
     with _server(scenario, options, launcher) as server_url:
         for label, load in zip(WINDOWS, (scenario.baseline, scenario.today), strict=True):
             asyncio.run(run_window(label, load, size, server_url, options))

@@ -120,9 +120,8 @@ SCENARIOS: dict[str, Scenario] = {
             "their streams slowly, 512 bytes per 250 ms: once the socket buffers are full, outputs queue in "
             "the API process",
             baseline=WindowLoad(profile="chat", slow_readers=0.5, slow_reader_logprobs=20),
-            today=WindowLoad(
-                profile="chat", slow_readers=0.5, slow_reader_logprobs=20, read_delay_ms=250.0, read_bytes=512
-            ),  # fmt: skip
+            today=WindowLoad(profile="chat", slow_readers=0.5, slow_reader_logprobs=20, read_delay_ms=250.0,
+                             read_bytes=512),  # fmt: skip
             full=ScenarioSize(rate=0.5, seconds=90.0, max_output_tokens=768),
             quick=ScenarioSize(rate=3.0, seconds=10.0, length_scale=0.12, max_output_tokens=400, drain_s=20.0),
             quick_server_args=_QUICK_SERVER,
@@ -133,9 +132,8 @@ SCENARIOS: dict[str, Scenario] = {
             description="a proxy between clients and the server adds 150 ms each way, up to 30 ms of jitter "
             "and 2% loss (a 200 ms retransmission each)",
             baseline=WindowLoad(weights={"voice": 0.6, "chat": 0.4}),
-            today=WindowLoad(
-                weights={"voice": 0.6, "chat": 0.4}, network=LinkFaults(delay_s=0.15, jitter_s=0.03, loss=0.02)
-            ),  # fmt: skip
+            today=WindowLoad(weights={"voice": 0.6, "chat": 0.4},
+                             network=LinkFaults(delay_s=0.15, jitter_s=0.03, loss=0.02)),  # fmt: skip
             full=ScenarioSize(rate=1.0, seconds=60.0, max_output_tokens=64),
             quick=_QUICK,
             quick_server_args=_QUICK_SERVER,

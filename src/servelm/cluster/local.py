@@ -90,9 +90,7 @@ class LocalCluster:
         while pending:
             for running in list(pending):
                 if running.process.poll() is not None:
-                    raise RuntimeError(
-                        f"{running.spec.name} exited with {running.process.returncode}:\n{running.log_tail()}"
-                    )
+                    raise RuntimeError(f"{running.spec.name} exited with {running.process.returncode}:\n{running.log_tail()}")
                 try:
                     if httpx.get(running.spec.url + "/health", timeout=1.0).status_code == 200:
                         pending.remove(running)

@@ -46,9 +46,7 @@ class ReplicasConfig:
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.num_threads < 1:
-            raise ValueError(
-                f"replicas.count and replicas.num_threads must be >= 1, got {self.count}, {self.num_threads}"
-            )
+            raise ValueError(f"replicas.count and replicas.num_threads must be >= 1, got {self.count}, {self.num_threads}")
 
 
 @dataclass(frozen=True)
@@ -110,9 +108,7 @@ class ClusterConfig:
                 kv_port = r.kv_events_base_port + 2 * i  # two ports each: PUB and snapshot
                 argv += ["--kv-events-port", str(kv_port)]
                 kv_events = f"tcp://{self.host}:{kv_port}"
-            specs.append(
-                ProcessSpec(f"replica-{i}", "replica", tuple(argv) + r.args, f"http://{self.host}:{port}", kv_events)
-            )
+            specs.append(ProcessSpec(f"replica-{i}", "replica", tuple(argv) + r.args, f"http://{self.host}:{port}", kv_events))
         return specs
 
     def router_process(self, replicas: list[ProcessSpec]) -> ProcessSpec:

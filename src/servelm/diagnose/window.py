@@ -223,9 +223,7 @@ def client_side(report: dict[str, Any]) -> ClientSide:
         tbt_s=overall.get("tbt_s") or {},
         network_s=breakdown.get(NETWORK) if breakdown else None,
         request_rate=overall["request_throughput"],
-        arrival_rate=overall["num_requests"] / report["summary"]["duration_s"]
-        if report["summary"].get("duration_s")
-        else None,
+        arrival_rate=overall["num_requests"] / report["summary"]["duration_s"] if report["summary"].get("duration_s") else None,
         prompt_tokens_per_request=overall["num_prompt_tokens"] / num_ok if num_ok else None,
         output_tokens_per_request=overall["num_output_tokens"] / num_ok if num_ok else None,
         class_ttft_s={name: group["ttft_s"] for name, group in report["summary"].get("classes", {}).items()},

@@ -113,9 +113,7 @@ class KVEventPublisher:
         self._send_batch(self.seq, records)
 
     def _send_batch(self, seq: int, records: list[KVEventRecord]) -> None:
-        batch = KVEventBatch(
-            epoch=self.epoch, seq=seq, timestamp=time.time(), block_size=self.block_size, events=records
-        )
+        batch = KVEventBatch(epoch=self.epoch, seq=seq, timestamp=time.time(), block_size=self.block_size, events=records)
         try:
             self.pub.send(self._encoder.encode(batch), zmq.NOBLOCK)
         except zmq.Again:

@@ -106,9 +106,7 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for a reply."""
-        return list(
-            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        )
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
     def _run_to_completion(self, fan_outs: list[FanOut]) -> None:
         """Send every fan-out's first requests, then step until the core is idle, feeding each
@@ -142,14 +140,10 @@ class LLM:
         for name, ids in (("token id", token_ids), ("stop_token_ids entry", params.stop_token_ids)):
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
-                raise ValueError(
-                    f"prompt {index}: {name} {bad} is out of range: the vocabulary has {vocab_size} tokens"
-                )
+                raise ValueError(f"prompt {index}: {name} {bad} is out of range: the vocabulary has {vocab_size} tokens")
 
     @staticmethod
-    def _params_per_prompt(
-        params: SamplingParams | Sequence[SamplingParams] | None, count: int
-    ) -> list[SamplingParams]:
+    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams()] * count
         if isinstance(params, SamplingParams):

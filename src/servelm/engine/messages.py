@@ -1,7 +1,7 @@
 """Messages between the API process and the engine-core process (msgspec, msgpack on the wire).
 
-API ──PUSH──▶ core:  AddRequest | AbortRequests | Shutdown
-API ◀──PUSH── core:  CoreReady (once) | OutputBatch (per step) | CoreFailed
+    API ──PUSH──▶ core:  AddRequest | AbortRequests | Shutdown
+    API ◀──PUSH── core:  CoreReady (once) | OutputBatch (per step) | CoreFailed
 """
 
 from __future__ import annotations

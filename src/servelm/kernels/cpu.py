@@ -143,19 +143,8 @@ class CpuKernels:
         probs = torch.softmax(scores, dim=-1)  # [B, H, max_len]; positions past a seq_len hold -inf -> 0
         out = torch.empty(num_requests, heads, head_dim, dtype=torch.float32)
         self._lib.decode_pv(
-            probs.data_ptr(),
-            v_pool.data_ptr(),
-            batch.tables_ptr,
-            batch.lens_ptr,
-            out.data_ptr(),
-            num_requests,
-            heads,
-            kv_heads,
-            head_dim,
-            block_size,
-            max_blocks,
-            max_len,
-            threads,
+            probs.data_ptr(), v_pool.data_ptr(), batch.tables_ptr, batch.lens_ptr, out.data_ptr(),
+            num_requests, heads, kv_heads, head_dim, block_size, max_blocks, max_len, threads,
         )
         return out
 
@@ -177,9 +166,7 @@ class CpuKernels:
         check_tensor("scales", scales, torch.float32, 2)
         n, k = codes.shape
         if k % BLOCK:
-            raise KernelArgumentError(
-                f"codes: expected [N, K] with K a multiple of {BLOCK}, found {tuple(codes.shape)}"
-            )
+            raise KernelArgumentError(f"codes: expected [N, K] with K a multiple of {BLOCK}, found {tuple(codes.shape)}")
         check_shape("scales", scales, (n, k // BLOCK), f"[N, K / {BLOCK}], N and K as in codes")
         if mins is not None:
             check_tensor("mins", mins, torch.float32, 2)
@@ -228,3 +215,4 @@ class DecodeBatch:
         self.block_tables, self.seq_lens, self.max_len = block_tables, seq_lens, max_len
         self.tables_ptr, self.lens_ptr = block_tables.data_ptr(), seq_lens.data_ptr()
         self.batch, self.max_blocks = block_tables.shape
+

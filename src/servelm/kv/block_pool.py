@@ -170,7 +170,9 @@ class PrefixCacheStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, enable_kv_events: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, enable_prefix_caching: bool = True, enable_kv_events: bool = False
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks

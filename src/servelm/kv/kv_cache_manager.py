@@ -277,9 +277,7 @@ class KVCacheManager:
         if computed_blocks is None:
             return []
         if state is not None:
-            raise ValueError(
-                f"request {request_id!r} already holds blocks; computed_blocks is for the first allocation"
-            )
+            raise ValueError(f"request {request_id!r} already holds blocks; computed_blocks is for the first allocation")
         if num_computed_tokens != computed_blocks.num_computed_tokens:
             raise ValueError(
                 f"num_computed_tokens={num_computed_tokens} disagrees with the lookup's "

@@ -110,7 +110,9 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
     """The GGUF metadata as a Hugging Face `config.json` dict (what `ModelArchConfig.from_hf_config` reads)."""
     name = _field(reader, "general.architecture")
     if name not in GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(f"unsupported GGUF architecture {name!r}; supported: {sorted(GGUF_ARCHITECTURES)}")
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {name!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
     tensor_names = {t.name for t in reader.tensors}
     num_heads = int(_field(reader, f"{name}.attention.head_count"))
     hidden = int(_field(reader, f"{name}.embedding_length"))
@@ -211,9 +213,7 @@ def int8_block_weight(tensor: ReaderTensor, rope_heads: int | None = None) -> In
         raw = unpermute_rope_rows(raw, rope_heads)
 
     def halves(offset: int) -> torch.Tensor:  # the f16 at `offset` of every block, as float32 [N, K/32]
-        return torch.from_numpy(
-            np.ascontiguousarray(raw[:, :, offset : offset + 2]).view(np.float16)[..., 0].astype(np.float32)
-        )
+        return torch.from_numpy(np.ascontiguousarray(raw[:, :, offset : offset + 2]).view(np.float16)[..., 0].astype(np.float32))
 
     if tensor.tensor_type == _Q.Q8_0:
         codes = np.ascontiguousarray(raw[:, :, 2:]).view(np.int8)  # [N, K/32, 32]

@@ -1,11 +1,11 @@
 """Load a Hugging Face model directory: config.json, safetensors weights (one file or shards), tokenizer.
 
-model_dir/
-  config.json                      -> ModelArchConfig
-  model.safetensors                -> weights, or
-  model.safetensors.index.json     -> {"weight_map": {tensor name: shard file}}
-  model-00001-of-0000N.safetensors
-  tokenizer.json, tokenizer_config.json (+ chat_template.jinja)
+    model_dir/
+      config.json                      -> ModelArchConfig
+      model.safetensors                -> weights, or
+      model.safetensors.index.json     -> {"weight_map": {tensor name: shard file}}
+      model-00001-of-0000N.safetensors
+      tokenizer.json, tokenizer_config.json (+ chat_template.jinja)
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def read_hf_config(path: Path) -> ModelArchConfig:
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(
-            f"{path} is not a Hugging Face model directory: expected {CONFIG_FILE} in it, found {_listing(path)}"
+            f"{path} is not a Hugging Face model directory: expected {CONFIG_FILE} in it, found "
+            f"{_listing(path)}"
         )
     try:
         config: dict[str, Any] = json.loads(config_path.read_text())
@@ -72,7 +73,9 @@ def _load_sharded(index_path: Path, source: str) -> CheckpointWeights:
     # Check every shard before reading any, so a partial download fails fast and names all gaps.
     missing = [name for name in shard_names if not (index_path.parent / name).is_file()]
     if missing:
-        raise FileNotFoundError(f"{index_path} lists shard(s) {missing} that are missing from {index_path.parent}")
+        raise FileNotFoundError(
+            f"{index_path} lists shard(s) {missing} that are missing from {index_path.parent}"
+        )
     shards = {index_path.parent / name: _tensor_infos(index_path.parent / name) for name in shard_names}
     found = {tensor for infos in shards.values() for tensor in infos}
     absent = [tensor for tensor in weight_map if tensor not in found]

@@ -37,9 +37,7 @@ class Int8BlockWeight:
             raise ValueError(f"codes must be int8 with a multiple of {BLOCK} columns, got {self.codes.dtype} {(n, k)}")
         for name, part in (("scales", self.scales), ("mins", self.mins)):
             if part is not None and (part.dtype != torch.float32 or tuple(part.shape) != (n, k // BLOCK)):
-                raise ValueError(
-                    f"{name} must be float32 of shape {(n, k // BLOCK)}, got {part.dtype} {tuple(part.shape)}"
-                )
+                raise ValueError(f"{name} must be float32 of shape {(n, k // BLOCK)}, got {part.dtype} {tuple(part.shape)}")
 
     @property
     def shape(self) -> torch.Size:

@@ -51,9 +51,7 @@ def load_checkpoint(path: str | Path | None = None) -> LoadedCheckpoint:
     elif resolved.is_file() and resolved.suffix.lower() == ".gguf":
         arch, weights, tokenizer = load_gguf(resolved)
     elif resolved.exists():
-        raise ValueError(
-            f"cannot load {resolved}: expected {_EXPECTED}, found a {resolved.suffix or 'extensionless'} file"
-        )
+        raise ValueError(f"cannot load {resolved}: expected {_EXPECTED}, found a {resolved.suffix or 'extensionless'} file")
     else:
         raise FileNotFoundError(f"model path {resolved} does not exist; expected {_EXPECTED}")
     return LoadedCheckpoint(arch, weights, tokenizer, str(resolved), time.perf_counter() - started)

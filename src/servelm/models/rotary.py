@@ -49,9 +49,7 @@ class RotaryEmbedding(torch.nn.Module):
         return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
 
 
-def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, N, D] (any strides); cos/sin: [T, 1, D/2] → x rotated, written to `out` (or a new tensor).
 
     HF computes x * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin). Per half that is

@@ -44,7 +44,5 @@ def template_messages_from_json(messages: Any) -> list[dict[str, str]]:
         elif not isinstance(content, str):
             content = None
         name = message.get("name")
-        entries.append(
-            template_message(str(message.get("role", "user")), content, str(name) if name is not None else None)
-        )
+        entries.append(template_message(str(message.get("role", "user")), content, str(name) if name is not None else None))
     return entries

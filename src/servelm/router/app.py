@@ -140,9 +140,7 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/admin/replicas")
     async def list_replicas(request: Request) -> Response:
-        return Response(
-            json.dumps({"replicas": _replica_summary(request.app.state.router)}), media_type="application/json"
-        )
+        return Response(json.dumps({"replicas": _replica_summary(request.app.state.router)}), media_type="application/json")
 
     @app.post("/admin/replicas")
     async def add_replica(request: Request) -> Response:
@@ -158,9 +156,7 @@ def _add_routes(app: FastAPI) -> None:
         router: Router = request.app.state.router
         replica = router.add_replica(spec)
         await check_all(request.app.state.proxy.client, router)
-        return Response(
-            json.dumps({"url": replica.url, "healthy": replica.healthy}), 201, media_type="application/json"
-        )
+        return Response(json.dumps({"url": replica.url, "healthy": replica.healthy}), 201, media_type="application/json")
 
     @app.delete("/admin/replicas")
     async def remove_replica(request: Request) -> Response:

@@ -26,9 +26,7 @@ SNAPSHOT_TIMEOUT_S = 5.0
 MIN_RESYNC_INTERVAL_S = 1.0
 
 
-async def fetch_snapshot(
-    context: zmq.asyncio.Context, address: str, timeout_s: float = SNAPSHOT_TIMEOUT_S
-) -> KVSnapshot:
+async def fetch_snapshot(context: zmq.asyncio.Context, address: str, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> KVSnapshot:
     """Ask a replica's snapshot socket for its cached set. A fresh REQ each time: a timed-out
     REQ socket is stuck in its send/recv state machine, so it is thrown away."""
     socket = context.socket(zmq.REQ)
@@ -86,10 +84,7 @@ class KVSubscriber:
             while True:
                 batch = self._decoder.decode(await sub.recv())
                 self.num_batches += 1
-                if (
-                    self.index.apply_batch(self.url, batch)
-                    and time.monotonic() - self._last_resync >= MIN_RESYNC_INTERVAL_S
-                ):
+                if self.index.apply_batch(self.url, batch) and time.monotonic() - self._last_resync >= MIN_RESYNC_INTERVAL_S:
                     await self.resync()
         finally:
             sub.close()

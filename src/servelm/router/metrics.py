@@ -37,10 +37,7 @@ class RouterMetrics:
     def __init__(self, replicas: Callable[[], ReplicaSet]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            PREFIX + "requests",
-            "Requests sent to each replica (retries included).",
-            ["replica"],
-            registry=self.registry,
+            PREFIX + "requests", "Requests sent to each replica (retries included).", ["replica"], registry=self.registry
         )
         self.decisions = Counter(
             PREFIX + "routing_decisions", "Routing decisions by reason.", ["reason"], registry=self.registry

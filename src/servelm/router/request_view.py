@@ -57,9 +57,7 @@ async def build_view(
             token_ids = []  # the replica will reject the request with a proper error
     salt = body.get("cache_salt")
     # A salted request hashes into its own namespace on the replica: hash it the same way here.
-    block_hashes = hash_block_tokens(
-        token_ids, block_size, extra_key_from_salt(salt if isinstance(salt, str) else None)
-    )
+    block_hashes = hash_block_tokens(token_ids, block_size, extra_key_from_salt(salt if isinstance(salt, str) else None))
     routing_key = block_hashes[0] if block_hashes else hashlib.sha256(repr(token_ids or body).encode()).digest()
     user = body.get("user")
     session_id = headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)

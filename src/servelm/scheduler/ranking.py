@@ -139,15 +139,7 @@ def fair_turns(
         members = members_by_tenant[tenant]
         pick = members[index]
         if index + 1 < len(members):
-            heapq.heappush(
-                heads,
-                (
-                    service + weighted_service(pick.slo, pick.num_tokens),
-                    arrival_key(members[index + 1]),
-                    tenant,
-                    index + 1,
-                ),
-            )
+            heapq.heappush(heads, (service + weighted_service(pick.slo, pick.num_tokens), arrival_key(members[index + 1]), tenant, index + 1))
         yield turn, pick
 
 

@@ -325,7 +325,7 @@ class Scheduler:
 
     def _schedule_decodes(self, plan: StepPlan, now: float) -> None:
         decodes = [r for r in self._running if not r.is_prefilling]
-        num_drafts = self._choose_drafts(decodes, plan.budget)
+        num_drafts = self._choose_drafts(decodes)
         for request in decodes:
             if plan.budget <= 0:
                 break
@@ -351,7 +351,7 @@ class Scheduler:
         room = self.max_model_len - (request.num_computed_tokens + 1 + num_drafts)
         return max(0, min(self._drafts.lookahead_slots, room))
 
-    def _choose_drafts(self, decodes: list[Request], budget: int) -> dict[str, int]:
+    def _choose_drafts(self, decodes: list[Request]) -> dict[str, int]:
         """k per decode (missing: 0): what each may verify, and what pays at this step's size and cost."""
         if self._drafts is None or not decodes:
             return {}
@@ -544,9 +544,8 @@ class Scheduler:
             request = self._requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted after schedule(): its output is already out
-            output = self._update_request(
-                request, num_scheduled, model_output, scheduler_output.scheduled_draft_token_ids, now
-            )
+            drafts = scheduler_output.scheduled_draft_token_ids.get(request_id, [])
+            output = self._update_request(request, num_scheduled, drafts, model_output, now)
             if output is not None:
                 outputs.append(output)
             any_finished |= request.status.is_finished
@@ -558,8 +557,8 @@ class Scheduler:
         self,
         request: Request,
         num_scheduled: int,
+        drafts: list[int],  # the drafts this step verified for it (1 + len(drafts) of num_scheduled)
         model_output: ModelOutput,
-        scheduler_output_drafts: dict[str, list[int]],
         now: float,
     ) -> EngineOutput | None:
         request_id = request.request_id
@@ -569,7 +568,6 @@ class Scheduler:
         if caught_up and not sampled:
             # It would have nothing left to compute and never finish: fail loudly instead.
             raise ValueError(f"ModelOutput has no sampled token for {request_id!r}, whose step reached its last token")
-        drafts = scheduler_output_drafts.get(request_id, [])
         num_accepted = self._accepted_drafts(request, drafts, sampled, now)
         # Only accepted positions hold valid KV: the rejected drafts' slots are overwritten later.
         request.num_computed_tokens += num_scheduled - (len(drafts) - num_accepted)

@@ -136,9 +136,7 @@ async def _start_context(engine_config: EngineConfig, options: ServerOptions) ->
         num_core_waiting=lambda: client.stats.num_waiting,
         engine_error=lambda: client.dead_error,
     )
-    logger.info(
-        "serving %s (%s): context %d tokens, %d KV blocks", name, ready.source, ready.max_model_len, ready.num_blocks
-    )
+    logger.info("serving %s (%s): context %d tokens, %d KV blocks", name, ready.source, ready.max_model_len, ready.num_blocks)
     return ServerContext(
         engine=engine,
         metrics=metrics,

@@ -61,10 +61,7 @@ class _ChatView:
             return None
         ids = ids_to_decode(token_ids, entries)
         strings = dict(zip(ids, self.ctx.tokenizer.decoder.token_strings(ids)))
-        return {
-            "content": chat_logprobs_content(token_ids, entries, strings, self.body.top_logprobs or 0),
-            "refusal": None,
-        }
+        return {"content": chat_logprobs_content(token_ids, entries, strings, self.body.top_logprobs or 0), "refusal": None}
 
     async def collect(self) -> Response:
         texts: dict[int, list[str]] = {c.index: [] for c in self.gen.choices}
@@ -91,11 +88,7 @@ class _ChatView:
             )
         prompt_tokens, completion_tokens = len(self.gen.prompts[0]), sum(len(t) for t in tokens.values())
         done = finish_request(self.ctx, self.gen, prompt_tokens, completion_tokens, self.body.wants_timeline)
-        payload = {
-            **self._header("chat.completion"),
-            "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens, self.gen.num_cached_prompt_tokens),
-        }
+        payload = {**self._header("chat.completion"), "choices": choices, "usage": usage(prompt_tokens, completion_tokens, self.gen.num_cached_prompt_tokens)}
         if done.timeline_dict is not None:
             payload["servelm"] = {"timeline": done.timeline_dict}
         return json_response(payload, headers=done.ttft_header)

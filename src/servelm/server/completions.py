@@ -89,12 +89,7 @@ class _CompletionView:
         return self.body.max_tokens == 0  # prompt scoring only
 
     def _header(self) -> dict[str, Any]:
-        return {
-            "id": self.gen.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.ctx.model_name,
-        }
+        return {"id": self.gen.request_id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name}
 
     async def _echo(self, choice: Choice, acc: _Accumulated) -> tuple[str, dict[str, list[Any]] | None]:
         """The prompt's text (and its logprobs) that precede this choice's completion."""
@@ -116,9 +111,7 @@ class _CompletionView:
 
     async def _strings(self, token_ids: list[int], entries: list, in_pool: bool) -> dict[int, str]:
         ids = ids_to_decode(token_ids, entries)
-        decoded = (
-            await self.ctx.tokenizer.token_strings(ids) if in_pool else self.ctx.tokenizer.decoder.token_strings(ids)
-        )
+        decoded = await self.ctx.tokenizer.token_strings(ids) if in_pool else self.ctx.tokenizer.decoder.token_strings(ids)
         return dict(zip(ids, decoded))
 
     async def collect(self) -> Response:
@@ -134,11 +127,7 @@ class _CompletionView:
         choices = [await self._final_choice(c, accumulated[c.index]) for c in self.gen.choices]
         completion_tokens = sum(len(a.token_ids) for a in accumulated.values()) if not self.drop_generated else 0
         done = finish_request(self.ctx, self.gen, self._prompt_tokens(), completion_tokens, self.body.wants_timeline)
-        payload = {
-            **self._header(),
-            "choices": choices,
-            "usage": usage(self._prompt_tokens(), completion_tokens, self.gen.num_cached_prompt_tokens),
-        }
+        payload = {**self._header(), "choices": choices, "usage": usage(self._prompt_tokens(), completion_tokens, self.gen.num_cached_prompt_tokens)}
         if done.timeline_dict is not None:
             payload["servelm"] = {"timeline": done.timeline_dict}
         return json_response(payload, headers=done.ttft_header)
@@ -198,9 +187,7 @@ class _CompletionView:
             if self.body.logprobs is not None and delta.token_ids:
                 logprobs = logprobs or empty_completion_logprobs()
                 strings = await self._strings(delta.token_ids, delta.logprobs or [], in_pool=False)
-                acc.text_offset = extend_completion_logprobs(
-                    logprobs, delta.token_ids, delta.logprobs or [], strings, acc.text_offset
-                )
+                acc.text_offset = extend_completion_logprobs(logprobs, delta.token_ids, delta.logprobs or [], strings, acc.text_offset)
         if not text and logprobs is None and delta.finish_reason is None:
             return None
         return _entry(delta, text, logprobs)

@@ -62,7 +62,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return APIError(
+        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
 
 
 def overloaded(retry_after_s: int, waiting: int, limit: int) -> APIError:

@@ -96,12 +96,7 @@ def launch_server(
 
 
 def wait_until_ready(
-    process: subprocess.Popen,
-    url: str,
-    timeout_s: float,
-    *,
-    verify: bool | ssl.SSLContext = True,
-    interval_s: float = 0.2,
+    process: subprocess.Popen, url: str, timeout_s: float, *, verify: bool | ssl.SSLContext = True, interval_s: float = 0.2
 ) -> None:
     """Poll `url` until it answers 200; RuntimeError ("exited with N during start-up" / "not ready
     after T s") if the process dies first or the time runs out. Any HTTP server, any process."""

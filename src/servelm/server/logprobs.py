@@ -72,11 +72,7 @@ def chat_logprobs_content(
                 "logprob": entry.chosen.logprob,
                 "bytes": list(text.encode("utf-8")),
                 "top_logprobs": [
-                    {
-                        "token": strings[t.token_id],
-                        "logprob": t.logprob,
-                        "bytes": list(strings[t.token_id].encode("utf-8")),
-                    }
+                    {"token": strings[t.token_id], "logprob": t.logprob, "bytes": list(strings[t.token_id].encode("utf-8"))}
                     for t in entry.top[:num_top]
                 ],
             }

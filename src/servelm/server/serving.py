@@ -53,9 +53,7 @@ def json_response(payload: dict[str, Any], headers: dict[str, str] | None = None
 
 def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
     # X-Accel-Buffering: a reverse proxy must not batch up tokens.
-    return StreamingResponse(
-        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def new_request(http_request: Request, prefix: str, streaming: bool) -> tuple[str, RequestTimeline]:
@@ -178,9 +176,7 @@ class Finished:
     ttft_header: dict[str, str]
 
 
-def finish_request(
-    ctx: ServerContext, gen: GenerationStream, prompt_tokens: int, completion_tokens: int, want_timeline: bool
-) -> Finished:
+def finish_request(ctx: ServerContext, gen: GenerationStream, prompt_tokens: int, completion_tokens: int, want_timeline: bool) -> Finished:
     timeline = gen.timeline
     timeline.stamp(ApiStamp.FINISHED)
     breakdown = timeline.breakdown()

@@ -68,6 +68,7 @@ class Tenant:
     weight: float = 1.0
 
 
+
 @dataclass(frozen=True)
 class TenantsConfig:
     classes: Mapping[str, SloClass]
@@ -177,9 +178,7 @@ def _mapping(value: Any, source: str, where: str, allowed: set[str] | None = Non
         raise TenantsConfigError(f"{source}: {where}: expected a mapping, got {type(value).__name__}")
     unknown = sorted(str(k) for k in value if allowed is not None and k not in allowed)
     if unknown:
-        raise TenantsConfigError(
-            f"{source}: {where}: unknown field(s) {unknown}; expected some of {sorted(allowed or ())}"
-        )
+        raise TenantsConfigError(f"{source}: {where}: unknown field(s) {unknown}; expected some of {sorted(allowed or ())}")
     return value
 
 

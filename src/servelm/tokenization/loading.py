@@ -58,7 +58,9 @@ def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> Any:
     if cached.is_dir():
         return transformers.AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
     started = time.perf_counter()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True
+    )
     if chat_template and tokenizer.chat_template != chat_template:
         tokenizer.chat_template = chat_template
     logger.info("converted the tokenizer of %s in %.1f s", path.name, time.perf_counter() - started)

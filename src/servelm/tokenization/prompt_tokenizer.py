@@ -42,8 +42,7 @@ class FastDecoder:
         # clean_up_tokenization_spaces and friends live in transformers only: compare on a probe.
         ids = self.tokenizer.encode(_PROBE_TEXT, add_special_tokens=False)
         return all(
-            self._backend.decode(ids[:k], skip_special_tokens=skip)
-            == self.tokenizer.decode(ids[:k], skip_special_tokens=skip)
+            self._backend.decode(ids[:k], skip_special_tokens=skip) == self.tokenizer.decode(ids[:k], skip_special_tokens=skip)
             for k in (1, 3, len(ids))
             for skip in (True, False)
         )

@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from servelm.attention.backend import CommonAttentionInputs, slots_of
 from servelm.spec.proposer import DraftRequest
 from servelm.worker.block_table import BlockTable
 from servelm.worker.draft_model import DraftModel
-from servelm.worker.model_runner import attention_backend_of, token_positions
+from servelm.worker.model_runner import attention_backend_of, paged_attention_inputs
 
 
 @dataclass
@@ -151,23 +150,11 @@ class DraftModelProposer:
 
     def _forward(self, feeds: list[_Feed]) -> list[int]:
         """Run the draft over `feeds` (writing their K/V); the argmax after each feed's last token."""
-        bs = self.block_size
         starts = torch.tensor([f.start for f in feeds], dtype=torch.long)  # [R]
         query_lens = torch.tensor([len(f.token_ids) for f in feeds], dtype=torch.long)  # [R]
-        seq_lens = starts + query_lens  # [R]
-        positions, request_of_token = token_positions(starts, query_lens)  # [T] each
         rows = torch.tensor([f.row for f in feeds], dtype=torch.long)  # [R]
-        table = self.block_table.table
-        slot_mapping = slots_of(table, rows[request_of_token], positions, bs)  # [T] long
-        max_blocks = (int(seq_lens.max()) + bs - 1) // bs
-        common = CommonAttentionInputs.from_lens(
-            query_lens,
-            seq_lens,
-            slot_mapping=slot_mapping.to(self.device, non_blocking=True),
-            block_table=table[rows, :max_blocks],  # [R, max_blocks] int32, CPU
-            block_size=bs,
-            device=self.device,
-            dtype=self.dtype,
+        positions, common = paged_attention_inputs(
+            self.block_table.table, rows, starts, query_lens, self.block_size, self.device, self.dtype
         )
         input_ids = torch.tensor([t for f in feeds for t in f.token_ids], dtype=torch.long).to(self.device)
         model = self.draft.model

@@ -61,6 +61,33 @@ def token_positions(num_computed: torch.Tensor, query_lens: torch.Tensor) -> tup
     return num_computed[request_of_token] + offset_in_request, request_of_token
 
 
+def paged_attention_inputs(
+    table: torch.Tensor,  # [num_rows, max_blocks] int32, CPU: a BlockTable's tensor
+    rows: torch.Tensor,  # [R] long: each request's row in `table`
+    num_computed: torch.Tensor,  # [R] long: positions already in the KV pool
+    query_lens: torch.Tensor,  # [R] long: new tokens this forward
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, CommonAttentionInputs]:
+    """Positions ([T] long, CPU) and attention inputs of a forward over paged K/V whose request i
+    runs query_lens[i] new tokens after num_computed[i] (the runner's steps, a draft model's)."""
+    seq_lens = num_computed + query_lens  # [R]
+    positions, request_of_token = token_positions(num_computed, query_lens)  # [T] each
+    slot_mapping = slots_of(table, rows[request_of_token], positions, block_size)  # [T] long
+    max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size  # the columns any request reaches
+    common = CommonAttentionInputs.from_lens(
+        query_lens,
+        seq_lens,
+        slot_mapping=slot_mapping.to(device, non_blocking=True),
+        block_table=table[rows, :max_blocks],  # [R, max_blocks] int32, CPU
+        block_size=block_size,
+        device=device,
+        dtype=dtype,
+    )
+    return positions, common
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -147,19 +174,9 @@ class ModelRunner:
             # Drafts follow the request's last token: they are not its tokens until accepted.
             token_ids.extend(state.token_ids(start, end - len(request_drafts)))
             token_ids.extend(request_drafts)
-        positions, request_of_token = token_positions(num_computed, query_lens)  # [T] each
         rows = torch.tensor([self.block_table.row(rid) for rid in request_ids], dtype=torch.long)  # [R]
-        bs = self.block_size
-        slot_mapping = slots_of(self.block_table.table, rows[request_of_token], positions, bs)  # [T] long
-        max_blocks = (int(seq_lens.max()) + bs - 1) // bs  # the columns any request reaches this step
-        common = CommonAttentionInputs.from_lens(
-            query_lens,
-            seq_lens,
-            slot_mapping=slot_mapping.to(self.device, non_blocking=True),
-            block_table=self.block_table.table[rows, :max_blocks],  # [R, max_blocks] int32, CPU
-            block_size=bs,
-            device=self.device,
-            dtype=self.dtype,
+        positions, common = paged_attention_inputs(
+            self.block_table.table, rows, num_computed, query_lens, self.block_size, self.device, self.dtype
         )
         ends_in_batch = common.query_start_loc[1:].tolist()
         # Caught up (this step's last logits give a new token): sample from the request's last row,

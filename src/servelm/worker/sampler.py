@@ -208,7 +208,9 @@ def _compute_logprobs(logits: torch.Tensor, num_top: int) -> tuple[torch.Tensor,
     return lp, top_ids, top_lp
 
 
-def _finish_logprobs(parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], sampled: torch.Tensor) -> LogprobsTensors:
+def _finish_logprobs(
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], sampled: torch.Tensor
+) -> LogprobsTensors:
     lp, top_ids, top_lp = parts
     sampled_lp = lp.gather(1, sampled.unsqueeze(1))  # [B, 1]
     ranks = (lp > sampled_lp).sum(dim=-1) + 1  # [B]
