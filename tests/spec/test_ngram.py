@@ -11,7 +11,7 @@ from servelm.config import SpeculativeConfig
 from servelm.spec.ngram import NgramProposer
 from servelm.spec.proposer import DraftRequest, build_proposer
 from servelm.spec.suffix import SuffixProposer
-from servelm.spec.token_match import NgramIndex
+from servelm.spec.token_match import CONTEXT_AGREEMENT_MAX, MAX_LATER_OCCURRENCES, NgramIndex
 
 
 def propose(
@@ -38,32 +38,55 @@ def test_lookup_min_is_the_shortest_match_used() -> None:
 
 
 def test_longest_match_first_up_to_lookup_max() -> None:
-    # [5, 7, 8] occurred once (followed by 2); its tail [7, 8] occurred earlier, followed by 1.
-    token_ids = [7, 8, 1, 5, 7, 8, 2, 5, 7, 8]
-    assert propose(NgramProposer(2, 3, max_k=4), token_ids) == [2, 5, 7, 8]
-    assert propose(NgramProposer(2, 2, max_k=4), token_ids) == [1, 5, 7, 8]
+    # [9, 7, 8] occurred once (followed by 2); its tail [7, 8] occurred earlier, followed by 1.
+    token_ids = [7, 8, 1, 9, 7, 8, 2, 5, 9, 7, 8]
+    assert propose(NgramProposer(2, 3, max_k=4), token_ids) == [2, 5, 9, 7]
+    # Lookup 2..2 sees [7, 8] at both places; the later one's preceding 9 agrees with the list's.
+    assert propose(NgramProposer(2, 2, max_k=4), token_ids) == [2, 5, 9, 7]
+    assert propose(NgramProposer(2, 2, max_k=4), [7, 8, 1, 9, 7, 8, 2, 5, 6, 7, 8]) == [1, 9, 7, 8]  # a tie
 
 
-def test_earliest_occurrence_wins() -> None:
+def test_earliest_occurrence_wins_among_equal_contexts() -> None:
     assert propose(NgramProposer(2, 2, max_k=5), [1, 2, 3, 1, 2, 4, 1, 2]) == [3, 1, 2, 4, 1]
+
+
+def test_the_occurrence_whose_context_agrees_longest_wins() -> None:
+    # [1, 2] three times: after 5 (then 3), after 6 6 (then 4), after 7 6 (then 0); the list ends 7 6 1 2.
+    token_ids = [5, 1, 2, 3, 6, 6, 1, 2, 4, 7, 6, 1, 2, 0, 8, 7, 6, 1, 2]
+    assert propose(NgramProposer(2, 2, max_k=2), token_ids) == [0, 8]
+
+
+def test_a_loop_is_copied_from_one_period_back_past_the_list_end() -> None:
+    # "a_stream_stream_stream" as the default model writes it: the earliest [stream, _, stream] is
+    # followed by ":" (9); the loop's own last period agrees for the whole loop and the copy overlaps
+    # itself (LZ77-style) for as many drafts as asked.
+    stream, underscore, colon = 5, 6, 9
+    token_ids = [1, underscore, stream, underscore, stream, colon, 2, 3, underscore]
+    token_ids += [stream, underscore] * 5
+    assert propose(NgramProposer(3, 3, max_k=6), token_ids) == [stream, underscore] * 3
 
 
 def test_draft_length_is_capped_by_max_k_and_by_the_request() -> None:
     token_ids = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     assert propose(NgramProposer(2, 2, max_k=5), token_ids, max_draft_tokens=2) == [3, 4]
     assert propose(NgramProposer(2, 2, max_k=2), token_ids, max_draft_tokens=5) == [3, 4]
-    assert propose(NgramProposer(2, 2, max_k=16), token_ids) == [3, 4, 5, 6, 7, 1, 2]  # the list's end
+    # Past the list's end the copy runs into its own drafts: 1 2 3 4 5 6 7 1 2 | 3 4 5 6 7 1 2 3 4
+    assert propose(NgramProposer(2, 2, max_k=9), token_ids) == [3, 4, 5, 6, 7, 1, 2, 3, 4]
 
 
 def test_the_copy_continues_where_a_fresh_lookup_would_jump_elsewhere() -> None:
-    prompt = [5, 6, 0, 1, 2, 5, 6, 7, 8]  # [5, 6] at 0 (then 0) and at 5 (then 7)
-    proposer = NgramProposer(2, 2, max_k=3)
-    token_ids = [*prompt, 1, 2]
-    assert propose(proposer, token_ids, max_draft_tokens=1) == [5]  # copying from position 5
-    token_ids += [5, 6]  # the draft accepted, then the target's own 6
-    assert propose(proposer, token_ids) == [7, 8, 1]  # the copy goes on from position 7
-    assert propose(NgramProposer(2, 2, max_k=3), token_ids) == [0, 1, 2]  # vLLM's earliest [5, 6]
-    token_ids += [7, 42]  # the copy breaks: a fresh lookup of [7, 42] finds nothing
+    # One run of tokens, longer than the context a lookup compares, twice in the prompt: after 1
+    # (then 5 6 0 9) and after 2 (then 5 6 7 8 9). The request copies the second.
+    run = list(range(100, 100 + CONTEXT_AGREEMENT_MAX + 8))
+    prompt = [1, *run, 5, 6, 0, 9, 2, *run, 5, 6, 7, 8, 9]
+    proposer = NgramProposer(1, 1, max_k=2)
+    token_ids = [*prompt, 2, run[0]]
+    assert propose(proposer, token_ids) == run[1:3]  # the second copy: its 2 agrees
+    token_ids += [*run[1:], 5, 6]  # the drafts accepted, and more of the run
+    assert propose(proposer, token_ids) == [7, 8]  # the copy goes on
+    # A fresh lookup of [6]: both places agree for more than CONTEXT_AGREEMENT_MAX: the earliest.
+    assert propose(NgramProposer(1, 1, max_k=2), token_ids) == [0, 9]
+    token_ids += [7, 42]  # the copy breaks: a fresh lookup of [42] finds nothing
     assert propose(proposer, token_ids) == []
 
 
@@ -81,7 +104,7 @@ def test_release_forgets_and_the_id_may_come_back_shorter() -> None:
         propose(proposer, [9, 8, 9])  # same id, fewer tokens, never released
     proposer.release("r", None)  # preempted: its tokens come back (recomputed) under the same id
     assert proposer.num_requests == 0
-    assert propose(proposer, [9, 8, 9, 8]) == [9, 8]
+    assert propose(proposer, [9, 8, 9, 8]) == [9, 8, 9]  # the loop 9 8 goes on
     proposer.release("r", [9, 8, 9, 8])
     proposer.release("r", None)  # twice, and unknown ids, are fine
     proposer.release("never-seen", None)
@@ -123,12 +146,31 @@ def test_build_proposer_by_method() -> None:
 # --- the incremental structures against brute force, on random lists over a small alphabet ----------------
 
 
-def earliest_follower(token_ids: list[int], n: int) -> int | None:
-    """The O(context) definition: the first f with token_ids[f-n:f] == the last n tokens, f < len."""
-    suffix = token_ids[len(token_ids) - n :]
+def best_follower(token_ids: list[int], n: int) -> int | None:
+    """The O(context) definition: of the f < len with token_ids[f-n:f] == the last n tokens (the
+    earliest and the MAX_LATER_OCCURRENCES latest of them), the one whose preceding tokens agree
+    with the list's for the most positions (up to CONTEXT_AGREEMENT_MAX), the earliest on a tie."""
     if len(token_ids) <= n:
         return None
-    return next((f for f in range(n, len(token_ids)) if token_ids[f - n : f] == suffix), None)
+    suffix = token_ids[len(token_ids) - n :]
+    matches = [f for f in range(n, len(token_ids)) if token_ids[f - n : f] == suffix]
+    if not matches:
+        return None
+
+    def agreement(f: int) -> int:
+        before, ours = token_ids[: f - n][::-1], token_ids[: len(token_ids) - n][::-1]
+        return next((i for i, (a, b) in enumerate(zip(before, ours)) if a != b), len(before))
+
+    candidates = [matches[0], *matches[1:][-MAX_LATER_OCCURRENCES:]]
+    return max(candidates, key=lambda f: (min(agreement(f), CONTEXT_AGREEMENT_MAX), -f))
+
+
+def overlapping_copy(token_ids: list[int], position: int, num_tokens: int) -> list[int]:
+    """token_ids[position:] extended by copying itself, num_tokens long (the LZ77 definition)."""
+    extended = list(token_ids)
+    while len(extended) < position + num_tokens:
+        extended.append(extended[len(extended) - (len(token_ids) - position)])
+    return extended[position : position + num_tokens]
 
 
 def test_index_grown_in_chunks_equals_the_brute_force_definition() -> None:
@@ -143,12 +185,12 @@ def test_index_grown_in_chunks_equals_the_brute_force_definition() -> None:
             fresh = NgramIndex(lengths)
             fresh.extend(token_ids)
             for n in lengths:
-                expected = earliest_follower(token_ids, n)
+                expected = best_follower(token_ids, n)
                 assert index.follower(token_ids, n) == fresh.follower(token_ids, n) == expected
 
 
 class ReferenceNgram:
-    """NgramProposer's rules by brute force: continue the copy, else the earliest longest match."""
+    """NgramProposer's rules by brute force: continue the copy, else the best longest match."""
 
     def __init__(self, lookup_min: int, lookup_max: int, max_k: int) -> None:
         self.lookup_min, self.lookup_max, self.max_k = lookup_min, lookup_max, max_k
@@ -164,11 +206,11 @@ class ReferenceNgram:
                 position = candidate
         for n in range(self.lookup_max, self.lookup_min - 1, -1):
             if position is None:
-                position = earliest_follower(token_ids, n)
+                position = best_follower(token_ids, n)
         self.copy = None if position is None else (position, len(token_ids))
         if position is None:
             return []
-        return token_ids[position : position + min(self.max_k, max_draft_tokens)]
+        return overlapping_copy(token_ids, position, min(self.max_k, max_draft_tokens))
 
 
 def test_proposer_on_random_growth_equals_the_reference() -> None:

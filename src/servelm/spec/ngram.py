@@ -3,18 +3,26 @@
 Per request and step, over token_ids = prompt + output (newest last):
 
     1. continue the previous copy (CopyCursor) if the tokens appended since equal its source's;
-    2. else for n = lookup_max down to lookup_min: the earliest earlier occurrence of the last n
-       tokens (NgramIndex); propose the tokens that followed it;
+    2. else for n = lookup_max down to lookup_min: an earlier occurrence of the last n tokens
+       (NgramIndex: of several, the one whose preceding tokens agree longest with the request's,
+       the earliest on a tie); propose the tokens that followed it, running into the drafts
+       themselves when the occurrence is less than k tokens back (a loop);
     3. else no proposal.
     At most min(max_k, max_draft_tokens) tokens.
 
-Step 2 alone is vLLM's semantics. Step 1 and "earliest" were chosen on a simulation of greedy
-decoding with k = 5 over code edits (the default model's tokenizer; four servelm source files of
-1.4k-2.6k tokens, each returned renamed, with a line inserted, with a line changed, and in two-turn
-prompts holding two versions), mean output tokens per step at lookup 5..5:
+Step 2 with the earliest occurrence and no overlap is vLLM's semantics. Chosen on the greedy
+code-edit outputs of benchmarks/speculative.py (the default model, four files, 1,024 output tokens
+each, k = 5, lookup 2..5; /tmp replay of the recorded outputs), mean output tokens per step:
 
-    earliest 5.08 (acceptance 0.89)    latest 4.93 (0.86)
-    earliest + cursor 5.45 (0.98)      latest + cursor 5.44 (0.98)     (2..5: 5.72; 1..3: 5.73)
+    earliest + cursor (vLLM's lookup + cursor)    3.51   acceptance per position 0.91 / 0.50 / 0.48 / 0.46 / 0.45
+    + longest context agreement                   3.96   0.90 / 0.85 / 0.55 / 0.52 / 0.51
+    + overlapping copies                          4.49   0.89 / 0.82 / 0.79 / 0.76 / 0.75
+
+The model's copies are imperfect (~90% of characters verbatim) and fall into loops
+("a_stream_stream_stream"): the earliest "stream _ stream" is followed by ":" in the prompt and is
+found again after every rejection; the loop's own previous period agrees for the whole loop.
+Earlier, on exact simulated copies (the file returned renamed, a line inserted or changed):
+earliest 5.08, latest 4.93, either + cursor 5.45 tokens/step.
 
 Cost per step: O(tokens appended × (lookup_max - lookup_min + 1)) to index, the same number of
 dict lookups to propose; never a scan of the context.

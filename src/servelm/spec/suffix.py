@@ -5,8 +5,8 @@ Agentic and code traffic repeats across requests (the same tool-call JSON, a fil
 request and echoed by the next), which prompt lookup over one request cannot see. Per request and step:
 
     1. continue the previous copy (CopyCursor), from whichever source it came from;
-    2. else for n in KEY_LENGTHS, longest first: the earliest occurrence of the last n tokens in the
-       request's own tokens (as in ngram.py), else the most recent one in the finished-request
+    2. else for n in KEY_LENGTHS, longest first: an occurrence of the last n tokens in the
+       request's own tokens (chosen as in ngram.py), else the most recent one in the finished-request
        index; the first hit wins. So the longer
        match wins wherever it is (more matched context, a more specific guess) and on equal length
        the request's own tokens win (the same conversation beats a stranger's);
