@@ -27,6 +27,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", type=float, default=None, dest="kv_cache_memory_gib", help="GiB for KV")
     group.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
     group.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching")
+    group.add_argument(
+        "--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
+        help="KV cache storage: auto (the model's dtype), int8 or fp8 (scaled per token and head; fewer bytes per block)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-offloading-size", type=float, default=None,
+        help="GiB of host memory for KV blocks beyond the pool (L2): prefixes evicted from the pool are loaded back, not recomputed",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-disk-path", default=None,
+        help="directory for KV blocks on disk (L3): survives restarts; replicas of one model may share it",
+    )  # fmt: skip
+    group.add_argument("--kv-disk-size", type=float, default=None, help="GiB of KV on disk at most (default 16)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=None, help="requests per step at most")
     group.add_argument(
@@ -68,6 +81,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "kv_cache_memory_gib",
             "num_blocks",
             "enable_prefix_caching",
+            "kv_cache_dtype",
+            "kv_offloading_size",
+            "kv_disk_path",
+            "kv_disk_size",
             "max_num_batched_tokens",
             "max_num_seqs",
             "max_num_partial_prefills",

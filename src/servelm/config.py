@@ -26,9 +26,16 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    # What the pool stores K/V as: "auto" (the model's dtype), "int8" (symmetric, one float32 scale
+    # per token and KV head), "fp8" (float8_e4m3fn where the device has it). Halves KV bytes or better.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+        )
         _require(self.num_blocks is None or self.num_blocks > 0, f"num_blocks must be positive, got {self.num_blocks}")
         _require(
             self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
@@ -38,6 +45,41 @@ class CacheConfig:
             self.num_blocks is None or self.kv_cache_memory_bytes is None,
             "set at most one of num_blocks and kv_cache_memory_bytes",
         )
+
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    """KV beyond the pool (servelm.kv.tiers): a host-memory tier (L2) and a disk tier (L3).
+
+    Blocks are saved to every configured tier when computed and loaded back into pool slots when a
+    prompt's prefix misses the pool but hits a tier. Both off by default. A disk directory may be
+    shared by replicas of the same model (the model fingerprint is part of every file's name).
+    """
+
+    host_bytes: int = 0  # L2 capacity (vLLM's --kv-offloading-size, in GiB on the CLI); 0: no L2
+    disk_path: str | None = None  # L3 directory (created if missing); None: no L3
+    disk_bytes: int = 16 * 2**30  # L3 capacity; files beyond it are deleted oldest first
+    # A load may take load_timeout_base_s + load_timeout_per_1k_tokens_s per 1,024 tokens loaded
+    # (SGLang HiCache's prefetch rule); later, the request computes what has not arrived.
+    load_timeout_base_s: float = 0.5
+    load_timeout_per_1k_tokens_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        _require(self.host_bytes >= 0, f"host_bytes must be >= 0, got {self.host_bytes}")
+        _require(self.disk_bytes > 0, f"disk_bytes must be positive, got {self.disk_bytes}")
+        _require(self.disk_path is None or bool(self.disk_path.strip()), "disk_path must not be empty")
+        _require(self.load_timeout_base_s > 0, f"load_timeout_base_s must be positive, got {self.load_timeout_base_s}")
+        _require(
+            self.load_timeout_per_1k_tokens_s >= 0,
+            f"load_timeout_per_1k_tokens_s must be >= 0, got {self.load_timeout_per_1k_tokens_s}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.disk_path is not None
 
 
 @dataclass(frozen=True)
@@ -272,6 +314,13 @@ class SpeculativeConfig:
 # Fields the engine builder fills in from other slices: never a user setting of their own.
 _RESOLVED_BY_BUILDER: dict[type, set[str]] = {SchedulerConfig: {"max_model_len"}}
 
+# Flat settings given in GiB → the byte fields they set.
+_GIB_SETTINGS = {
+    "kv_cache_memory_gib": "kv_cache_memory_bytes",
+    "kv_offloading_size": "host_bytes",
+    "kv_disk_size": "disk_bytes",
+}
+
 # KV budget when neither num_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of the memory free after the weights are loaded
@@ -286,6 +335,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_tiers: KVTierConfig = KVTierConfig()
 
     def scheduler_for(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler slice with the context window the engine builder resolved from
@@ -299,22 +349,27 @@ class EngineConfig:
         `max_model_len` goes to ModelConfig, its one owner: the scheduler receives the resolved
         window through `scheduler_for` once the model and the KV pool are known.
 
-        `kv_cache_memory_gib` is accepted as a convenience for `kv_cache_memory_bytes`;
-        `speculative_config` (JSON text, a dict or a SpeculativeConfig; None: off) for `speculative`.
+        GiB conveniences: `kv_cache_memory_gib` for `kv_cache_memory_bytes`, `kv_offloading_size`
+        (vLLM's name) for KVTierConfig.host_bytes, `kv_disk_size` for KVTierConfig.disk_bytes;
+        `kv_disk_path` for KVTierConfig.disk_path; `speculative_config` (JSON text, a dict or a
+        SpeculativeConfig; None: off) for `speculative`.
         """
         speculative_value = overrides.pop("speculative_config", None)
         speculative = SpeculativeConfig.parse(speculative_value) if speculative_value is not None else None
-        if overrides.get("kv_cache_memory_gib") is not None:
-            overrides["kv_cache_memory_bytes"] = int(overrides.pop("kv_cache_memory_gib") * 2**30)
-        overrides.pop("kv_cache_memory_gib", None)
+        for gib_key, bytes_key in _GIB_SETTINGS.items():
+            gib = overrides.pop(gib_key, None)
+            if gib is not None:
+                overrides[bytes_key] = int(gib * 2**30)
+        if "kv_disk_path" in overrides:
+            overrides["disk_path"] = overrides.pop("kv_disk_path")
         slices: dict[type, dict[str, Any]] = {
-            ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}, KVEventsConfig: {},
+            ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}, KVEventsConfig: {}, KVTierConfig: {},
         }  # fmt: skip
         settable = {c: {f.name for f in fields(c)} - _RESOLVED_BY_BUILDER.get(c, set()) for c in slices}
         for key, value in overrides.items():
             owner = next((c for c in slices if key in settable[c]), None)
             if owner is None:
-                valid = sorted(set().union(*settable.values()) | {"kv_cache_memory_gib", "speculative_config"})
+                valid = sorted(set().union(*settable.values()) | {*_GIB_SETTINGS, "kv_disk_path", "speculative_config"})
                 raise ValueError(f"unknown engine setting {key!r}; valid: {', '.join(valid)}")
             slices[owner][key] = value
         return cls(
@@ -323,4 +378,5 @@ class EngineConfig:
             scheduler=SchedulerConfig(**slices[SchedulerConfig]),
             kv_events=KVEventsConfig(**slices[KVEventsConfig]),
             speculative=speculative,
+            kv_tiers=KVTierConfig(**slices[KVTierConfig]),
         )

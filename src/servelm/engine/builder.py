@@ -66,6 +66,10 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     """KV pool, runner, scheduler and core around a built model (a checkpoint's, or random
     weights of a shape no file exists for, as benchmarks/gpu_checks.py builds)."""
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    if config.cache.kv_cache_dtype != "auto":
+        raise NotImplementedError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not built yet (issue 13)")
+    if config.kv_tiers.enabled:
+        raise NotImplementedError("KV tiers (--kv-offloading-size, --kv-disk-path) are not built yet (issue 13)")
     max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
     # A separate draft model is loaded first: free memory is measured after its weights, and each
