@@ -35,6 +35,8 @@ class EventType(str, enum.Enum):
     PREEMPTED = "preempted"  # lost its blocks; will recompute
     FIRST_TOKEN = "first_token"  # first output token sampled
     SPEC_VERIFIED = "spec_verified"  # drafts verified in a step; detail = how many were accepted
+    KV_LOAD_STARTED = "kv_load_started"  # its prefix's KV is being loaded from a tier; detail = tokens
+    KV_LOADED = "kv_loaded"  # the load ended; detail = tokens that arrived (the rest is computed)
     FINISHED = "finished"
 
 
@@ -100,6 +102,75 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 # ---------------------------------------------------------------------------
+# KV beyond the pool (servelm.kv.tiers decides, servelm.worker.kv_offload moves the bytes)
+
+
+class KVMedium(str, enum.Enum):
+    """Where a KV block sits (the values are vLLM's KV-event medium names, lower-cased)."""
+
+    DEVICE = "device"  # the engine's pool (L1), on whatever device the runner uses
+    HOST = "host"  # host memory (L2)
+    DISK = "disk"  # a directory, perhaps shared by replicas (L3)
+
+
+@dataclass(frozen=True)
+class KVSave:
+    """Copy pool block `block_id` (computed, full, hashed `block_hash`) out to `media`."""
+
+    block_id: int
+    block_hash: bytes
+    media: tuple[KVMedium, ...]
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Fill pool blocks `block_ids` (allocated to `request_id`, not yet sent to the runner) with
+    the stored blocks `block_hashes`, block i from `media[i]`, in order, in the background."""
+
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    media: list[KVMedium]
+
+
+@dataclass(frozen=True)
+class KVDrop:
+    """Forget the stored block `block_hash` in `medium` (its tier evicted it)."""
+
+    block_hash: bytes
+    medium: KVMedium
+
+
+@dataclass
+class KVTransfers:
+    """One step's KV movement orders. The runner applies them in this order, before the forward:
+    cancels (a cancelled load writes nothing more), saves (the blocks' bytes are intact until this
+    step's forward), drops, then starts the loads."""
+
+    cancels: list[str] = field(default_factory=list)  # request ids whose load must stop
+    saves: list[KVSave] = field(default_factory=list)
+    drops: list[KVDrop] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.cancels or self.saves or self.drops or self.loads)
+
+
+@dataclass(frozen=True)
+class KVLoadResult:
+    """A load that ended: its first `num_blocks_loaded` blocks hold the stored KV (a prefix: loading
+    stops at the first block that fails). `failure` says why it stopped short, None when complete."""
+
+    request_id: str
+    num_blocks_loaded: int
+    num_bytes: int  # moved into the pool
+    seconds: float  # from start to end of the load
+    media: tuple[KVMedium, ...]  # the medium of each loaded block
+    failure: str | None = None  # "cancelled" | "missing" | "corrupt: ..." | an error's type
+
+
+# ---------------------------------------------------------------------------
 # Scheduler → runner (same process)
 
 
@@ -140,10 +211,12 @@ class SchedulerOutput:
     # Most drafts the proposer should make for a request after this step (the controller's use
     # for them next step); missing: the configured num_speculative_tokens.
     num_drafts_wanted: dict[str, int] = field(default_factory=dict)
+    # KV tiers: blocks to save, drop and load around this step (empty without tiers).
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        return self.total_num_scheduled_tokens == 0 and self.kv_transfers.is_empty
 
 
 # ---------------------------------------------------------------------------
@@ -164,3 +237,6 @@ class ModelOutput:
     # Speculative decoding: drafts the proposer made after this step's sampling, for the next
     # step (request_id → up to num_speculative_tokens ids; missing: no guess).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # KV tiers: loads that ended since the previous step, and bytes written out per medium.
+    kv_load_results: list[KVLoadResult] = field(default_factory=list)
+    kv_saved_bytes: dict[KVMedium, int] = field(default_factory=dict)

@@ -6,6 +6,7 @@ config slice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,10 @@ import torch
 
 from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpeculativeConfig
 from servelm.engine.core import EngineCore
+from servelm.kv.disk_store import DiskBlockStore
+from servelm.kv.fingerprint import kv_fingerprint, weights_identity
 from servelm.kv.kv_cache_manager import KVCacheManager
+from servelm.kv.tiers import KVTiers
 from servelm.models.arch import ModelArchConfig
 from servelm.models.factory import build_model, resolve_device, resolve_dtype
 from servelm.models.llama import LlamaForCausalLM
@@ -25,6 +29,7 @@ from servelm.worker.block_table import BlockTable
 from servelm.worker.draft_model import DraftModel, load_draft_model
 from servelm.worker.draft_proposer import DraftModelProposer
 from servelm.worker.kv_cache import allocate_kv_caches, free_device_memory, num_blocks_for_budget
+from servelm.worker.kv_offload import KVOffloader
 from servelm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -68,8 +73,6 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     if config.cache.kv_cache_dtype != "auto":
         raise NotImplementedError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not built yet (issue 13)")
-    if config.kv_tiers.enabled:
-        raise NotImplementedError("KV tiers (--kv-offloading-size, --kv-disk-path) are not built yet (issue 13)")
     max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
     # A separate draft model is loaded first: free memory is measured after its weights, and each
@@ -97,17 +100,19 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
             )
         else:
             proposer = build_proposer(speculative)
+    tiers, offloader = _kv_tiers(config, arch, source, kv_caches) if config.kv_tiers.enabled else (None, None)
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
         proposer=proposer if speculative is not None else None,
         max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
-        block_table=block_table,
+        block_table=block_table, kv_offloader=offloader,
     )  # fmt: skip
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
     scheduler = Scheduler(
-        config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative
-    )
+        config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative,
+        kv_tiers=tiers,
+    )  # fmt: skip
     return BuiltEngine(
         core=EngineCore(scheduler, runner, kv_manager),
         tokenizer=tokenizer,
@@ -116,6 +121,26 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
         num_blocks=num_blocks,
         source=source,
     )
+
+
+def _kv_tiers(
+    config: EngineConfig, arch: ModelArchConfig, source: str, block_tensors: list[torch.Tensor]
+) -> tuple[KVTiers, KVOffloader]:
+    """The scheduler's and the runner's halves of the host/disk KV tiers, over one disk store
+    namespaced by the model fingerprint."""
+    tier_config, block_size = config.kv_tiers, config.cache.block_size
+    layout = {
+        "block_size": block_size,
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "tensors": [(str(t.dtype), list(t[:, 0].shape)) for t in block_tensors],
+    }
+    fingerprint = kv_fingerprint(dataclasses.asdict(arch), weights_identity(source), layout)
+    disk = DiskBlockStore(tier_config.disk_path, fingerprint) if tier_config.disk_path is not None else None
+    offloader = KVOffloader(block_tensors, host_tier=tier_config.host_bytes > 0, disk_store=disk)
+    tiers = KVTiers(tier_config, block_size, offloader.codec.block_bytes, disk)
+    capacities = {medium.value: index.capacity_blocks for medium, index in tiers.indexes.items()}
+    logger.info("KV tiers (blocks each holds): %s; fingerprint %s", capacities, fingerprint)
+    return tiers, offloader
 
 
 def _load_draft_checkpoint(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Any) -> LlamaForCausalLM | None:

@@ -214,23 +214,28 @@ class KVCacheManager:
 
     def cache_full_blocks(
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, tenant: str = DEFAULT_TENANT
-    ) -> None:
+    ) -> list[tuple[int, BlockHash]]:
         """Offer the request's blocks that became full and computed to the prefix cache.
 
         Call after a step with the request's tokens so far (prompt + output), its new
         num_computed_tokens and its tenant (their evictions count under it). Idempotent; a
-        no-op with prefix caching off.
+        no-op with prefix caching off. Returns the (block id, hash) of the blocks it cached (a
+        block whose content another block already holds is not among them): what the KV tiers save.
         """
         if not self.enable_prefix_caching:
-            return
+            return []
         state = self._requests[request_id]
         num_full = min(num_computed_tokens // self.block_size, len(state.blocks))
         if num_full <= state.num_cached_blocks:
-            return
+            return []
         extend_block_hashes(state.block_hashes, token_ids, self.block_size, state.extra_key)
+        cached = []
         for i in range(state.num_cached_blocks, num_full):
-            self.pool.cache_block(state.blocks[i], state.block_hashes[i], tenant)
+            block, block_hash = state.blocks[i], state.block_hashes[i]
+            if self.pool.cache_block(block, block_hash, tenant):
+                cached.append((block.block_id, block_hash))
         state.num_cached_blocks = num_full
+        return cached
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (and forget its lookups). Safe to call for a request

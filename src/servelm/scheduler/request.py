@@ -30,6 +30,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # never scheduled yet
     RUNNING = "running"  # holds blocks; scheduled in some steps
     PREEMPTED = "preempted"  # lost its blocks; waiting to recompute prompt + output
+    LOADING_KV = "loading_kv"  # holds blocks a KV tier is filling; then waits again (tier_loads.py)
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"
@@ -83,6 +84,9 @@ class Request:
     # Speculative decoding: tokens the runner's proposer guessed follow all_token_ids, for the
     # next step to verify (scheduler/drafts.py chooses how many). Replaced after every step.
     draft_token_ids: list[int] = field(default_factory=list)
+    # KV tiers: its prefix was looked up beyond the pool in this admission (and loaded, if found);
+    # its next admission uses the pool alone. Reset by a preemption.
+    tiers_looked_up: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -62,6 +62,7 @@ from servelm.datatypes import (
     EngineOutput,
     EngineRequest,
     EventType,
+    KVTransfers,
     ModelOutput,
     NewRequestData,
     PositionLogprobs,
@@ -69,6 +70,7 @@ from servelm.datatypes import (
 )
 from servelm.kv.block_pool import KVCacheEvent, PrefixCacheStats
 from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
+from servelm.kv.tiers import KVTiers
 from servelm.scheduler.drafts import DraftScheduling, SpecCounters
 from servelm.scheduler.ranking import FairShare, Ranking, prefill_order
 from servelm.scheduler.request import Request, RequestStatus
@@ -76,6 +78,7 @@ from servelm.scheduler.step_cost import StepCostModel, step_time_target_s
 from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.step_plan import StepPlan
 from servelm.scheduler.stop import check_stop
+from servelm.scheduler.tier_loads import TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
 from servelm.spec.controller import StepCost
 
@@ -92,6 +95,7 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         clock: Callable[[], float] = time.time,  # wall clock for events and aging
         speculative: SpeculativeConfig | None = None,  # None: no request ever verifies drafts
+        kv_tiers: KVTiers | None = None,  # KV beyond the pool (host / disk); None: the pool alone
     ) -> None:
         if scheduler_config.max_model_len is None:
             raise ValueError(
@@ -121,6 +125,7 @@ class Scheduler:
         self.step_cost = StepCostModel()  # learned in update() from the runner's timings; used when max_step_ms > 0
         self.step_log = StepLog()  # what the executed steps were, for metrics
         self._drafts = DraftScheduling(speculative, self.max_model_len) if speculative is not None else None
+        self._tier_loads = TierLoads(kv_tiers, kv_cache_manager) if kv_tiers is not None else None
 
     # -- queries -------------------------------------------------------------------
 
@@ -133,8 +138,14 @@ class Scheduler:
         return len(self._waiting)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is unfinished or an abort's output awaits update()."""
-        return bool(self._requests) or bool(self._pending_outputs)
+        """True while any request is unfinished, an abort's output awaits update(), or KV transfers
+        are ordered or in flight (a finished request's last blocks are saved by one more step)."""
+        tiers_busy = self._tier_loads is not None and self._tier_loads.has_pending()
+        return bool(self._requests) or bool(self._pending_outputs) or tiers_busy
+
+    @property
+    def kv_tiers(self) -> KVTiers | None:
+        return self._tier_loads.tiers if self._tier_loads is not None else None
 
     def get_request(self, request_id: str) -> Request | None:
         """An unfinished request, for inspection only: never mutate it."""
@@ -302,6 +313,8 @@ class Scheduler:
             partial_slots=config.max_num_partial_prefills if config.enable_chunked_prefill else 0,
             long_slots=config.max_long_partial_prefills,
         )
+        if self._tier_loads is not None:
+            self._tier_loads.expire(now)
         # Ranked, so preemption victims are the unscheduled requests nearest the end.
         self._running.sort(key=lambda request: self._ranking.rank(request, now))
         self._schedule_decodes(plan, now)
@@ -321,6 +334,7 @@ class Scheduler:
             preempted_request_ids={r.request_id for r in plan.preempted},
             scheduled_draft_token_ids=plan.draft_token_ids,
             num_drafts_wanted=plan.num_drafts_wanted,
+            kv_transfers=self._tier_loads.take_transfers() if self._tier_loads is not None else KVTransfers(),
         )
 
     def _schedule_decodes(self, plan: StepPlan, now: float) -> None:
@@ -381,7 +395,12 @@ class Scheduler:
 
     def _admission_open(self, plan: StepPlan) -> bool:
         # New tokens always need a fresh block (a prefix hit covers full blocks only).
-        return not plan.preempted and len(self._running) < self.config.max_num_seqs and self._kv.num_free_blocks > 0
+        num_loading = len(self._tier_loads) if self._tier_loads is not None else 0
+        return (
+            not plan.preempted
+            and len(self._running) + num_loading < self.config.max_num_seqs
+            and self._kv.num_free_blocks > 0
+        )
 
     def _schedule_prefill_chunk(self, request: Request, plan: StepPlan, now: float) -> None:
         num_uncomputed = request.num_tokens - request.num_computed_tokens
@@ -458,6 +477,7 @@ class Scheduler:
         self._kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.tiers_looked_up = False  # its saved blocks may swap back in
         request.num_preemptions += 1
         request.num_sent_tokens = 0  # the runner drops its mirror; it is re-sent in full
         self._drop_drafts(request)
@@ -471,8 +491,12 @@ class Scheduler:
             self._drafts.forget(request.request_id)
 
     def _take_off_lists(self, requests: list[Request]) -> None:
-        """Remove live requests from the running list or the waiting queue, whichever holds each."""
-        self._waiting.remove_many(r for r in requests if r.status is not RequestStatus.RUNNING)
+        """Remove live requests from the running list, the waiting queue or the loading ones,
+        whichever holds each."""
+        for request in requests:
+            if request.status is RequestStatus.LOADING_KV and self._tier_loads is not None:
+                self._tier_loads.abort(request)
+        self._waiting.remove_many(r for r in requests if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED))
         gone = {id(r) for r in requests}
         self._running = [r for r in self._running if id(r) not in gone]
 
@@ -486,6 +510,10 @@ class Scheduler:
 
     def _try_admit(self, request: Request, plan: StepPlan, now: float) -> bool:
         hit = self._lookup(request)
+        if self._tier_loads is not None:
+            fit = self.step_cost.current()
+            if self._tier_loads.try_start(request, hit, fit[1] if fit is not None else None, now):
+                return True  # it waits for its KV off the queue (tier_loads.py), taking no budget
         num_uncomputed = request.num_tokens - hit.num_computed_tokens
         num_new = plan.prefill_chunk(num_uncomputed)
         room = self._kv.max_new_tokens(
@@ -500,6 +528,8 @@ class Scheduler:
         )
         if block_ids is None:
             raise SchedulerInvariantError(f"{request.request_id!r}: {num_new} tokens fit but could not be allocated")
+        if self._tier_loads is not None:
+            self._tier_loads.admitted_without_load(request, hit)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = hit.num_computed_tokens
         if request.num_cached_tokens is None:
@@ -539,6 +569,11 @@ class Scheduler:
         self.step_log.record(scheduler_output, model_output)
         self._fair_share.decay(now)
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._tier_loads is not None:
+            self._tier_loads.record_saved(model_output.kv_saved_bytes)
+            for arrived in self._tier_loads.finish(model_output.kv_load_results, now):
+                arrived.record(EventType.QUEUED, now)
+                self._waiting.add(arrived)
         any_finished = False
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(request_id)
@@ -574,7 +609,9 @@ class Scheduler:
         self._fair_share.add(request.slo, num_scheduled)
         # The accepted drafts are the tokens at the newly computed positions (appended below).
         token_ids = request.all_token_ids + drafts[:num_accepted] if num_accepted else request.all_token_ids
-        self._kv.cache_full_blocks(request_id, token_ids, request.num_computed_tokens, request.slo.tenant)
+        cached = self._kv.cache_full_blocks(request_id, token_ids, request.num_computed_tokens, request.slo.tenant)
+        if self._tier_loads is not None:
+            self._tier_loads.stored(cached)
         if computed_before < request.num_prefill_tokens:
             request.record(EventType.PREFILL_CHUNK, now, detail=num_scheduled)
         chunk_logprobs = model_output.prompt_logprobs.get(request_id)
@@ -653,9 +690,14 @@ class Scheduler:
         hold blocks covering their computed tokens, waiting ones hold none."""
         self._kv.check_invariants()
         running, waiting = self._running, list(self._waiting)
-        ids = [r.request_id for r in running] + [r.request_id for r in waiting]
+        loading = list(self._tier_loads.loading) if self._tier_loads is not None else []
+        ids = [r.request_id for r in running] + [r.request_id for r in waiting] + loading
         if len(ids) != len(set(ids)) or set(ids) != set(self._requests):
-            raise SchedulerInvariantError(f"running + waiting {sorted(ids)} != unfinished {sorted(self._requests)}")
+            raise SchedulerInvariantError(
+                f"running + waiting + loading {sorted(ids)} != unfinished {sorted(self._requests)}"
+            )
+        if self._tier_loads is not None:
+            self._tier_loads.check_invariants()
         if len(running) > self.config.max_num_seqs:
             raise SchedulerInvariantError(f"{len(running)} running > max_num_seqs {self.config.max_num_seqs}")
         for request in running:

@@ -22,6 +22,7 @@ from servelm.datatypes import ModelOutput, PositionLogprobs, SchedulerOutput
 from servelm.models.llama import LlamaForCausalLM
 from servelm.spec.proposer import DraftRequest, Proposer
 from servelm.worker.block_table import BlockTable
+from servelm.worker.kv_offload import KVOffloader
 from servelm.worker.prompt_logprobs import chunk_prompt_logprobs
 from servelm.worker.request_state import RunnerRequestState
 from servelm.worker.sampler import Sampler
@@ -32,6 +33,9 @@ from servelm.worker.spec_verify import VerificationRows, accept_drafts
 def attention_backend_of(model: LlamaForCausalLM) -> AttentionBackend:
     """The backend the model's attention layers call (one instance, shared by every layer)."""
     return model.decoder_layers[0].self_attn.backend
+
+# A step with nothing to compute waits this long for a KV load to end (the engine would spin otherwise).
+EMPTY_STEP_LOAD_WAIT_S = 0.005
 
 
 @dataclass
@@ -103,6 +107,7 @@ class ModelRunner:
         # The table this runner mirrors block ids into; given when a draft-model proposer reads the same
         # rows (its own KV in the same blocks). None: a table of its own.
         block_table: BlockTable | None = None,
+        kv_offloader: KVOffloader | None = None,  # KV tiers: moves blocks to/from host memory and disk
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend_of(model)
@@ -119,11 +124,25 @@ class ModelRunner:
         self.block_table = block_table
         self.proposer = proposer
         self.max_draft_tokens = max_draft_tokens
+        self.kv_offloader = kv_offloader
+
+    @property
+    def kv_block_tensors(self) -> list[torch.Tensor]:
+        """Every pool tensor whose dim 1 is the block id (what a block's bytes are; kv_offload.py)."""
+        return self.kv_caches
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Run one step; the output carries how long that took (the runner is the one that knows)."""
         started = time.perf_counter()
+        offloader = self.kv_offloader
+        if offloader is not None:  # saves copy blocks out before this step's forward may overwrite them
+            offloader.apply(scheduler_output.kv_transfers)
         output = self._execute(scheduler_output)
+        if offloader is not None:
+            # Nothing to compute (requests wait for their KV): wait a little for a load instead of spinning.
+            wait_s = EMPTY_STEP_LOAD_WAIT_S if scheduler_output.total_num_scheduled_tokens == 0 else 0.0
+            output.kv_load_results = offloader.take_results(wait_s)
+            output.kv_saved_bytes = offloader.take_saved_bytes()
         output.execute_seconds = time.perf_counter() - started
         return output
 

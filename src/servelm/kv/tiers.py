@@ -1,0 +1,248 @@
+"""KV beyond the pool, the scheduler's half: what the host (L2) and disk (L3) tiers hold, which
+blocks to save, load and drop each step, and the loads in flight. The worker's half
+(worker/kv_offload.py) moves the bytes and obeys.
+
+    computed full block ──save──▶ L2 host ──┐          (write-through: saved when computed, so a
+                        └─save──▶ L3 disk   │           block the pool evicts is already stored)
+    admission: pool hit ─▶ lookup the next blocks in L2, then L3 ─▶ load into fresh pool blocks
+               (asynchronous; the request waits in `loading`, others run; past its deadline the
+               load is cancelled and whatever arrived is used, the rest computed)
+
+Per step the scheduler: `lookup` + `start_load` at admission, `cancel_expired` at schedule(),
+`stored` after update() caches blocks, `take_transfers` into the SchedulerOutput, and
+`finish_load` for every KVLoadResult the runner returns. Torch-free.
+
+Which tiers a block is looked up in: the host index (this process's own L2), then the disk index,
+then the disk directory itself: a file another replica wrote (shared L3) or one written before a
+restart is a hit too, and joins the index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from servelm.config import KVTierConfig
+from servelm.datatypes import KVDrop, KVLoad, KVLoadResult, KVMedium, KVSave, KVTransfers
+from servelm.kv.block_hash import BlockHash
+from servelm.kv.disk_store import DiskBlockStore
+from servelm.kv.tier_index import TierIndex, TierIndexError
+
+# Bandwidths assumed until a tier has been measured (bytes/s): optimistic, so the first loads
+# happen and measure the real figure.
+INITIAL_BANDWIDTH = {KVMedium.HOST: 4e9, KVMedium.DISK: 1e9}
+# Weight of the newest measurement in the moving averages of load bandwidth.
+BANDWIDTH_EWMA = 0.2
+
+
+@dataclass
+class TierCounters:
+    """Cumulative (Prometheus counters), per medium of the tiers beyond the pool."""
+
+    queried_tokens: dict[KVMedium, int] = field(default_factory=dict)  # looked up there after the tiers above missed
+    hit_tokens: dict[KVMedium, int] = field(default_factory=dict)  # ... and loaded from there
+    loaded_bytes: dict[KVMedium, int] = field(default_factory=dict)
+    saved_bytes: dict[KVMedium, int] = field(default_factory=dict)
+    failed_loads: int = 0  # loads that stopped short (cancelled, missing or corrupt block)
+
+    def add(self, counter: dict[KVMedium, int], medium: KVMedium, amount: int) -> None:
+        counter[medium] = counter.get(medium, 0) + amount
+
+
+@dataclass
+class _Load:
+    request: KVLoad
+    deadline: float
+    cancelled: bool = False
+
+
+class KVTiers:
+    """The scheduler's view of L2/L3. Not thread-safe: the scheduler is the only caller."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        block_size: int,
+        block_bytes: int,  # bytes of one block's KV in every tensor the runner moves
+        disk_store: DiskBlockStore | None = None,  # required when config.disk_path is set
+    ) -> None:
+        if not config.enabled:
+            raise ValueError("KVTiers needs a host or disk tier (KVTierConfig.enabled)")
+        if (disk_store is None) != (config.disk_path is None):
+            raise ValueError("a disk store is needed exactly when config.disk_path is set")
+        self.config = config
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        self._transfers = KVTransfers()
+        self.indexes: dict[KVMedium, TierIndex] = {}
+        if config.host_bytes:
+            self.indexes[KVMedium.HOST] = TierIndex(max(1, config.host_bytes // block_bytes))
+        self._disk = disk_store
+        if disk_store is not None:
+            capacity = max(1, config.disk_bytes // disk_store.file_bytes(block_bytes))
+            disk_index = self.indexes[KVMedium.DISK] = TierIndex(capacity)
+            for stored in sorted(disk_store.scan(), key=lambda f: f.mtime):  # oldest first: LRU order
+                self._adopt(disk_index, stored.block_hash)  # over capacity: the oldest are dropped
+        self._loads: dict[str, _Load] = {}
+        self.counters = TierCounters()
+        self._bandwidth = dict(INITIAL_BANDWIDTH)
+
+    @property
+    def media(self) -> list[KVMedium]:
+        """The tiers configured, nearest first."""
+        return list(self.indexes)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def has_pending(self) -> bool:
+        """Orders not yet taken, or loads in flight: the engine must keep stepping."""
+        return not self._transfers.is_empty or bool(self._loads)
+
+    # -- admission ---------------------------------------------------------------------
+
+    def lookup(self, block_hashes: Sequence[BlockHash], first_block: int, max_blocks: int) -> list[KVMedium]:
+        """Where blocks first_block, first_block + 1, ... are stored (nearest tier first), up to the
+        first one no tier holds, at most `max_blocks`. Changes nothing but the disk index (a file
+        found on disk joins it)."""
+        media: list[KVMedium] = []
+        for block_hash in block_hashes[first_block : first_block + max(0, max_blocks)]:
+            medium = self._where(block_hash)
+            if medium is None:
+                break
+            media.append(medium)
+        return media
+
+    def worth_loading(self, media: Sequence[KVMedium], prefill_seconds_per_token: float | None) -> int:
+        """How many of the looked-up blocks to load rather than compute: all of them while loading a
+        block is expected to be faster than computing it (bytes over the tier's measured bandwidth vs
+        the step-cost model's prefill time per token; no prefill estimate yet: load), else the
+        leading blocks up to the first slower tier."""
+        if prefill_seconds_per_token is None:
+            return len(media)
+        compute_s = prefill_seconds_per_token * self.block_size
+        for count, medium in enumerate(media):
+            if self.block_bytes / self._bandwidth[medium] > compute_s:
+                return count
+        return len(media)
+
+    def record_query(self, num_tokens_beyond_pool: int, media: Sequence[KVMedium]) -> None:
+        """An admitted request looked up `num_tokens_beyond_pool` tokens past its pool hit: count
+        the queries per tier (each tier is queried for what the tiers before it missed)."""
+        remaining = num_tokens_beyond_pool
+        for medium in self.indexes:
+            self.counters.add(self.counters.queried_tokens, medium, remaining)
+            remaining -= sum(1 for m in media if m is medium) * self.block_size
+
+    def start_load(
+        self, request_id: str, block_ids: list[int], block_hashes: list[BlockHash], media: list[KVMedium], now: float
+    ) -> None:
+        """Order the load of `block_hashes` (from `media`) into the request's fresh `block_ids`;
+        its blocks are pinned in their tiers until `finish_load`."""
+        if request_id in self._loads:
+            raise ValueError(f"request {request_id!r} is already loading")
+        if not len(block_ids) == len(block_hashes) == len(media) > 0:
+            raise ValueError(f"load of {len(block_ids)} blocks, {len(block_hashes)} hashes, {len(media)} media")
+        for block_hash, medium in zip(block_hashes, media, strict=True):
+            self.indexes[medium].pin([block_hash])
+        load = KVLoad(request_id, block_ids, block_hashes, media)
+        timeout = self.config.load_timeout_base_s + self.config.load_timeout_per_1k_tokens_s * (
+            len(block_ids) * self.block_size / 1024
+        )
+        self._loads[request_id] = _Load(load, deadline=now + timeout)
+        self._transfers.loads.append(load)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a load (its request was aborted, or it is late); its result still arrives."""
+        load = self._loads.get(request_id)
+        if load is not None and not load.cancelled:
+            load.cancelled = True
+            self._transfers.cancels.append(request_id)
+
+    def cancel_expired(self, now: float) -> list[str]:
+        """Cancel the loads past their deadline; returns their request ids."""
+        late = [rid for rid, load in self._loads.items() if not load.cancelled and now >= load.deadline]
+        for request_id in late:
+            self.cancel(request_id)
+        return late
+
+    def finish_load(self, result: KVLoadResult) -> KVLoad:
+        """A load ended (the runner's report): unpin, count, learn the bandwidth, and forget blocks
+        that turned out missing or corrupt. Returns the load as ordered."""
+        load = self._loads.pop(result.request_id).request
+        for block_hash, medium in zip(load.block_hashes, load.media, strict=True):
+            self.indexes[medium].unpin([block_hash])
+        loaded = result.num_blocks_loaded
+        for block_hash, medium in zip(load.block_hashes[:loaded], load.media[:loaded], strict=True):
+            self.indexes[medium].hit(block_hash)
+            self.counters.add(self.counters.hit_tokens, medium, self.block_size)
+            self.counters.add(self.counters.loaded_bytes, medium, self.block_bytes)
+        if result.failure is not None:
+            self.counters.failed_loads += 1
+            if result.failure != "cancelled" and loaded < len(load.block_hashes):
+                # The block that failed is not there (or not usable): forget it, and drop its file.
+                failed_hash, failed_medium = load.block_hashes[loaded], load.media[loaded]
+                if self.indexes[failed_medium].discard(failed_hash):
+                    self._transfers.drops.append(KVDrop(failed_hash, failed_medium))
+        if loaded and result.seconds > 0:
+            medium = load.media[0]
+            measured = result.num_bytes / result.seconds
+            self._bandwidth[medium] += BANDWIDTH_EWMA * (measured - self._bandwidth[medium])
+        return load
+
+    # -- saving ------------------------------------------------------------------------
+
+    def stored(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        """Blocks the pool just cached (computed, full; (block id, hash)): order their copies into
+        every tier that lacks them. A tier evicting to make room orders drops."""
+        for block_id, block_hash in blocks:
+            media = []
+            for medium, index in self.indexes.items():
+                if block_hash in index:
+                    index.touch(block_hash)
+                    continue
+                added, evicted = index.add(block_hash)
+                self._transfers.drops.extend(KVDrop(victim, medium) for victim in evicted)
+                if added:
+                    media.append(medium)
+            if media:
+                self._transfers.saves.append(KVSave(block_id, block_hash, tuple(media)))
+
+    def record_saved(self, saved_bytes: dict[KVMedium, int]) -> None:
+        for medium, num_bytes in saved_bytes.items():
+            self.counters.add(self.counters.saved_bytes, medium, num_bytes)
+
+    def take_transfers(self) -> KVTransfers:
+        """This step's orders (the next call starts afresh)."""
+        transfers, self._transfers = self._transfers, KVTransfers()
+        return transfers
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _where(self, block_hash: BlockHash) -> KVMedium | None:
+        for medium, index in self.indexes.items():
+            if block_hash in index:
+                return medium
+        disk_index = self.indexes.get(KVMedium.DISK)
+        if self._disk is not None and disk_index is not None and self._disk.exists(block_hash):
+            if self._adopt(disk_index, block_hash):  # another replica's, or written before a restart
+                return KVMedium.DISK
+        return None
+
+    def _adopt(self, disk_index: TierIndex, block_hash: BlockHash) -> bool:
+        added, evicted = disk_index.add(block_hash)
+        self._transfers.drops.extend(KVDrop(victim, KVMedium.DISK) for victim in evicted)
+        return added
+
+    def check_invariants(self) -> None:
+        for index in self.indexes.values():
+            index.check_invariants()
+        pinned: dict[KVMedium, set[BlockHash]] = {medium: set() for medium in self.indexes}
+        for load in self._loads.values():
+            pinned_here = zip(load.request.block_hashes, load.request.media, strict=True)
+            for block_hash, medium in pinned_here:
+                pinned[medium].add(block_hash)
+        for medium, hashes in pinned.items():
+            if any(not self.indexes[medium].is_pinned(h) for h in hashes):
+                raise TierIndexError(f"a loading block is not pinned in the {medium.value} tier")

@@ -1,0 +1,275 @@
+"""KV beyond the pool, the worker's half: copies blocks between the pool and host memory (L2) and
+disk (L3) as the scheduler orders (KVTransfers in each SchedulerOutput; kv/tiers.py decides).
+
+A block's bytes are the [:, block_id] slices of the runner's block tensors (every pool tensor whose
+dim 1 is the block id: per layer K/V, and scales where the KV dtype has them), packed in order into
+one uint8 payload:
+
+    payload = K/V of layer 0 | K/V of layer 1 | ... | (scales ...)         (block_bytes bytes)
+
+Threads, so transfers overlap the model's forward:
+- saves are copied out synchronously in `apply`, before the step's forward (the scheduler may
+  have handed the block to another request whose forward overwrites it); disk files are then
+  written by the writer thread from that host copy;
+- loads run on the loader thread, block by block, into pool blocks no scheduled request reads
+  (they belong to a request that waits for them); a cancel waits for the block being copied, so
+  after `apply` returns a cancelled load writes nothing more: the scheduler may reuse its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from servelm.datatypes import KVLoad, KVLoadResult, KVMedium, KVTransfers
+from servelm.kv.disk_store import CorruptBlockFile, DiskBlockStore
+
+logger = logging.getLogger(__name__)
+
+# Disk writes waiting for the writer thread at most; beyond, new saves to disk are skipped (a
+# slow or full disk must not grow host memory without bound: a skipped block is a later miss).
+MAX_PENDING_DISK_WRITES = 4096
+
+
+@dataclass
+class _LoadJob:
+    load: KVLoad
+    started: float = 0.0
+    num_loaded: int = 0  # blocks copied into the pool so far
+    cancelled: bool = False
+    reported: bool = False  # its result is out: the loader must not copy or report any more
+
+
+class BlockCodec:
+    """Packs one pool block into a uint8 payload and back (see the module docstring)."""
+
+    def __init__(self, block_tensors: Sequence[torch.Tensor]) -> None:
+        if not block_tensors:
+            raise ValueError("no block tensors to move")
+        self.tensors = list(block_tensors)
+        self._spans: list[tuple[int, int]] = []  # per tensor: (byte offset, bytes) in the payload
+        offset = 0
+        for tensor in self.tensors:
+            num_bytes = tensor[:, 0].numel() * tensor.element_size()
+            if offset % tensor.element_size():
+                raise ValueError(f"block tensor of {tensor.dtype} would sit at unaligned payload offset {offset}")
+            self._spans.append((offset, num_bytes))
+            offset += num_bytes
+        self.block_bytes = offset
+
+    def pack(self, block_id: int, payload: torch.Tensor) -> None:
+        """Copy pool block `block_id` into `payload` (uint8 [block_bytes], host)."""
+        for tensor, (offset, num_bytes) in zip(self.tensors, self._spans, strict=True):
+            source = tensor[:, block_id]
+            payload[offset : offset + num_bytes].view(tensor.dtype).view(source.shape).copy_(source)
+
+    def unpack(self, payload: torch.Tensor, block_id: int) -> None:
+        """Copy `payload` into pool block `block_id`."""
+        for tensor, (offset, num_bytes) in zip(self.tensors, self._spans, strict=True):
+            target = tensor[:, block_id]
+            target.copy_(payload[offset : offset + num_bytes].view(tensor.dtype).view(target.shape))
+
+
+class KVOffloader:
+    """Host store, disk writer and background loader of one runner. `apply` and `take_results` are
+    called by the runner's thread only; `close` stops the threads (pending disk writes first)."""
+
+    def __init__(
+        self, block_tensors: Sequence[torch.Tensor], host_tier: bool, disk_store: DiskBlockStore | None
+    ) -> None:
+        self.codec = BlockCodec(block_tensors)
+        self._host_tier = host_tier
+        self._disk = disk_store
+        self._pin = block_tensors[0].device.type == "cuda"  # page-locked host copies for fast DMA
+        self._host: dict[bytes, torch.Tensor] = {}  # block hash → payload; read by the loader thread
+        self._host_lock = threading.Lock()
+        self._results: list[KVLoadResult] = []
+        self._results_lock = threading.Condition()
+        self._saved_bytes: dict[KVMedium, int] = {}
+        self._jobs: dict[str, _LoadJob] = {}
+        self._load_queue: queue.SimpleQueue[_LoadJob | None] = queue.SimpleQueue()
+        self._busy_lock = threading.Lock()  # held by the loader while it copies one block
+        self._loader = threading.Thread(target=self._load_loop, name="kv-loader", daemon=True)
+        self._loader.start()
+        self._write_queue: queue.Queue[tuple[str, bytes, torch.Tensor | None] | None] = queue.Queue(
+            MAX_PENDING_DISK_WRITES
+        )
+        self._writer: threading.Thread | None = None
+        if disk_store is not None:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+            self._writer.start()
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self._host)
+
+    def host_hashes(self) -> set[bytes]:
+        with self._host_lock:
+            return set(self._host)
+
+    # -- the runner's side ---------------------------------------------------------------
+
+    def apply(self, transfers: KVTransfers) -> None:
+        """Carry out one step's orders, before its forward (see KVTransfers for the order)."""
+        for request_id in transfers.cancels:
+            self._cancel(request_id)
+        for save in transfers.saves:
+            self._save(save.block_id, save.block_hash, save.media)
+        for drop in transfers.drops:
+            if drop.medium is KVMedium.HOST:
+                with self._host_lock:
+                    self._host.pop(drop.block_hash, None)
+            elif self._disk is not None:
+                self._enqueue_write("delete", drop.block_hash, None)
+        for load in transfers.loads:
+            job = _LoadJob(load, started=time.perf_counter())
+            self._jobs[load.request_id] = job
+            self._load_queue.put(job)
+
+    def take_results(self, wait_s: float = 0.0) -> list[KVLoadResult]:
+        """Loads that ended since the last call; waits up to `wait_s` for one when none has (the
+        runner waits only when it has nothing else to do)."""
+        with self._results_lock:
+            if not self._results and wait_s > 0 and self._jobs:
+                self._results_lock.wait(wait_s)
+            results, self._results = self._results, []
+        for result in results:
+            self._jobs.pop(result.request_id, None)
+        return results
+
+    def take_saved_bytes(self) -> dict[KVMedium, int]:
+        with self._results_lock:
+            saved, self._saved_bytes = self._saved_bytes, {}
+        return saved
+
+    def flush(self) -> None:
+        """Wait until the disk writes and deletes ordered so far are done (tests; shutdown)."""
+        if self._writer is not None:
+            self._write_queue.join()
+
+    def close(self) -> None:
+        for request_id in list(self._jobs):
+            self._cancel(request_id)
+        self._load_queue.put(None)
+        self._loader.join(timeout=10)
+        if self._writer is not None:
+            self._write_queue.put(None)
+            self._writer.join(timeout=60)
+
+    # -- saves -------------------------------------------------------------------------
+
+    def _save(self, block_id: int, block_hash: bytes, media: tuple[KVMedium, ...]) -> None:
+        payload = torch.empty(self.codec.block_bytes, dtype=torch.uint8, pin_memory=self._pin)
+        self.codec.pack(block_id, payload)
+        if KVMedium.HOST in media and self._host_tier:
+            with self._host_lock:
+                self._host[block_hash] = payload
+            self._count_saved(KVMedium.HOST, self.codec.block_bytes)
+        if KVMedium.DISK in media and self._disk is not None:
+            self._enqueue_write("write", block_hash, payload)
+
+    def _enqueue_write(self, operation: str, block_hash: bytes, payload: torch.Tensor | None) -> None:
+        try:
+            self._write_queue.put_nowait((operation, block_hash, payload))
+        except queue.Full:
+            logger.warning("KV disk tier: %d writes pending; skipping one %s", MAX_PENDING_DISK_WRITES, operation)
+
+    def _write_loop(self) -> None:
+        assert self._disk is not None
+        while (item := self._write_queue.get()) is not None:
+            operation, block_hash, payload = item
+            try:
+                if operation == "delete":
+                    self._disk.delete(block_hash)
+                else:
+                    assert payload is not None
+                    self._disk.write(block_hash, payload.numpy().tobytes())
+                    self._count_saved(KVMedium.DISK, self.codec.block_bytes)
+            except OSError as exc:  # a full or failing disk: the block is just not on disk
+                logger.warning("KV disk tier: %s of block %s failed: %s", operation, block_hash.hex()[:16], exc)
+            finally:
+                self._write_queue.task_done()
+        self._write_queue.task_done()  # the None that stopped the loop
+
+    def _count_saved(self, medium: KVMedium, num_bytes: int) -> None:
+        with self._results_lock:
+            self._saved_bytes[medium] = self._saved_bytes.get(medium, 0) + num_bytes
+
+    # -- loads -------------------------------------------------------------------------
+
+    def _cancel(self, request_id: str) -> None:
+        """Stop a load now: once this returns no further block of it is copied, and its result
+        (the blocks copied so far) is out, even if the loader is stuck in a read (a hung disk)."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return
+        with self._busy_lock:  # the block being copied, if any, is finished; no further one starts
+            job.cancelled = True
+            self._report(job, "cancelled")
+
+    def _load_loop(self) -> None:
+        while (job := self._load_queue.get()) is not None:
+            failure = self._load(job)
+            with self._busy_lock:
+                self._report(job, failure)
+
+    def _report(self, job: _LoadJob, failure: str | None) -> None:
+        """Publish a job's result once (the caller holds _busy_lock)."""
+        if job.reported:
+            return
+        job.reported = True
+        load = job.load
+        if load.block_ids and self.codec.tensors[0].device.type == "cuda":
+            torch.cuda.synchronize()  # the copies so far have landed before the scheduler uses them
+        result = KVLoadResult(
+            request_id=load.request_id,
+            num_blocks_loaded=job.num_loaded,
+            num_bytes=job.num_loaded * self.codec.block_bytes,
+            seconds=time.perf_counter() - job.started,
+            media=tuple(load.media[: job.num_loaded]),
+            failure=failure if job.num_loaded < len(load.block_ids) else None,
+        )
+        with self._results_lock:
+            self._results.append(result)
+            self._results_lock.notify_all()
+
+    @torch.no_grad()
+    def _load(self, job: _LoadJob) -> str | None:
+        """Copy the job's blocks in order until one fails or it is cancelled; returns why it
+        stopped short (None: it did not)."""
+        load = job.load
+        for block_id, block_hash, medium in zip(load.block_ids, load.block_hashes, load.media, strict=True):
+            if job.cancelled:
+                return "cancelled"
+            try:
+                payload = self._read(block_hash, medium)
+            except FileNotFoundError:
+                return "missing"
+            except CorruptBlockFile as exc:
+                return f"corrupt: {exc}"
+            except Exception as exc:  # any read error makes the rest a miss, never a crash
+                logger.warning("KV load of block %s failed", block_hash.hex()[:16], exc_info=exc)
+                return type(exc).__name__
+            with self._busy_lock:
+                if job.cancelled:
+                    return "cancelled"
+                self.codec.unpack(payload, block_id)
+                job.num_loaded += 1
+        return None
+
+    def _read(self, block_hash: bytes, medium: KVMedium) -> torch.Tensor:
+        # The host copy, when there is one, is nearer than the file the index may have named.
+        with self._host_lock:
+            payload = self._host.get(block_hash)
+        if payload is not None:
+            return payload
+        if medium is KVMedium.HOST or self._disk is None:
+            raise FileNotFoundError(block_hash.hex())
+        data = self._disk.read(block_hash, self.codec.block_bytes)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
