@@ -43,6 +43,18 @@ def test_plain_request_splits_at_each_hand_off():
     assert sum(getattr(b, c) for c in TTFTBreakdown.COMPONENTS) == approx(b.ttft) == approx(0.107)
 
 
+def test_a_kv_load_before_the_first_schedule_is_split_from_the_queue():
+    # Queued 3 ms, its prefix loaded from a tier for 4 ms, queued again 1 ms, then scheduled.
+    events = [ev(E.ARRIVED, 0.003), ev(E.QUEUED, 0.003), ev(E.KV_LOAD_STARTED, 0.005, 128),
+              ev(E.KV_LOADED, 0.009, 128), ev(E.QUEUED, 0.009), ev(E.SCHEDULED, 0.010),
+              ev(E.PREFILL_CHUNK, 0.100, 22), ev(E.FIRST_TOKEN, 0.100)]  # fmt: skip
+    b = _attribute(events)
+    assert b.kv_load == approx(0.004)
+    assert b.queue == approx(0.008 - 0.004)
+    assert b.prefill == approx(0.090) and b.preemption == 0.0
+    assert sum(getattr(b, c) for c in TTFTBreakdown.COMPONENTS) == approx(b.ttft) == approx(0.107)
+
+
 def test_preemption_charges_the_wait_and_the_recompute():
     # 60 tokens computed in 20 ms, preempted, 30 ms waiting, then a 100-token chunk of which 60
     # redo lost work: 60% of its 40 ms is recompute.
@@ -93,6 +105,6 @@ def test_timeline_picks_the_choice_that_produced_the_first_token():
 
 
 def test_header_value_lists_milliseconds():
-    b = TTFTBreakdown(0.001, 0.002, 0.003, 0.0, 0.0005, 0.0065, 0.0065, 0.0002, 0.0001)
+    b = TTFTBreakdown(0.001, 0.002, 0.0, 0.003, 0.0, 0.0005, 0.0065, 0.0065, 0.0002, 0.0001)
     parts = dict(p.split("=") for p in b.header_value().split(";"))
     assert parts["ingress"] == "1.000" and parts["output"] == "0.500" and parts["ttft"] == "6.500"

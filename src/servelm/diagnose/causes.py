@@ -7,6 +7,7 @@
          output      → output       (core→API, detokenize, SSE write: the streaming path)
          network     → network      (client TTFT − server TTFT)
          preemption  → kv_cache     (waiting after a preemption, recomputing lost work)
+         kv_load     → kv_cache     (loading a prefix's KV from host memory or disk before the first step)
          queue       → load         when the load grew (LOAD_GROWTH: arrival rate, the typical prompt,
                                     or output tokens per request), else
                        kv_cache     when the KV cache was the limit (preemptions rose, usage near full), else
@@ -79,7 +80,9 @@ EVIDENCE = {
              "generation_tokens_per_request", "prompt_tokens_per_s", "waiting_mean"),
     "none": ("ttft_p50_s", "ttft_p90_s"),
 }  # fmt: skip
-FIXED_CAUSE = {"ingress": "frontend", "output": "output", "network": "network", "preemption": "kv_cache"}
+FIXED_CAUSE = {
+    "ingress": "frontend", "output": "output", "network": "network", "preemption": "kv_cache", "kv_load": "kv_cache",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

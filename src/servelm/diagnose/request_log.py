@@ -86,5 +86,6 @@ def _request(record: dict) -> LoggedRequest:
         completion_tokens=int(record.get("completion_tokens", 0)),
         num_preemptions=sum(int(c.get("num_preemptions", 0)) for c in timeline.get("choices", [])),
         ttft_s=split_ms["ttft"] / 1000.0 if split_ms else None,
-        components_s={c: split_ms[c] / 1000.0 for c in BREAKDOWN_COMPONENTS} if split_ms else {},
+        # A log written before a component existed (kv_load) lacks it: 0 s there.
+        components_s={c: split_ms.get(c, 0.0) / 1000.0 for c in BREAKDOWN_COMPONENTS} if split_ms else {},
     )

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import logging
 
-from servelm.datatypes import EngineOutput, EngineRequest, SchedulerOutput
+from servelm.datatypes import EngineOutput, EngineRequest, KVMedium, SchedulerOutput
 from servelm.kv.kv_cache_manager import KVCacheManager
+from servelm.kv.tiers import KVTiers
 from servelm.scheduler.scheduler import Scheduler
-from servelm.schemas.core_stats import CoreStats
+from servelm.schemas.core_stats import CoreStats, TierStats
 from servelm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# Steps close() takes at most to carry out the last KV transfers (loads in flight end within
+# their deadlines; saves take one step).
+CLOSE_MAX_STEPS = 1000
 
 
 class EngineCore:
@@ -66,10 +71,26 @@ class EngineCore:
                 outputs.extend(self.scheduler.update(alone, model_output))
         return outputs
 
+    def close(self) -> None:
+        """At shutdown, with no request left: carry out the KV saves still ordered (a finished
+        request's last blocks) and write them to disk, so a restarted replica finds them. Bounded:
+        requests still running are not waited for."""
+        offloader = self.runner.kv_offloader
+        if offloader is None:
+            return
+        scheduler = self.scheduler
+        for _ in range(CLOSE_MAX_STEPS):
+            idle = scheduler.num_running == 0 and scheduler.num_waiting == 0
+            if not idle or not scheduler.has_unfinished_requests():
+                break
+            self.step()
+        offloader.close()
+
     def stats(self) -> CoreStats:
         kv = self.kv_manager
         prefix = kv.stats
         spec = self.scheduler.spec_counters
+        tiers = self.scheduler.kv_tiers
         return CoreStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -84,11 +105,31 @@ class EngineCore:
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_accepted_per_position=list(spec.accepted_per_position) if spec else [],
+            tiers=tier_stats(tiers) if tiers is not None else TierStats(),
         )
 
     def take_step_records(self) -> list[tuple[int, float]]:
         """(scheduled tokens, runner seconds) of the steps since the last call (Scheduler.step_log)."""
         return self.scheduler.step_log.take_records()
+
+
+def tier_stats(tiers: KVTiers) -> TierStats:
+    """The KV tiers' counters and gauges, keyed by medium name."""
+    counters = tiers.counters
+
+    def by_name(counter: dict[KVMedium, int]) -> dict[str, int]:
+        return {medium.value: value for medium, value in counter.items()}
+
+    return TierStats(
+        queries=by_name(counters.queried_tokens),
+        hits=by_name(counters.hit_tokens),
+        loaded_bytes=by_name(counters.loaded_bytes),
+        saved_bytes=by_name(counters.saved_bytes),
+        used_bytes={m.value: len(index) * tiers.block_bytes for m, index in tiers.indexes.items()},
+        capacity_bytes={m.value: index.capacity_blocks * tiers.block_bytes for m, index in tiers.indexes.items()},
+        failed_loads=counters.failed_loads,
+        num_loading=tiers.num_loading,
+    )
 
 
 def _step_error(exc: Exception) -> str:

@@ -46,8 +46,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
     kv_events: KVEventPublisher | None = None
+    core: EngineCore | None = None
     try:
         built = build_engine(config)
+        core = built.core
         if config.kv_events.kv_events_port is not None:  # the events switch (KVEventsConfig.enabled)
             # Bound before the first step, so it sees every event the cache records.
             kv_events = KVEventPublisher(
@@ -70,6 +72,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         outputs.send(from_core_encoder.encode(CoreFailed(error=traceback.format_exc(limit=8))))
         raise
     finally:
+        if core is not None:
+            core.close()  # the KV tiers' last saves reach the disk
         if kv_events is not None:
             kv_events.close()
         outputs.close(linger=1000)

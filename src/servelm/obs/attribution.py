@@ -1,9 +1,12 @@
 """Where one request's time to first token went.
 
-    received ──ingress──▶ sent_to_core ──queue──▶ first scheduled ──prefill + preemption──▶ first_token ──output──▶ end
+    received ──ingress──▶ sent_to_core ──queue + kv_load──▶ first scheduled ──prefill + preemption──▶ first_token ──output──▶ end
       (API)   parse,          (API)     IPC in +     (core)        chunks; lost time while      (core)    core→API, detokenize,  (API)
               template,                 waiting                    preempted, and the chunks             SSE write
               tokenize                  queue                      that redo work done before it
+
+`kv_load` is the part of the wait before the first schedule spent loading the prompt's prefix
+from a KV tier (host memory, disk: KV_LOAD_STARTED → KV_LOADED); `queue` is the rest.
 
 The components telescope, so they sum to `end - received` exactly (in wall-clock time;
 `ttft_mono` is the same span on the API's monotonic clock, the cross-check for a clock step).
@@ -23,10 +26,11 @@ from servelm.datatypes import EventType, RequestEvent
 
 @dataclass(frozen=True)
 class TTFTBreakdown:
-    """Seconds. ingress + queue + prefill + preemption + output == ttft."""
+    """Seconds. ingress + queue + kv_load + prefill + preemption + output == ttft."""
 
     ingress: float  # HTTP received → sent to the core: validation, chat template, tokenization
-    queue: float  # sent → first scheduled: IPC into the core and the waiting queue
+    queue: float  # sent → first scheduled, less kv_load: IPC into the core and the waiting queue
+    kv_load: float  # before the first schedule: its prefix's KV loading from a tier beyond the pool
     prefill: float  # first scheduled → first token, less preemption: prompt compute (chunks, batch-mates)
     preemption: float  # waiting after preemptions + recomputing lost progress, before the first token
     output: float  # first token sampled in the core → end: core→API, detokenize, write
@@ -35,7 +39,7 @@ class TTFTBreakdown:
     core_to_api: float  # first token sampled → its output received by the API (part of `output`)
     detokenize: float  # received → detokenized (part of `output`)
 
-    COMPONENTS = ("ingress", "queue", "prefill", "preemption", "output")
+    COMPONENTS = ("ingress", "queue", "kv_load", "prefill", "preemption", "output")
 
     def as_ms(self) -> dict[str, float]:
         names = (*self.COMPONENTS, "ttft", "ttft_mono", "core_to_api", "detokenize")
@@ -63,9 +67,12 @@ def attribute_ttft(
         return None
     compute = first_token - first_scheduled
     preemption = min(preemption_before(events, first_token), max(compute, 0.0))
+    waited = first_scheduled - sent_to_core
+    kv_load = min(kv_load_before(events, first_scheduled), max(waited, 0.0))
     return TTFTBreakdown(
         ingress=sent_to_core - received,
-        queue=first_scheduled - sent_to_core,
+        queue=waited - kv_load,
+        kv_load=kv_load,
         prefill=compute - preemption,
         preemption=preemption,
         output=end - first_token,
@@ -74,6 +81,23 @@ def attribute_ttft(
         core_to_api=first_output_received - first_token,
         detokenize=first_token_detokenized - first_output_received,
     )
+
+
+def kv_load_spans(events: list[RequestEvent]) -> list[tuple[float, float]]:
+    """(start, end) of each KV load from a tier (KV_LOAD_STARTED → KV_LOADED) in a request's events."""
+    spans, started = [], None
+    for event in events:
+        if event.type is EventType.KV_LOAD_STARTED:
+            started = event.timestamp
+        elif event.type is EventType.KV_LOADED and started is not None:
+            spans.append((started, event.timestamp))
+            started = None
+    return spans
+
+
+def kv_load_before(events: list[RequestEvent], until: float) -> float:
+    """Seconds spent in KV loads that ended by `until`."""
+    return sum(end - start for start, end in kv_load_spans(events) if end <= until)
 
 
 def preemption_before(events: list[RequestEvent], until: float) -> float:

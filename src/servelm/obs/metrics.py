@@ -25,8 +25,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from servelm.datatypes import EventType, RequestEvent, RequestSlo
-from servelm.obs.attribution import TTFTBreakdown
-from servelm.schemas.core_stats import CoreStats
+from servelm.obs.attribution import TTFTBreakdown, kv_load_spans
+from servelm.schemas.core_stats import CoreStats, TierStats
 
 PREFIX = "servelm:"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -128,6 +128,9 @@ class ServerMetrics:
             "request_prefill_time_seconds", "Core: first scheduled → first token.", _REQUEST_BUCKETS
         )
         self.decode = histogram("request_decode_time_seconds", "Core: first token → finished.", _REQUEST_BUCKETS)
+        self.kv_load = histogram(
+            "kv_load_seconds", "Core: one load of a prompt prefix's KV from a tier into the pool.", _LATENCY_BUCKETS
+        )
         self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per request.", lengths)
         self.generation_len = histogram("request_generation_tokens", "Generated tokens per request.", lengths)
         self.ttft_component = histogram(
@@ -204,6 +207,8 @@ class ServerMetrics:
             self.queue.labels(*labels).observe(max(scheduled - arrived, 0.0))
         if scheduled is not None and first_token is not None:
             self.prefill.labels(*labels).observe(max(first_token - scheduled, 0.0))
+        for start, end in kv_load_spans(request.events):
+            self.kv_load.labels(*labels).observe(max(end - start, 0.0))
         if first_token is not None and finished is not None:
             decode = max(finished - first_token, 0.0)
             self.decode.labels(*labels).observe(decode)
@@ -300,3 +305,34 @@ class _CoreCollector(Collector):
         for position, count in enumerate(stats.spec_accepted_per_position):
             per_position.add_metric([self.model_name, str(position)], float(count))
         yield per_position
+        yield from self._tier_metrics(stats.tiers)
+
+    def _tier_metrics(self, tiers: TierStats) -> Iterable[Metric]:
+        """KV tiers beyond the pool, by medium (vLLM's external_prefix_cache_* pair per tier)."""
+        by_medium: tuple[tuple[str, str, dict[str, int], type[CounterMetricFamily | GaugeMetricFamily]], ...] = (
+            ("external_prefix_cache_queries", "Prompt tokens looked up in a KV tier beyond the pool (after the pool "
+             "and nearer tiers missed).", tiers.queries, CounterMetricFamily),
+            ("external_prefix_cache_hits", "Prompt tokens loaded from a KV tier beyond the pool.", tiers.hits,
+             CounterMetricFamily),
+            ("kv_tier_usage_bytes", "Bytes of KV blocks a tier holds.", tiers.used_bytes, GaugeMetricFamily),
+            ("kv_tier_capacity_bytes", "Bytes of KV blocks a tier may hold.", tiers.capacity_bytes, GaugeMetricFamily),
+        )  # fmt: skip
+        for name, doc, values, family_type in by_medium:
+            family = family_type(PREFIX + name, doc, labels=["model_name", "medium"])
+            for medium, value in sorted(values.items()):
+                family.add_metric([self.model_name, medium], float(value))
+            yield family
+        moved = CounterMetricFamily(PREFIX + "kv_transfer_bytes", "KV bytes moved between the pool and a tier: "
+                                    "load (into the pool) or save (out of it).", labels=["model_name", "direction", "medium"])  # fmt: skip
+        for direction, values in (("load", tiers.loaded_bytes), ("save", tiers.saved_bytes)):
+            for medium, value in sorted(values.items()):
+                moved.add_metric([self.model_name, direction, medium], float(value))
+        yield moved
+        failed = CounterMetricFamily(PREFIX + "kv_load_failures", "KV loads that stopped short (timed out, or a "
+                                     "block missing or corrupt); the rest of the prompt was computed.", labels=["model_name"])  # fmt: skip
+        failed.add_metric([self.model_name], float(tiers.failed_loads))
+        yield failed
+        loading = GaugeMetricFamily(PREFIX + "num_requests_loading_kv", "Requests waiting for their prefix's KV to "
+                                    "load from a tier.", labels=["model_name"])  # fmt: skip
+        loading.add_metric([self.model_name], float(tiers.num_loading))
+        yield loading

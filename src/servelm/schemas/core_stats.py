@@ -6,6 +6,20 @@ from __future__ import annotations
 import msgspec
 
 
+class TierStats(msgspec.Struct, kw_only=True):
+    """KV tiers beyond the pool, by medium ("host", "disk"). Cumulative, but the bytes gauges and
+    num_loading."""
+
+    queries: dict[str, int] = {}  # tokens looked up in the tier after the pool and nearer tiers missed
+    hits: dict[str, int] = {}  # ... and loaded from it
+    loaded_bytes: dict[str, int] = {}  # moved into the pool
+    saved_bytes: dict[str, int] = {}  # moved out of the pool
+    used_bytes: dict[str, int] = {}
+    capacity_bytes: dict[str, int] = {}
+    failed_loads: int = 0  # loads that stopped short: timed out, or a block missing or corrupt
+    num_loading: int = 0  # requests waiting for their prefix's KV to load
+
+
 class CoreStats(msgspec.Struct, kw_only=True):
     """Scheduler state after a step, for gauges and counters on the API side."""
 
@@ -24,6 +38,7 @@ class CoreStats(msgspec.Struct, kw_only=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []  # [j]: drafts at position j (0-based) accepted
+    tiers: TierStats = msgspec.field(default_factory=lambda: TierStats())  # empty without KV tiers
     # (scheduled tokens, runner seconds) of every step since the previous batch, mid-prefill
     # steps included (they send no outputs), for the step histograms.
     recent_steps: list[tuple[int, float]] = []
