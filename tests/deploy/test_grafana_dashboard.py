@@ -216,10 +216,13 @@ def problems(refs: QueryRefs, exposition: Exposition) -> list[str]:
 def exposition(tmp_path_factory: pytest.TempPathFactory) -> Exposition:
     """/metrics of a real server after streamed and whole requests of both priority classes."""
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-dashboard") / "model", seed=3)
-    # With speculation on, so the spec_decode_* counters (by position too) have samples.
+    # With speculation on, so the spec_decode_* counters (by position too) have samples; with KV
+    # tiers, so the tier metrics (by medium) do.
     speculative = '{"method": "ngram", "num_speculative_tokens": 2, "adaptive": false}'
+    tiers = ["--kv-offloading-size", "0.01", "--kv-disk-path", str(tmp_path_factory.mktemp("kv-disk"))]
     server = launch_server(
-        model, ["--num-blocks", "256", "--max-num-seqs", "8", "--num-threads", "1", "--speculative-config", speculative]
+        model,
+        ["--num-blocks", "256", "--max-num-seqs", "8", "--num-threads", "1", "--speculative-config", speculative, *tiers],
     )
     try:
         with httpx.Client(base_url=server.base_url, timeout=60) as client:

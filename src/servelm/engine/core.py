@@ -118,7 +118,8 @@ def tier_stats(tiers: KVTiers) -> TierStats:
     counters = tiers.counters
 
     def by_name(counter: dict[KVMedium, int]) -> dict[str, int]:
-        return {medium.value: value for medium, value in counter.items()}
+        # Every configured tier, at 0 until it counts: a counter that exists reads 0, not "absent".
+        return {medium.value: counter.get(medium, 0) for medium in tiers.indexes}
 
     return TierStats(
         queries=by_name(counters.queried_tokens),
