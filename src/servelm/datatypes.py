@@ -56,9 +56,16 @@ class RequestSlo(msgspec.Struct, frozen=True, kw_only=True):
     ttft_target_s: float | None = None  # the class's time to first token target
     tbt_target_s: float | None = None  # the class's time between tokens target
     weight: float = 1.0  # the tenant's share among tenants of its class (fair share divides service by it)
+    # How long its KV blocks stay in the tiers beyond the pool (KV_RETENTIONS): its class's, or the
+    # request's `kv_retention` hint.
+    kv_retention: str = "normal"
 
 
 DEFAULT_SLO = RequestSlo()
+
+# KV retention in the host/disk tiers (kv/tier_index.py): "low" blocks are evicted first and stay
+# so; "normal" ones move up once reused; "high" ones (system prompts, shared documents) go last.
+KV_RETENTIONS = ("low", "normal", "high")
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):

@@ -40,6 +40,7 @@ def test_invalid_json_and_non_object_bodies(server):
 CASES = [
     ("/v1/completions", {**GOOD, "max_tokenz": 4}, 400, "max_tokenz", None, "unrecognized request argument"),
     ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", None, "valid number"),
+    ("/v1/completions", {**GOOD, "kv_retention": "forever"}, 400, "kv_retention", None, "'low', 'normal' or 'high'"),
     ("/v1/completions", {**GOOD, "prompt": 5}, 400, "prompt", None, "invalid value"),
     ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream", None, "boolean"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", None, "missing required parameter"),

@@ -45,6 +45,8 @@ def test_the_example_file_loads_with_builtin_and_own_classes():
         ("classes: {gold: {ttft_s: -1, priority: 0}}\ntenants: {a: {api_keys: [k], class: gold}}",
          r"classes\.gold\.ttft_s: expected a positive number of seconds, got -1"),
         ("tenants: {a: {api_keys: [], class: batch}}", r"tenants\.a\.api_keys: expected a non-empty list"),
+        ("classes: {gold: {priority: 0, kv_retention: forever}}\ntenants: {a: {api_keys: [k], class: gold}}",
+         r"classes\.gold\.kv_retention: 'forever'; expected one of \['low', 'normal', 'high'\]"),
         ("tenant: {}", r"the file: unknown field\(s\) \['tenant'\]"),
         ("tenants: [", "cannot read the tenants file"),
     ],
@@ -54,6 +56,14 @@ def test_mistakes_name_the_file_and_the_field(tmp_path, text, message):
         _load(tmp_path, text)
     assert str(tmp_path / "tenants.yaml") in str(error.value)
     assert "k1" not in str(error.value)  # a duplicate key is named by position, never shown
+
+
+def test_a_class_kv_retention_reaches_its_requests_slo(tmp_path):
+    config = _load(tmp_path, "classes: {docs: {priority: 1, kv_retention: low}}\n"
+                             "tenants: {a: {api_keys: [k], class: docs}, b: {api_keys: [k2], class: batch}}")  # fmt: skip
+    tenants = {t.name: t for t in config.tenants}
+    assert request_slo(tenants["a"], 0)[1].kv_retention == "low"
+    assert request_slo(tenants["b"], 0)[1].kv_retention == "normal"
 
 
 def test_keys_name_their_tenant_and_the_priority_is_clamped(tmp_path):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from servelm.config import KVTierConfig
-from servelm.datatypes import KVMedium
+from servelm.datatypes import KV_RETENTIONS, KVMedium
 from servelm.kv.disk_store import DiskBlockStore
 from servelm.kv.tiers import KVTiers
 from servelm.worker.kv_offload import KVOffloader
@@ -59,14 +59,14 @@ class TierMachine(RuleBasedStateMachine):
         self.offloader = KVOffloader([self.pool], host_tier=host_blocks > 0, disk_store=disk)
         self.disk = disk
 
-    @rule(content=st.integers(0, NUM_CONTENTS - 1))
-    def compute_and_store(self, content: int) -> None:
-        """A request computed a block holding `content`; the pool cached it: save it."""
+    @rule(content=st.integers(0, NUM_CONTENTS - 1), retention=st.sampled_from(KV_RETENTIONS))
+    def compute_and_store(self, content: int, retention: str) -> None:
+        """A request of this KV retention computed a block holding `content`; the pool cached it: save it."""
         if not self.free_blocks:
             return
         block = self.free_blocks[0]
         self.pool[:, block] = content_values(content)
-        self.tiers.stored([(block, content_hash(content))])
+        self.tiers.stored([(block, content_hash(content))], retention)
         self._step()  # the saves copy out before anything may overwrite the block
 
     @rule(contents=st.lists(st.integers(0, NUM_CONTENTS - 1), min_size=1, max_size=3))

@@ -1,13 +1,15 @@
 """What one KV tier (host memory, disk) holds: block hashes under a capacity, evicted LRU within
 retention levels, pinned while a load reads them.
 
-    level 1 (reused: hit at least once)   [lru ... mru]      evicted only when level 0 is empty
-    level 0 (stored, never hit yet)       [lru ... mru]      evicted first
+    level 2 (reused, or stored "high")    [lru ... mru]      evicted only when levels 0 and 1 are empty
+    level 1 (stored "normal", not reused)  [lru ... mru]
+    level 0 (stored "low")                 [lru ... mru]      evicted first
 
-A block enters at level 0 and moves to level 1 on its first hit: a system prompt or a
-conversation's history, which many requests come back to, outlives one-off documents that were
-stored once and never read (TensorRT-LLM's retention priorities and SGLang HiCache's hit-count
-promotion aim at the same thing). A pinned block (an in-flight load reads it) is never evicted;
+A "normal" block moves up to level 2 on its first hit: a system prompt or a conversation's
+history, which many requests come back to, outlives one-off documents that were stored once and
+never read (SGLang HiCache's hit-count promotion); a request or its SLO class may say so up front
+("high") or mark its blocks disposable ("low": they stay at level 0 even when hit), as
+TensorRT-LLM's retention priorities do. A block stored again with a higher retention moves up. A pinned block (an in-flight load reads it) is never evicted;
 when every block is pinned the tier refuses new ones rather than overflow.
 
 Torch-free bookkeeping only: the worker holds the bytes and obeys the drops this index decides.
@@ -20,7 +22,10 @@ from collections.abc import Iterable
 
 from servelm.kv.block_hash import BlockHash
 
-NUM_LEVELS = 2
+# Retention (datatypes.KV_RETENTIONS) → the level a block is stored at.
+RETENTION_LEVELS = {"low": 0, "normal": 1, "high": 2}
+REUSED_LEVEL = 2  # where a "normal" block goes on its first hit
+NUM_LEVELS = 3
 
 
 class TierIndexError(RuntimeError):
@@ -44,10 +49,14 @@ class TierIndex:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._level_of
 
-    def add(self, block_hash: BlockHash) -> tuple[bool, list[BlockHash]]:
-        """Store a block (a no-op but a touch when present). Returns (stored, the hashes evicted to
-        make room): not stored when the tier is full of pinned blocks."""
+    def add(self, block_hash: BlockHash, retention: str = "normal") -> tuple[bool, list[BlockHash]]:
+        """Store a block at its retention's level (present: a touch, and a move up if the retention
+        is higher). Returns (stored, the hashes evicted to make room): not stored when the tier is
+        full of pinned blocks."""
+        level = RETENTION_LEVELS[retention]
         if block_hash in self._level_of:
+            if level > self._level_of[block_hash]:
+                self._move(block_hash, level)
             self.touch(block_hash)
             return True, []
         evicted: list[BlockHash] = []
@@ -57,8 +66,8 @@ class TierIndex:
                 return False, evicted
             self._remove(victim)
             evicted.append(victim)
-        self._levels[0][block_hash] = None
-        self._level_of[block_hash] = 0
+        self._levels[level][block_hash] = None
+        self._level_of[block_hash] = level
         return True, evicted
 
     def touch(self, block_hash: BlockHash) -> None:
@@ -66,14 +75,16 @@ class TierIndex:
         self._levels[self._level_of[block_hash]].move_to_end(block_hash)
 
     def hit(self, block_hash: BlockHash) -> None:
-        """It was looked up and used: promote it to the reused level, most recently used."""
-        level = self._level_of[block_hash]
-        if level + 1 < NUM_LEVELS:
-            del self._levels[level][block_hash]
-            self._levels[level + 1][block_hash] = None
-            self._level_of[block_hash] = level + 1
-        else:
-            self._levels[level].move_to_end(block_hash)
+        """It was looked up and used: most recently used, and a "normal" block moves up to the
+        reused level ("low" stays low)."""
+        if self._level_of[block_hash] == RETENTION_LEVELS["normal"]:
+            self._move(block_hash, REUSED_LEVEL)
+        self.touch(block_hash)
+
+    def _move(self, block_hash: BlockHash, level: int) -> None:
+        del self._levels[self._level_of[block_hash]][block_hash]
+        self._levels[level][block_hash] = None
+        self._level_of[block_hash] = level
 
     def discard(self, block_hash: BlockHash) -> bool:
         """Forget a block found missing or corrupt (not pinned by anyone else). Returns whether it was here."""

@@ -193,16 +193,17 @@ class KVTiers:
 
     # -- saving ------------------------------------------------------------------------
 
-    def stored(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
-        """Blocks the pool just cached (computed, full; (block id, hash)): order their copies into
-        every tier that lacks them. A tier evicting to make room orders drops."""
+    def stored(self, blocks: Sequence[tuple[int, BlockHash]], retention: str = "normal") -> None:
+        """Blocks the pool just cached (computed, full; (block id, hash)) by a request of this KV
+        retention: order their copies into every tier that lacks them (a tier that has one keeps
+        it, at the higher retention). A tier evicting to make room orders drops."""
         for block_id, block_hash in blocks:
             media = []
             for medium, index in self.indexes.items():
                 if block_hash in index:
-                    index.touch(block_hash)
+                    index.add(block_hash, retention)
                     continue
-                added, evicted = index.add(block_hash)
+                added, evicted = index.add(block_hash, retention)
                 self._transfers.drops.extend(KVDrop(victim, medium) for victim in evicted)
                 if added:
                     media.append(medium)

@@ -611,7 +611,7 @@ class Scheduler:
         token_ids = request.all_token_ids + drafts[:num_accepted] if num_accepted else request.all_token_ids
         cached = self._kv.cache_full_blocks(request_id, token_ids, request.num_computed_tokens, request.slo.tenant)
         if self._tier_loads is not None:
-            self._tier_loads.stored(cached)
+            self._tier_loads.stored(cached, request.slo.kv_retention)
         if computed_before < request.num_prefill_tokens:
             request.record(EventType.PREFILL_CHUNK, now, detail=num_scheduled)
         chunk_logprobs = model_output.prompt_logprobs.get(request_id)

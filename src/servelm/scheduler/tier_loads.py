@@ -99,18 +99,19 @@ class TierLoads:
             num_valid_tokens = (num_hit_blocks + result.num_blocks_loaded) * block_size
             # The loaded blocks join the prefix cache (and tiers that lack them: a disk block is
             # promoted to host memory), then the request lets go of everything it holds.
-            self.stored(self._kv.cache_full_blocks(
+            cached = self._kv.cache_full_blocks(
                 request.request_id, request.all_token_ids, num_valid_tokens, request.slo.tenant
-            ))  # fmt: skip
+            )
+            self.stored(cached, request.slo.kv_retention)
             self._kv.free(request.request_id)
             request.status = self._status_before.pop(request.request_id)
             request.record(EventType.KV_LOADED, now, detail=result.num_blocks_loaded * block_size)
             arrived.append(request)
         return arrived
 
-    def stored(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+    def stored(self, blocks: Sequence[tuple[int, bytes]], retention: str) -> None:
         if blocks:
-            self.tiers.stored(blocks)
+            self.tiers.stored(blocks, retention)
 
     def record_saved(self, saved_bytes: dict[KVMedium, int]) -> None:
         self.tiers.record_saved(saved_bytes)

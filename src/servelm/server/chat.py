@@ -39,7 +39,7 @@ async def create_chat_completion(ctx: ServerContext, http_request: Request, body
     prompt = await render_chat(ctx, body.chat_messages(), body.add_generation_prompt)
     check_prompts(ctx, [prompt], params, "messages")
     timeline.stamp(ApiStamp.TOKENIZED)
-    priority, slo = tenant_priority(http_request, body.priority)
+    priority, slo = tenant_priority(http_request, body.priority, body.kv_retention)
     request = GenerationRequest(request_id, [prompt], params, timeline, priority, body.cache_salt, slo)
     gen = ctx.engine.generate(request, observer=ctx.metrics)
     reserve_tokens(http_request, gen, ctx.max_model_len)

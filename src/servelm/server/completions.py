@@ -45,7 +45,7 @@ async def create_completion(ctx: ServerContext, http_request: Request, body: Com
     token_ids = await ctx.engine.encode_prompts(prompts)
     check_prompts(ctx, token_ids, params, "prompt", client_ids=not all(isinstance(p, str) for p in prompts))
     timeline.stamp(ApiStamp.TOKENIZED)
-    priority, slo = tenant_priority(http_request, body.priority)
+    priority, slo = tenant_priority(http_request, body.priority, body.kv_retention)
     request = GenerationRequest(request_id, token_ids, params, timeline, priority, body.cache_salt, slo)
     gen = ctx.engine.generate(request, observer=ctx.metrics)
     reserve_tokens(http_request, gen, ctx.max_model_len)

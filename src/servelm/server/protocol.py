@@ -86,6 +86,9 @@ class _GenerationRequest(_Strict):
     # Speculative decoding for this request (ours): false = never, true/absent = the server's
     # setting, n = at most n draft tokens per step. No effect on a server without speculation.
     speculative: bool | Int64 | None = None
+    # How long this request's KV stays in the host/disk tiers (ours): "high" for a system prompt or
+    # a document many requests will share, "low" for a one-off; absent: its SLO class's (normal).
+    kv_retention: Literal["low", "normal", "high"] | None = None
     servelm: ServelmOptions | None = None
 
     @property

@@ -105,9 +105,13 @@ async def respond(http_request: Request, gen: GenerationStream, view: Generation
     return response if response is not None else Response(status_code=499)
 
 
-def tenant_priority(http_request: Request, priority: int) -> tuple[int, RequestSlo]:
-    """The priority the request runs at (the client's, clamped by its tenant) and its SLO stamp."""
-    return request_slo(getattr(http_request.state, CALLER_STATE), priority)
+def tenant_priority(http_request: Request, priority: int, kv_retention: str | None = None) -> tuple[int, RequestSlo]:
+    """The priority the request runs at (the client's, clamped by its tenant) and its SLO stamp,
+    with the request's own `kv_retention` hint over its class's."""
+    priority, slo = request_slo(getattr(http_request.state, CALLER_STATE), priority)
+    if kv_retention is not None:
+        slo = msgspec.structs.replace(slo, kv_retention=kv_retention)
+    return priority, slo
 
 
 def reserve_tokens(http_request: Request, gen: GenerationStream, max_model_len: int) -> None:

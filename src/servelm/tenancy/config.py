@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from servelm.datatypes import KV_RETENTIONS
+
 DEFAULT_TENANT = "default"
 
 
@@ -39,6 +41,7 @@ class SloClass:
     priority: int  # what the class's requests run at; lower runs first
     ttft_s: float | None = None  # time-to-first-token target; None: no promise
     tbt_s: float | None = None  # time-between-tokens target; None: no promise
+    kv_retention: str = "normal"  # its requests' KV in the host/disk tiers (datatypes.KV_RETENTIONS)
 
 
 BUILTIN_CLASSES: Mapping[str, SloClass] = {
@@ -113,14 +116,18 @@ def parse_tenants(raw: Any, source: str) -> TenantsConfig:
 
 def _slo_class(name: str, spec: Any, source: str) -> SloClass:
     where = f"classes.{name}"
-    fields = _mapping(spec, source, where, {"ttft_s", "tbt_s", "priority"})
+    fields = _mapping(spec, source, where, {"ttft_s", "tbt_s", "priority", "kv_retention"})
     if "priority" not in fields:
         raise TenantsConfigError(f"{source}: {where}.priority: missing (an integer, lower runs first)")
+    kv_retention = fields.get("kv_retention", "normal")
+    if kv_retention not in KV_RETENTIONS:
+        raise TenantsConfigError(f"{source}: {where}.kv_retention: {kv_retention!r}; expected one of {list(KV_RETENTIONS)}")
     return SloClass(
         name,
         priority=_int(fields["priority"], source, f"{where}.priority", minimum=None),
         ttft_s=_seconds(fields.get("ttft_s"), source, f"{where}.ttft_s"),
         tbt_s=_seconds(fields.get("tbt_s"), source, f"{where}.tbt_s"),
+        kv_retention=kv_retention,
     )
 
 
