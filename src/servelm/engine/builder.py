@@ -100,7 +100,13 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
             )
         else:
             proposer = build_proposer(speculative)
-    tiers, offloader = _kv_tiers(config, arch, source, kv_caches) if config.kv_tiers.enabled else (None, None)
+    # A separate draft model's K/V sit in the same block ids: a block moved to a tier takes them too.
+    separate_draft = isinstance(proposer, DraftModelProposer) and not proposer.draft.shares_target_kv
+    draft_kv = proposer.draft.kv_caches if isinstance(proposer, DraftModelProposer) and separate_draft else []
+    tiers: KVTiers | None = None
+    offloader: KVOffloader | None = None
+    if config.kv_tiers.enabled:
+        tiers, offloader = _kv_tiers(config, arch, source, [*kv_caches, *draft_kv])
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
