@@ -106,6 +106,8 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     tiers: KVTiers | None = None
     offloader: KVOffloader | None = None
     if config.kv_tiers.enabled:
+        if not config.cache.enable_prefix_caching:
+            raise ValueError("KV tiers (--kv-offloading-size, --kv-disk-path) need prefix caching: drop --no-prefix-caching")
         tiers, offloader = _kv_tiers(config, arch, source, [*kv_caches, *draft_kv])
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,

@@ -252,8 +252,8 @@ class Scheduler:
         to prove alone (it decodes, finished, or was aborted) or its blocks cannot be had now (it
         then waits and runs with the others)."""
         request = self._requests.get(request_id)
-        if request is None:
-            return None
+        if request is None or request.status is RequestStatus.LOADING_KV:
+            return None  # gone, or waiting for its KV from a tier: it runs with the others once loaded
         if request.status is RequestStatus.RUNNING and request.num_tokens - request.num_computed_tokens <= 1:
             return None  # caught up (it sampled): it decodes with the others from now on
         now = self._clock()
