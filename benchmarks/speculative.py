@@ -48,7 +48,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from mixed_vs_vllm import VLLM_PYTHON, start_vllm  # noqa: E402
+from mixed_vs_vllm import VLLM_PYTHON, SystemUnavailable, servelm_server, start_error_gist, vllm_server  # noqa: E402
 from offline_throughput import prepare_model_dir  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -59,7 +59,6 @@ from servelm.bench.server_info import probe_server  # noqa: E402
 from servelm.bench.stats import summarize_group  # noqa: E402
 from servelm.bench.tokens import TokenSource  # noqa: E402
 from servelm.bench.workload import LengthLimits, WorkloadRequest  # noqa: E402
-from servelm.server.launcher import free_port, launch_server  # noqa: E402
 
 REFERENCE = "servelm"  # every ratio and output comparison is against this system
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
@@ -240,10 +239,6 @@ def measure(
     )  # fmt: skip
 
 
-class SystemUnavailable(RuntimeError):
-    """A system's server did not start (the run goes on without it and says why)."""
-
-
 @contextlib.contextmanager
 def serving(system: str, model_dir: str | None, log_dir: Path) -> Iterator[tuple[str, float]]:
     """A fresh server of `system`, ready: yields (its base URL, seconds it took to start)."""
@@ -251,25 +246,11 @@ def serving(system: str, model_dir: str | None, log_dir: Path) -> Iterator[tuple
     spec_args = ["--speculative-config", json.dumps(config)] if config is not None else []
     started = time.perf_counter()
     if system.startswith("vllm"):
-        if model_dir is None or not VLLM_PYTHON.exists():
-            raise SystemUnavailable("no benchmarks/vllm_cpu/.venv (run benchmarks/vllm_cpu/setup.sh)")
-        port = free_port()
-        try:
-            process = start_vllm(model_dir, port, log_dir, spec_args, VLLM_ENV)
-        except RuntimeError as exc:
-            raise SystemUnavailable(str(exc)) from None
-        try:
-            yield f"http://127.0.0.1:{port}", time.perf_counter() - started
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+        with vllm_server(model_dir, log_dir, spec_args, VLLM_ENV) as base_url:
+            yield base_url, time.perf_counter() - started
         return
-    try:
-        server = launch_server(None, ["--max-model-len", str(CONTEXT), *spec_args])
-    except RuntimeError as exc:
-        raise SystemUnavailable(str(exc)) from None
-    with server:
-        yield server.base_url, time.perf_counter() - started
+    with servelm_server(["--max-model-len", str(CONTEXT), *spec_args]) as base_url:
+        yield base_url, time.perf_counter() - started
 
 
 def identical_outputs(reference: list[str | None], other: list[str | None]) -> list[bool]:
@@ -430,17 +411,11 @@ def main() -> None:
         )
 
     if skipped:
-        tables.append("Not run: " + "; ".join(f"{name} ({_gist(why)})" for name, why in skipped.items()))
+        tables.append("Not run: " + "; ".join(f"{name} ({start_error_gist(why)})" for name, why in skipped.items()))
     text = "\n\n".join(tables)
     print(text)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "speculative.json").write_text(json.dumps(report, indent=1))
-
-
-def _gist(error: str) -> str:
-    """A start-up error's first line and its log's last (where the cause usually is)."""
-    lines = [line for line in error.splitlines() if line.strip()]
-    return " … ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else "no message"
 
 
 def _measurement_json(m: Measurement, reference: Measurement | None) -> dict[str, Any]:
