@@ -54,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import httpx  # noqa: E402
-from mixed_vs_vllm import SystemUnavailable, servelm_server, start_error_gist, vllm_server  # noqa: E402
+from mixed_vs_vllm import SystemUnavailable, parse_systems, servelm_server, start_error_gist, vllm_server  # noqa: E402
 from offline_throughput import prepare_model_dir  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -621,7 +621,11 @@ def counters_table(counters: dict[str, dict[str, float]]) -> str:
 def targets_table(checks: list[TargetCheck]) -> str:
     lines = ["| target | system | value | |", "|---|---|---:|---|"]
     lines += [f"| {c.target} | {c.system} | {c.value} | {_met(c.met)} |" for c in checks]
-    return "\n".join(lines)
+    return (
+        "\n".join(lines)
+        if checks
+        else "Targets: none applies to the systems run (they compare l2, l2l3, int8 with pool)."
+    )
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -661,14 +665,6 @@ def describe_plan(args: argparse.Namespace, estimate: WorkloadEstimate, sizing: 
     return "\n".join(lines)
 
 
-def _systems(text: str) -> list[str]:
-    systems = [s for s in text.split(",") if s]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or not systems:
-        raise SystemExit(f"--systems: unknown {unknown or 'none given'}: expected some of {list(SYSTEMS)}")
-    return systems
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
@@ -681,7 +677,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/kv-tiers-bench"))
     args = parser.parse_args()
-    systems = _systems(args.systems)
+    systems = parse_systems(args.systems, SYSTEMS)
     if args.sessions < 1 or args.turns < 1 or args.concurrency < 1:
         raise SystemExit("--sessions, --turns and --concurrency must be >= 1")
     if args.max_output_tokens is not None and args.max_output_tokens < 1:

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -104,10 +105,26 @@ def servelm_server(extra_args: Sequence[str] = ()) -> Iterator[str]:
         yield server.base_url
 
 
+def parse_systems(text: str, known: Sequence[str]) -> list[str]:
+    """`--systems a,b` → ["a", "b"]; SystemExit naming the unknown ones (or none given)."""
+    systems = [s for s in text.split(",") if s]
+    unknown = [s for s in systems if s not in known]
+    if unknown or not systems:
+        raise SystemExit(f"unknown systems {unknown or '(none given)'}: expected some of {list(known)}")
+    return systems
+
+
 def start_error_gist(error: str) -> str:
-    """A start-up error's first line and its log's last (where the cause usually is)."""
+    """A start-up error's first line and the cause in its log: the last exception line (a server's
+    traceback), else the log's last line."""
     lines = [line for line in error.splitlines() if line.strip()]
-    return " … ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else "no message"
+    if not lines:
+        return "no message"
+    exceptions = [line for line in lines[1:] if _EXCEPTION_LINE.match(line)]
+    return " … ".join(dict.fromkeys([lines[0], (exceptions or lines)[-1]]))
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:")
 
 
 def run_bench(base_url: str, rate: float, args: argparse.Namespace, out: Path, extra: list[str]) -> dict:

@@ -48,7 +48,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from mixed_vs_vllm import VLLM_PYTHON, SystemUnavailable, servelm_server, start_error_gist, vllm_server  # noqa: E402
+from mixed_vs_vllm import (  # noqa: E402
+    VLLM_PYTHON,
+    SystemUnavailable,
+    parse_systems,
+    servelm_server,
+    start_error_gist,
+    vllm_server,
+)
 from offline_throughput import prepare_model_dir  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -316,14 +323,6 @@ def chat_table(results: dict[str, dict[int, Measurement]]) -> str:
 # -- main -------------------------------------------------------------------------------------
 
 
-def _systems(text: str) -> list[str]:
-    systems = [s for s in text.split(",") if s]
-    unknown = [s for s in systems if s not in SPECULATIVE_CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown systems {unknown}: expected some of {list(SPECULATIVE_CONFIGS)}")
-    return systems
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="code,chat")
@@ -345,7 +344,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/speculative-bench"))
     args = parser.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
-    code_systems, chat_systems = _systems(args.code_systems), _systems(args.chat_systems)
+    code_systems = parse_systems(args.code_systems, list(SPECULATIVE_CONFIGS))
+    chat_systems = parse_systems(args.chat_systems, list(SPECULATIVE_CONFIGS))
     levels = [int(c) for c in args.concurrency.split(",")]
     low, _, high = args.code_file_tokens.partition("-")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,6 @@ see its docstring)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,20 +11,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from servelm.bench.profiles import CODE_CONTEXT_TOKENS, CODE_EDIT_TOKENS, CODE_OUTPUT_TOKENS, CODE_QUESTION_TOKENS
 from servelm.bench.tokens import load_token_source
+from servelm.testing.benchmark_script import load_benchmark_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("kv_tiers_bench", ROOT / "benchmarks" / "kv_tiers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script()
+bench = load_benchmark_script(ROOT / "benchmarks" / "kv_tiers.py", "kv_tiers_bench")
 
 
 def turn(session, number, prompt, output, cached=0, ttft_s=0.1, ok=True):
@@ -191,3 +181,21 @@ def test_targets_met_not_met_and_not_measurable():
     alone = bench.check_targets({"l2": _summary(900, None, 900)}, {}, restart_cached=None)
     assert [c.met for c in alone] == [None, None]  # no cached tokens reported, no pool to compare with
     assert "n/a" in bench.targets_table(alone)
+
+
+def test_a_server_that_does_not_start_is_skipped_with_the_cause_from_its_log():
+    log = (
+        "servelm serve exited with 3 during start-up:\nTraceback (most recent call last):\n"
+        '  File "builder.py", line 72, in assemble_engine\n'
+        "NotImplementedError: KV tiers (--kv-offloading-size, --kv-disk-path) are not built yet (issue 13)\n\n"
+        "ERROR:    Application startup failed. Exiting.\n"
+    )
+    assert bench.start_error_gist(log) == (
+        "servelm serve exited with 3 during start-up: … NotImplementedError: KV tiers (--kv-offloading-size, "
+        "--kv-disk-path) are not built yet (issue 13)"
+    )
+    assert (
+        bench.start_error_gist("vLLM not ready after 600 s: see vllm-1.log")
+        == "vLLM not ready after 600 s: see vllm-1.log"
+    )
+    assert bench.start_error_gist("no venv\nlast line") == "no venv … last line"
