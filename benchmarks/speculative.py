@@ -49,7 +49,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from mixed_vs_vllm import VLLM_PYTHON, start_vllm  # noqa: E402
+from mixed_vs_vllm import (  # noqa: E402
+    VLLM_PYTHON,
+    SystemUnavailable,
+    parse_systems,
+    servelm_server,
+    start_error_gist,
+    vllm_server,
+)
 from offline_throughput import prepare_model_dir  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -60,7 +67,6 @@ from servelm.bench.server_info import probe_server  # noqa: E402
 from servelm.bench.stats import summarize_group  # noqa: E402
 from servelm.bench.tokens import TokenSource  # noqa: E402
 from servelm.bench.workload import LengthLimits, WorkloadRequest  # noqa: E402
-from servelm.server.launcher import free_port, launch_server  # noqa: E402
 
 REFERENCE = "servelm"  # every ratio and output comparison is against this system
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
@@ -243,10 +249,6 @@ def measure(
     )  # fmt: skip
 
 
-class SystemUnavailable(RuntimeError):
-    """A system's server did not start (the run goes on without it and says why)."""
-
-
 @contextlib.contextmanager
 def serving(system: str, model_dir: str | None, log_dir: Path) -> Iterator[tuple[str, float]]:
     """A fresh server of `system`, ready: yields (its base URL, seconds it took to start)."""
@@ -254,25 +256,11 @@ def serving(system: str, model_dir: str | None, log_dir: Path) -> Iterator[tuple
     spec_args = ["--speculative-config", json.dumps(config)] if config is not None else []
     started = time.perf_counter()
     if system.startswith("vllm"):
-        if model_dir is None or not VLLM_PYTHON.exists():
-            raise SystemUnavailable("no benchmarks/vllm_cpu/.venv (run benchmarks/vllm_cpu/setup.sh)")
-        port = free_port()
-        try:
-            process = start_vllm(model_dir, port, log_dir, spec_args, VLLM_ENV)
-        except RuntimeError as exc:
-            raise SystemUnavailable(str(exc)) from None
-        try:
-            yield f"http://127.0.0.1:{port}", time.perf_counter() - started
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+        with vllm_server(model_dir, log_dir, spec_args, VLLM_ENV) as base_url:
+            yield base_url, time.perf_counter() - started
         return
-    try:
-        server = launch_server(None, ["--max-model-len", str(CONTEXT), *spec_args])
-    except RuntimeError as exc:
-        raise SystemUnavailable(str(exc)) from None
-    with server:
-        yield server.base_url, time.perf_counter() - started
+    with servelm_server(["--max-model-len", str(CONTEXT), *spec_args]) as base_url:
+        yield base_url, time.perf_counter() - started
 
 
 def identical_outputs(reference: list[str | None], other: list[str | None]) -> list[bool]:
@@ -338,14 +326,6 @@ def chat_table(results: dict[str, dict[int, Measurement]]) -> str:
 # -- main -------------------------------------------------------------------------------------
 
 
-def _systems(text: str) -> list[str]:
-    systems = [s for s in text.split(",") if s]
-    unknown = [s for s in systems if s not in SPECULATIVE_CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown systems {unknown}: expected some of {list(SPECULATIVE_CONFIGS)}")
-    return systems
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="code,chat")
@@ -367,7 +347,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/speculative-bench"))
     args = parser.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
-    code_systems, chat_systems = _systems(args.code_systems), _systems(args.chat_systems)
+    code_systems = parse_systems(args.code_systems, list(SPECULATIVE_CONFIGS))
+    chat_systems = parse_systems(args.chat_systems, list(SPECULATIVE_CONFIGS))
     levels = [int(c) for c in args.concurrency.split(",")]
     low, _, high = args.code_file_tokens.partition("-")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -433,17 +414,11 @@ def main() -> None:
         )
 
     if skipped:
-        tables.append("Not run: " + "; ".join(f"{name} ({_gist(why)})" for name, why in skipped.items()))
+        tables.append("Not run: " + "; ".join(f"{name} ({start_error_gist(why)})" for name, why in skipped.items()))
     text = "\n\n".join(tables)
     print(text)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "speculative.json").write_text(json.dumps(report, indent=1))
-
-
-def _gist(error: str) -> str:
-    """A start-up error's first line and its log's last (where the cause usually is)."""
-    lines = [line for line in error.splitlines() if line.strip()]
-    return " … ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else "no message"
 
 
 def _measurement_json(m: Measurement, reference: Measurement | None) -> dict[str, Any]:

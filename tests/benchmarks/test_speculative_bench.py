@@ -3,27 +3,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from servelm.bench.tokens import load_token_source
+from servelm.testing.benchmark_script import load_benchmark_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("speculative_bench", ROOT / "benchmarks" / "speculative.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script()
+bench = load_benchmark_script(ROOT / "benchmarks" / "speculative.py", "speculative_bench")
 
 
 @pytest.fixture(scope="module")

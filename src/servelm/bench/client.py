@@ -80,6 +80,7 @@ class RequestRecord:
     chunk_times_s: list[float] = field(default_factory=list)  # each chunk that carried text
     num_prompt_tokens: int | None = None
     num_output_tokens: int | None = None
+    num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not reported
     token_source: str = "usage"  # usage | tokenizer
     status: str = "pending"  # ok | error | cancelled (cut by the wall-clock limit or Ctrl-C)
     error: str | None = None
@@ -234,6 +235,9 @@ def _count_tokens(record: RequestRecord, request: WorkloadRequest, stream: _Stre
         record.num_prompt_tokens = int(usage["prompt_tokens"])
         record.num_output_tokens = int(usage["completion_tokens"])
         record.token_source = "usage"
+        details = usage.get("prompt_tokens_details") or {}  # vLLM sends it only with --enable-prompt-tokens-details
+        if details.get("cached_tokens") is not None:
+            record.num_cached_tokens = int(details["cached_tokens"])
         return
     # No usage: count here. Exact for a completions prompt (built that way); for the output and a
     # chat prompt (whose template we do not see) it is our tokenizer's count of the text.

@@ -180,6 +180,15 @@ class LongChatProfile(VoiceProfile):
         return request
 
 
+# The code profile's lengths in tokens, drawn uniformly in each range: a repository context, the
+# edit that replaces part of it, the question after it, the reply (benchmarks/kv_tiers.py builds
+# its multi-turn code sessions from the same ranges).
+CODE_CONTEXT_TOKENS = (1000, 4000)
+CODE_EDIT_TOKENS = (5, 30)
+CODE_QUESTION_TOKENS = (10, 60)
+CODE_OUTPUT_TOKENS = (50, 300)
+
+
 @dataclass
 class _Repository:
     repo_id: str
@@ -196,9 +205,11 @@ class CodeProfile(_Base):
     def __post_init__(self) -> None:
         super().__post_init__()
         # Room for the largest question and answer next to the largest context.
-        room = self.prompt_budget(self.limits.output(300) + self.limits.prompt(60))
+        room = self.prompt_budget(
+            self.limits.output(CODE_OUTPUT_TOKENS[1]) + self.limits.prompt(CODE_QUESTION_TOKENS[1])
+        )
         for r in range(self.num_repositories):
-            size = min(self.limits.prompt(self.rng.randint(1000, 4000)), max(room, 16))
+            size = min(self.limits.prompt(self.rng.randint(*CODE_CONTEXT_TOKENS)), max(room, 16))
             self.repositories.append(_Repository(f"repo-{r}", self.tokens.sample(self.text_rng, size)))
 
     def next(self, index: int) -> WorkloadRequest:
@@ -206,11 +217,11 @@ class CodeProfile(_Base):
         weights = [1.0 / (r + 1) for r in range(len(self.repositories))]
         repo = self.rng.choices(self.repositories, weights)[0]
         context = repo.context_ids
-        edit_length = min(self.rng.randint(5, 30), max(len(context) // 4, 1))
+        edit_length = min(self.rng.randint(*CODE_EDIT_TOKENS), max(len(context) // 4, 1))
         position = self.rng.randint(len(context) // 2, len(context) - edit_length)
         context[position : position + edit_length] = self.tokens.sample(self.text_rng, edit_length)
-        question_ids = self.tokens.sample(self.text_rng, self.limits.prompt(self.rng.randint(10, 60)))
-        max_tokens = self.output_tokens(50, 300)
+        question_ids = self.tokens.sample(self.text_rng, self.limits.prompt(self.rng.randint(*CODE_QUESTION_TOKENS)))
+        max_tokens = self.output_tokens(*CODE_OUTPUT_TOKENS)
         shared = position if repo.num_sent else 0
         repo.num_sent += 1
         return self.request(index, context + question_ids, max_tokens, session_id=repo.repo_id,

@@ -117,7 +117,10 @@ class _Run:
 
 
 async def run_workload(
-    requests: list[WorkloadRequest], client: ClientConfig, limits: RunLimits, tokens: TokenSource | None = None,
+    requests: list[WorkloadRequest],
+    client: ClientConfig,
+    limits: RunLimits,
+    tokens: TokenSource | None = None,
     after_warm_up: Callable[[], None] | None = None,
 ) -> RunResult:
     """Send the workload (see module doc); returns every sent request's record. `after_warm_up`
@@ -151,7 +154,7 @@ async def run_workload(
                 run.slow_http = await stack.enter_async_context(
                     httpx.AsyncClient(base_url=client.base_url, headers=headers, transport=transport, timeout=timeout)
                 )
-            await _warm_up(http, client, tokens)
+            await warm_up(http, client, tokens)
             if after_warm_up is not None:
                 after_warm_up()
             run.t0 = time.perf_counter()
@@ -182,7 +185,7 @@ async def run_workload(
     )
 
 
-async def _warm_up(http: httpx.AsyncClient, client: ClientConfig, tokens: TokenSource | None) -> None:
+async def warm_up(http: httpx.AsyncClient, client: ClientConfig, tokens: TokenSource | None) -> None:
     """One streamed 1-token request through the same code path, before the clock starts (as
     vLLM's benchmark sends a test prompt): first-use costs — a connection, lazy imports and,
     in a fresh environment, their bytecode compilation, measured at ~0.3 s — must not land in
