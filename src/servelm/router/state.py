@@ -39,10 +39,12 @@ class RouterOptions:
     load_metric: str = "requests"
     load_weight: float = 1.0
     capacity: float = 8.0
+    host_hit_weight: float = PolicySettings.host_hit_weight  # kv policy: a host-tier block vs a pool block
+    disk_hit_weight: float = PolicySettings.disk_hit_weight  # ... a disk-tier block
     session_affinity: bool = False
     prefix_index_blocks: int = 65536  # per replica, prefix policy
     prefix_index_ttl_s: float = 600.0
-    kv_index_blocks: int = 1 << 20  # per replica, kv policy (>= the replicas' KV pool size)
+    kv_index_blocks: int = 1 << 20  # per replica and medium, kv policy (>= the replicas' largest tier, in blocks)
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
@@ -57,7 +59,9 @@ class Router:
     def __init__(self, options: RouterOptions) -> None:
         self.options = options
         self.replicas = ReplicaSet()
-        settings = PolicySettings(options.load_metric, options.load_weight, options.capacity)
+        settings = PolicySettings(
+            options.load_metric, options.load_weight, options.capacity, options.host_hit_weight, options.disk_hit_weight
+        )
         self.context = PolicyContext(
             settings=settings,
             prefix_index=PrefixIndex(options.prefix_index_blocks, options.prefix_index_ttl_s),
