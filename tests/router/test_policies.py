@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 
+from servelm.cli import main
 from servelm.kv.block_hash import hash_block_tokens
 from servelm.router.kv_index import KVMatch
 from servelm.router.policies import (
@@ -224,3 +225,5 @@ def test_tier_weights_are_settings_and_validated() -> None:
         PolicySettings(host_hit_weight=0.5, disk_hit_weight=0.7)
     with pytest.raises(ValueError, match="host_hit_weight <= 1"):
         PolicySettings(host_hit_weight=1.5)
+    with pytest.raises(SystemExit, match="servelm router: tier weights must satisfy"):
+        main(["router", "--kv-disk-hit-weight", "0.95"])  # above the host default: refused before starting

@@ -50,13 +50,16 @@ def run_from_args(args: argparse.Namespace) -> int:
     from servelm.router.replicas import ReplicaSpec
     from servelm.router.state import RouterOptions
 
-    router_options = RouterOptions(
-        policy=args.policy, block_size=args.block_size, load_metric=args.load_metric, load_weight=args.load_weight,
-        capacity=args.capacity, host_hit_weight=args.kv_host_hit_weight, disk_hit_weight=args.kv_disk_hit_weight,
-        session_affinity=args.session_affinity, prefix_index_blocks=args.prefix_index_blocks,
-        prefix_index_ttl_s=args.prefix_index_ttl_s, kv_index_blocks=args.kv_index_blocks,
-        health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
-    )  # fmt: skip
+    try:
+        router_options = RouterOptions(
+            policy=args.policy, block_size=args.block_size, load_metric=args.load_metric, load_weight=args.load_weight,
+            capacity=args.capacity, host_hit_weight=args.kv_host_hit_weight, disk_hit_weight=args.kv_disk_hit_weight,
+            session_affinity=args.session_affinity, prefix_index_blocks=args.prefix_index_blocks,
+            prefix_index_ttl_s=args.prefix_index_ttl_s, kv_index_blocks=args.kv_index_blocks,
+            health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
+        )  # fmt: skip
+    except ValueError as error:
+        raise SystemExit(f"servelm router: {error}") from None
     options = RouterServerOptions(
         host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
         model=args.model, replicas=[ReplicaSpec.parse(text) for text in args.replica],

@@ -53,15 +53,19 @@ class RouterOptions:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_attempts < 1 or self.health_interval_s <= 0:
             raise ValueError("block_size, max_attempts and health_interval_s must be positive")
+        self.policy_settings()  # its own checks, before anything starts
+
+    def policy_settings(self) -> PolicySettings:
+        return PolicySettings(
+            self.load_metric, self.load_weight, self.capacity, self.host_hit_weight, self.disk_hit_weight
+        )
 
 
 class Router:
     def __init__(self, options: RouterOptions) -> None:
         self.options = options
         self.replicas = ReplicaSet()
-        settings = PolicySettings(
-            options.load_metric, options.load_weight, options.capacity, options.host_hit_weight, options.disk_hit_weight
-        )
+        settings = options.policy_settings()
         self.context = PolicyContext(
             settings=settings,
             prefix_index=PrefixIndex(options.prefix_index_blocks, options.prefix_index_ttl_s),
