@@ -198,8 +198,8 @@ class ModelConfig:
 class KVEventsConfig:
     """KV-cache events for a router: whether the cache records them and where the core publishes them.
 
-    The one switch is `kv_events_port` P: set, the KV cache records block stored / removed events
-    and the core process publishes them (servelm.engine.kv_events) with PUB on tcp://HOST:P and
+    The one switch is `kv_events_port` P: set, the KV cache and the KV tiers record block stored /
+    removed events (with the medium: device, host, disk) and the core process publishes them (servelm.engine.kv_events) with PUB on tcp://HOST:P and
     snapshot REP on tcp://HOST:P+1. Unset, nothing is recorded (nobody would drain them).
     """
 

@@ -1,4 +1,4 @@
-"""The prefix and kv indexes: matching, bounds, and the kv index's loss detection."""
+"""The prefix and kv indexes: matching (the kv index per medium), bounds, and the kv index's loss detection."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from servelm.kv.block_hash import hash_block_tokens
-from servelm.router.kv_index import KVIndex
+from servelm.router.kv_index import KVIndex, KVMatch
 from servelm.router.prefix_index import PrefixIndex
 from servelm.schemas.kv_events import (
     CLEARED,
+    DEVICE,
+    DISK,
+    HOST,
     REMOVED,
     STORED,
     KVEventBatch,
@@ -129,3 +132,59 @@ def test_a_salted_request_hashes_into_the_replicas_salted_namespace() -> None:
     assert salted.block_hashes == hash_block_tokens(list(range(40)), 16, extra_key_from_salt("tenant-a"))
     assert len(salted.block_hashes) == 2 and set(salted.block_hashes).isdisjoint(plain.block_hashes)
     tokenizer.shutdown()
+
+
+def tiered_snapshot(seq: int, device: list[bytes], host: list[bytes], disk: list[bytes]) -> KVSnapshot:
+    return KVSnapshot(epoch="e", seq=seq, block_size=16, block_hashes=device,
+                      tier_block_hashes={HOST: host, DISK: disk})  # fmt: skip
+
+
+def test_kv_index_serves_the_pool_run_then_the_nearest_tier_per_block() -> None:
+    index = KVIndex()
+    # Blocks 0-2 in the pool; 1-5 on host (write-through copies); 4-7 on disk; block 8 nowhere.
+    index.apply_snapshot("a", tiered_snapshot(0, list(H[:3]), list(H[1:6]), list(H[4:8])))
+    assert index.lookup("a", H[:12]) == KVMatch(device=3, host=3, disk=2)
+    assert index.lookup("a", H[:12]).num_blocks == 8 and index.match("a", H[:12]) == 3
+    # A pool block after the pool run is no use by itself: the engine loads from its tiers there.
+    index.apply_snapshot("b", tiered_snapshot(0, [H[0], H[2]], [H[1]], []))
+    assert index.lookup("b", H[:4]) == KVMatch(device=1, host=1)
+    assert index.lookup("c", H[:4]) == KVMatch()  # unknown replica
+    assert index.replica_size("a") == 3 and index.replica_size("a", HOST) == 5 and index.replica_size("a", DISK) == 4
+
+
+def test_kv_index_media_are_independent_sets() -> None:
+    index = KVIndex()
+    index.apply_snapshot("a", tiered_snapshot(0, [], [], []))
+    stored = [KVEventRecord(STORED, h, medium) for h in H[:4] for medium in (DEVICE, HOST)]
+    assert not index.apply_batch("a", KVEventBatch(epoch="e", seq=1, timestamp=0.0, block_size=16, events=stored))
+    assert index.lookup("a", H[:4]) == KVMatch(device=4)
+    # The pool evicts blocks 2-3: they stay on host; the host evicts block 0: the pool keeps it.
+    removed = [KVEventRecord(REMOVED, H[2], DEVICE), KVEventRecord(REMOVED, H[3], DEVICE),
+               KVEventRecord(REMOVED, H[0], HOST)]  # fmt: skip
+    assert not index.apply_batch("a", KVEventBatch(epoch="e", seq=2, timestamp=0.0, block_size=16, events=removed))
+    assert index.lookup("a", H[:4]) == KVMatch(device=2, host=2)
+    assert index.state("a").block_hashes == {H[0], H[1]} and index.state("a").media[HOST] == {H[1], H[2], H[3]}
+    assert index.num_hashes() == 4
+    assert not index.apply_batch("a", batch(3, (CLEARED, b""), epoch="e"))  # a restart empties every medium
+    assert index.state("a").num_blocks() == 0 and index.lookup("a", H[:4]) == KVMatch()
+
+
+def test_a_record_without_a_medium_is_the_pools() -> None:
+    import msgspec
+
+    old = msgspec.msgpack.encode([STORED, H[0]])  # what a publisher before tiers sent
+    assert msgspec.msgpack.decode(old, type=KVEventRecord) == KVEventRecord(STORED, H[0], DEVICE)
+    old_snapshot = msgspec.msgpack.encode({"epoch": "e", "seq": 3, "block_size": 16, "block_hashes": [H[0]]})
+    assert msgspec.msgpack.decode(old_snapshot, type=KVSnapshot).tier_block_hashes == {}
+
+
+def test_kv_index_resync_replaces_every_medium_and_bounds_each() -> None:
+    index = KVIndex(max_blocks_per_replica=4)
+    index.apply_snapshot("a", tiered_snapshot(0, list(H[:2]), list(H[:8]), list(H[20:23])))
+    assert index.replica_size("a", HOST) == 4 and index.lookup("a", H[:8]) == KVMatch(device=2, host=2)
+    assert index.apply_batch("a", batch(2, (STORED, H[30]), epoch="e"))  # seq 1 lost: every medium dropped
+    assert index.state("a").num_blocks() == 0 and not index.is_synced("a")
+    index.apply_snapshot("a", tiered_snapshot(2, [], list(H[:3]), []))
+    assert index.lookup("a", H[:8]) == KVMatch(host=3) and index.replica_size("a", DISK) == 0
+    overflow = [KVEventRecord(STORED, h, DISK) for h in H[10:15]]
+    assert index.apply_batch("a", KVEventBatch(epoch="e", seq=3, timestamp=0.0, block_size=16, events=overflow))

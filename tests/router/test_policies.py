@@ -6,7 +6,9 @@ from collections import Counter
 
 import pytest
 
+from servelm.cli import main
 from servelm.kv.block_hash import hash_block_tokens
+from servelm.router.kv_index import KVMatch
 from servelm.router.policies import (
     POLICIES,
     PolicyContext,
@@ -16,7 +18,7 @@ from servelm.router.policies import (
     make_policy,
 )
 from servelm.router.replicas import Replica, ReplicaSpec
-from servelm.schemas.kv_events import KVSnapshot
+from servelm.schemas.kv_events import DEVICE, DISK, HOST, KVSnapshot
 
 BLOCK = 16
 
@@ -160,3 +162,68 @@ def test_session_table_is_bounded() -> None:
     for i in range(100):
         policy.choose(view(0, session=f"s{i}"), replicas(2))
     assert policy.num_sessions() == 10
+
+
+def _tiered_context(
+    holdings: dict[str, dict[str, list[bytes]]], settings: PolicySettings | None = None
+) -> PolicyContext:
+    ctx = PolicyContext(settings or PolicySettings())
+    for url, media in holdings.items():
+        tiers = {medium: hashes for medium, hashes in media.items() if medium != DEVICE}
+        snapshot = KVSnapshot(epoch="e", seq=0, block_size=BLOCK, block_hashes=media.get(DEVICE, []),
+                              tier_block_hashes=tiers)  # fmt: skip
+        ctx.kv_index.apply_snapshot(url, snapshot)
+    return ctx
+
+
+def test_kv_policy_ranks_pool_over_host_over_disk_over_miss() -> None:
+    request = view(3)
+    whole = list(request.block_hashes)
+    ctx = _tiered_context({"http://r0": {DISK: whole}, "http://r1": {HOST: whole}, "http://r2": {DEVICE: whole}})
+    policy, fleet = make_policy("kv", ctx), replicas(4)
+    decision = policy.choose(request, fleet)
+    assert (decision.replica.url, decision.reason, decision.match) == ("http://r2", "kv_hit", KVMatch(device=17))
+    decision = policy.choose(request, fleet[:2] + fleet[3:])  # no pool hit among the candidates
+    assert (decision.replica.url, decision.reason, decision.match) == ("http://r1", "kv_tier_hit", KVMatch(host=17))
+    decision = policy.choose(request, [fleet[0], fleet[3]])
+    assert (decision.replica.url, decision.reason, decision.match) == ("http://r0", "kv_tier_hit", KVMatch(disk=17))
+    assert policy.choose(request, [fleet[3]]).reason == "cache_miss"
+
+
+def test_kv_policy_counts_a_pool_run_continued_from_a_tier() -> None:
+    request = view(3)
+    hashes = list(request.block_hashes)
+    # r0: 4 blocks in the pool, the rest on host (evicted from the pool, kept in host memory);
+    # r1: 10 pool blocks and nothing beyond. 4 + 0.9 * 13 > 10.
+    ctx = _tiered_context({"http://r0": {DEVICE: hashes[:4], HOST: hashes}, "http://r1": {DEVICE: hashes[:10]}})
+    decision = make_policy("kv", ctx).choose(request, replicas(2))
+    assert decision.replica.url == "http://r0" and decision.match == KVMatch(device=4, host=13)
+    assert decision.matched_blocks == 17 and decision.reason == "kv_tier_hit"
+
+
+def test_kv_policy_load_still_outweighs_a_weak_tier_hit() -> None:
+    request = view(3)
+    ctx = _tiered_context({"http://r0": {DISK: list(request.block_hashes)}})
+    policy, fleet = make_policy("kv", ctx), replicas(2)
+    fleet[0].in_flight = 3  # penalty 0.375 < 0.5 (a whole prompt on disk)
+    assert policy.choose(request, fleet).replica.url == "http://r0"
+    fleet[0].in_flight = 5  # penalty 0.625: the idle replica computes it sooner
+    decision = policy.choose(request, fleet)
+    assert decision.replica.url == "http://r1" and decision.reason == "cache_miss"
+
+
+def test_tier_weights_are_settings_and_validated() -> None:
+    request = view(3)
+    equal = PolicySettings(host_hit_weight=1.0, disk_hit_weight=1.0)
+    ctx = _tiered_context(
+        {"http://r0": {DISK: list(request.block_hashes)}, "http://r1": {DEVICE: list(request.block_hashes)}}, equal
+    )
+    fleet = replicas(2)
+    fleet[1].in_flight = 1  # a tier block worth a pool block: the idler replica wins
+    assert make_policy("kv", ctx).choose(request, fleet).replica.url == "http://r0"
+    with pytest.raises(ValueError, match="disk_hit_weight <= host_hit_weight"):
+        PolicySettings(host_hit_weight=0.5, disk_hit_weight=0.7)
+    with pytest.raises(ValueError, match="host_hit_weight <= 1"):
+        PolicySettings(host_hit_weight=1.5)
+    with pytest.raises(SystemExit, match="servelm router: tier weights must satisfy"):
+        main(["router", "--kv-disk-hit-weight", "0.95"])  # above the host default: refused before starting

@@ -1,12 +1,18 @@
 """KV-cache events out of the engine-core process, for a cache-aware router.
 
     --kv-events-port P
-      tcp://HOST:P      PUB  KVEventBatch after every step that changed the prefix cache,
-                             and a heartbeat (no events, same seq) after each idle second
-      tcp://HOST:P+1    REP  any request → KVSnapshot (every cached block hash + the seq it
-                             is consistent with)
+      tcp://HOST:P      PUB  KVEventBatch after every step that changed the prefix cache or a
+                             KV tier, and a heartbeat (no events, same seq) after each idle second
+      tcp://HOST:P+1    REP  any request → KVSnapshot (every block hash held, per medium, + the
+                             seq it is consistent with)
 
-A router mirrors each replica's prefix cache from the batches. The wire contract:
+A router mirrors what each replica can serve without computing, per medium, from the batches.
+The wire contract:
+
+- Every record names its medium: "device" (the pool, L1), "host" (L2), "disk" (L3). A block may
+  be held in several media at once (the tiers are write-through), and each medium's records
+  describe that medium's set alone: STORED / REMOVED of a block in "host" says nothing about the
+  pool. CLEARED empties every medium. A record without a medium (an older publisher) is "device".
 
 - `seq` counts non-empty batches of one publisher, from 1, with no holes; a heartbeat
   repeats the last seq. So a subscriber that sees seq > last + 1, or a heartbeat with
@@ -14,7 +20,8 @@ A router mirrors each replica's prefix cache from the batches. The wire contract
 - `epoch` is random per publisher start: a restarted replica (seq from 1 again) never
   looks like a continuation of the old one.
 - A snapshot is taken between steps, after publishing everything drained so far, so
-  "the cached set at seq S" is exact: apply batches with seq > S on top of it.
+  "the cached sets at seq S" are exact: apply batches with seq > S on top of them. Its
+  `block_hashes` is the pool's set, `tier_block_hashes` the other media's.
 
 The hashes are the engine's own block hashes (servelm.kv.block_hash), so a router that
 hashes a prompt the same way can look them up directly. The wire types live in
@@ -34,6 +41,7 @@ import zmq
 from servelm.kv.block_pool import KVCacheEvent, KVEventType
 from servelm.schemas.kv_events import (
     CLEARED,
+    DEVICE,
     REMOVED,
     STORED,
     KVEventBatch,
@@ -48,21 +56,22 @@ HEARTBEAT_INTERVAL_S = 1.0
 class KVEventPublisher:
     """Publishes the core's KV events; answers snapshot requests. Owned by the core loop alone.
 
-    It keeps its own set of cached hashes, updated from the very events it publishes, so a
-    snapshot is exactly the sum of the batches (and needs no access to the block pool).
+    It keeps its own sets of held hashes per medium, updated from the very events it publishes,
+    so a snapshot is exactly the sum of the batches (and needs no access to the pool or tiers).
     Must be created before the engine's first step: it has to see every event.
     """
 
     def __init__(
         self, context: zmq.Context, host: str, port: int, block_size: int, drain: Callable[[], list[KVCacheEvent]]
     ) -> None:
-        """`drain` returns the events recorded since its last call (Scheduler.take_kv_events)."""
+        """`drain` returns the events recorded since its last call, in order within each medium
+        (Scheduler.take_kv_events)."""
         pub_address, snapshot_address = event_addresses(host, port)
         self.block_size = block_size
         self._drain = drain
         self.epoch = os.urandom(8).hex()
         self.seq = 0
-        self._cached: set[bytes] = set()
+        self._held: dict[str, set[bytes]] = {}  # medium → block hashes held there
         self._last_sent = 0.0
         self._encoder = msgspec.msgpack.Encoder()
         self.pub = context.socket(zmq.PUB)
@@ -82,12 +91,14 @@ class KVEventPublisher:
         if events:
             records = []
             for event in events:
+                medium = event.medium.value
+                held = self._held.setdefault(medium, set())
                 if event.type is KVEventType.STORED:
-                    self._cached.add(event.block_hash)
-                    records.append(KVEventRecord(STORED, event.block_hash))
+                    held.add(event.block_hash)
+                    records.append(KVEventRecord(STORED, event.block_hash, medium))
                 else:
-                    self._cached.discard(event.block_hash)
-                    records.append(KVEventRecord(REMOVED, event.block_hash))
+                    held.discard(event.block_hash)
+                    records.append(KVEventRecord(REMOVED, event.block_hash, medium))
             self._send(records)
         elif time.monotonic() - self._last_sent >= HEARTBEAT_INTERVAL_S:
             self._send_batch(self.seq, [])
@@ -101,7 +112,11 @@ class KVEventPublisher:
             return
         self.snapshot.recv()
         self.publish()
-        reply = KVSnapshot(epoch=self.epoch, seq=self.seq, block_size=self.block_size, block_hashes=list(self._cached))
+        tiers = {medium: list(held) for medium, held in self._held.items() if medium != DEVICE and held}
+        reply = KVSnapshot(
+            epoch=self.epoch, seq=self.seq, block_size=self.block_size,
+            block_hashes=list(self._held.get(DEVICE, ())), tier_block_hashes=tiers,
+        )  # fmt: skip
         self.snapshot.send(self._encoder.encode(reply))
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from servelm.datatypes import DEFAULT_SLO
+from servelm.datatypes import DEFAULT_SLO, KVMedium
 from servelm.kv.block_hash import BlockHash
 
 
@@ -124,11 +124,12 @@ class KVEventType(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class KVCacheEvent:
-    """What the prefix cache of this replica can serve; a router mirrors it."""
+    """What this replica can serve without computing, per medium; a router mirrors it."""
 
     type: KVEventType
     block_hash: BlockHash
-    block_id: int
+    block_id: int | None  # the pool block (DEVICE); None in a tier beyond the pool
+    medium: KVMedium = KVMedium.DEVICE  # where the block became findable / stopped being findable
 
 
 DEFAULT_TENANT = DEFAULT_SLO.tenant  # the tenant of requests without a tenants config

@@ -12,6 +12,10 @@ Per step the scheduler: `lookup` + `start_load` at admission, `cancel_expired` a
 `stored` after update() caches blocks, `take_transfers` into the SchedulerOutput, and
 `finish_load` for every KVLoadResult the runner returns. Torch-free.
 
+With KV events on, every change of what a tier holds is recorded for the router (`take_events`):
+STORED when a block joins a tier's index (a save ordered, a disk file adopted), REMOVED when it
+leaves (evicted, or discarded as missing or corrupt), with the tier's medium.
+
 Which tiers a block is looked up in: the host index (this process's own L2), then the disk index,
 then the disk directory itself: a file another replica wrote (shared L3) or one written before a
 restart is a hit too, and joins the index.
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from servelm.config import KVTierConfig
 from servelm.datatypes import KVDrop, KVLoad, KVLoadResult, KVMedium, KVSave, KVTransfers
 from servelm.kv.block_hash import BlockHash
+from servelm.kv.block_pool import KVCacheEvent, KVEventType
 from servelm.kv.disk_store import DiskBlockStore
 from servelm.kv.tier_index import TierIndex, TierIndexError
 
@@ -65,6 +70,7 @@ class KVTiers:
         block_size: int,
         block_bytes: int,  # bytes of one block's KV in every tensor the runner moves
         disk_store: DiskBlockStore | None = None,  # required when config.disk_path is set
+        enable_kv_events: bool = False,  # record STORED / REMOVED per tier (take_events), as the pool does
     ) -> None:
         if not config.enabled:
             raise ValueError("KVTiers needs a host or disk tier (KVTierConfig.enabled)")
@@ -74,15 +80,17 @@ class KVTiers:
         self.block_size = block_size
         self.block_bytes = block_bytes
         self._transfers = KVTransfers()
+        self.enable_kv_events = enable_kv_events
+        self._events: list[KVCacheEvent] = []
         self.indexes: dict[KVMedium, TierIndex] = {}
         if config.host_bytes:
             self.indexes[KVMedium.HOST] = TierIndex(max(1, config.host_bytes // block_bytes))
         self._disk = disk_store
         if disk_store is not None:
             capacity = max(1, config.disk_bytes // disk_store.file_bytes(block_bytes))
-            disk_index = self.indexes[KVMedium.DISK] = TierIndex(capacity)
+            self.indexes[KVMedium.DISK] = TierIndex(capacity)
             for stored in sorted(disk_store.scan(), key=lambda f: f.mtime):  # oldest first: LRU order
-                self._adopt(disk_index, stored.block_hash)  # over capacity: the oldest are dropped
+                self._add(KVMedium.DISK, stored.block_hash)  # over capacity: the oldest are dropped
         self._loads: dict[str, _Load] = {}
         self.counters = TierCounters()
         self._bandwidth = dict(INITIAL_BANDWIDTH)
@@ -185,6 +193,7 @@ class KVTiers:
                 failed_hash, failed_medium = load.block_hashes[loaded], load.media[loaded]
                 if self.indexes[failed_medium].discard(failed_hash):
                     self._transfers.drops.append(KVDrop(failed_hash, failed_medium))
+                    self._emit(KVEventType.REMOVED, failed_hash, failed_medium)
         if loaded and result.seconds > 0:
             medium = load.media[0]
             measured = result.num_bytes / result.seconds
@@ -203,9 +212,7 @@ class KVTiers:
                 if block_hash in index:
                     index.add(block_hash, retention)
                     continue
-                added, evicted = index.add(block_hash, retention)
-                self._transfers.drops.extend(KVDrop(victim, medium) for victim in evicted)
-                if added:
+                if self._add(medium, block_hash, retention):
                     media.append(medium)
             if media:
                 self._transfers.saves.append(KVSave(block_id, block_hash, tuple(media)))
@@ -219,22 +226,39 @@ class KVTiers:
         transfers, self._transfers = self._transfers, KVTransfers()
         return transfers
 
+    def take_events(self) -> list[KVCacheEvent]:
+        """What the tiers started / stopped holding since the last call, oldest first ([] with
+        events off). Calling it twice returns [] the second time."""
+        events, self._events = self._events, []
+        return events
+
     # -- internals -----------------------------------------------------------------------
 
     def _where(self, block_hash: BlockHash) -> KVMedium | None:
         for medium, index in self.indexes.items():
             if block_hash in index:
                 return medium
-        disk_index = self.indexes.get(KVMedium.DISK)
-        if self._disk is not None and disk_index is not None and self._disk.exists(block_hash):
-            if self._adopt(disk_index, block_hash):  # another replica's, or written before a restart
+        if self._disk is not None and KVMedium.DISK in self.indexes and self._disk.exists(block_hash):
+            if self._add(KVMedium.DISK, block_hash):  # another replica's, or written before a restart
                 return KVMedium.DISK
         return None
 
-    def _adopt(self, disk_index: TierIndex, block_hash: BlockHash) -> bool:
-        added, evicted = disk_index.add(block_hash)
-        self._transfers.drops.extend(KVDrop(victim, KVMedium.DISK) for victim in evicted)
+    def _add(self, medium: KVMedium, block_hash: BlockHash, retention: str = "normal") -> bool:
+        """Put a block in a tier's index at `retention`, ordering drops of the blocks evicted to make
+        room. Returns whether the tier holds it now (not when it is full of pinned blocks)."""
+        index = self.indexes[medium]
+        is_new = block_hash not in index
+        added, evicted = index.add(block_hash, retention)
+        for victim in evicted:
+            self._transfers.drops.append(KVDrop(victim, medium))
+            self._emit(KVEventType.REMOVED, victim, medium)
+        if added and is_new:
+            self._emit(KVEventType.STORED, block_hash, medium)
         return added
+
+    def _emit(self, event_type: KVEventType, block_hash: BlockHash, medium: KVMedium) -> None:
+        if self.enable_kv_events:
+            self._events.append(KVCacheEvent(event_type, block_hash, None, medium))
 
     def check_invariants(self) -> None:
         for index in self.indexes.values():

@@ -5,7 +5,7 @@
     request_view.py  body → tokens → engine block hashes (what policies route on)
     policies.py      round_robin, least_load, prefix, kv (+ SessionAffinity); the registry
     prefix_index.py  per replica: hashes the router sent there (LRU + TTL)
-    kv_index.py      exact hash → replicas, mirrored from the replicas' KV events
+    kv_index.py      per replica and medium (pool, host, disk): the hashes held, mirrored from KV events
     kv_subscriber.py ZMQ SUB per replica; snapshot resync on any loss
     health.py        periodic /health; failures take a replica out and drop its index
     state.py         Router: replicas + policy + indexes, and every change of a replica's standing

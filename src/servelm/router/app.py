@@ -33,6 +33,7 @@ from servelm.openai_api.auth import ApiKeyMiddleware, single_key
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
 from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_response
 from servelm.router.health import HealthChecker, check_all
+from servelm.router.kv_index import TIERS_NEAREST_FIRST
 from servelm.router.proxy import Proxy, request_headers
 from servelm.router.replicas import ReplicaSpec
 from servelm.router.state import Router, RouterOptions
@@ -101,6 +102,7 @@ def _replica_summary(router: Router) -> list[dict[str, Any]]:
             "url": r.url, "kv_events": r.spec.kv_events, "healthy": r.healthy, "in_flight": r.in_flight,
             "outstanding_tokens": r.outstanding_tokens, "num_requests": r.num_requests, "last_error": r.last_error,
             "kv_synced": kv.is_synced(r.url), "kv_index_blocks": kv.replica_size(r.url),
+            "kv_index_tier_blocks": {medium: kv.replica_size(r.url, medium) for medium in TIERS_NEAREST_FIRST},
             "prefix_index_blocks": prefix.size(r.url),
         })  # fmt: skip
     return summary

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from servelm import envs
-from servelm.router.policies import LOAD_METRICS, POLICIES
+from servelm.router.policies import LOAD_METRICS, POLICIES, PolicySettings
 
 
 def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,12 +23,24 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     router.add_argument("--load-metric", default="requests", choices=LOAD_METRICS)
     router.add_argument("--load-weight", type=float, default=1.0, help="load penalty per replica capacity of load")
     router.add_argument("--capacity", type=float, default=8.0, help="load (requests or tokens) counted as full")
+    router.add_argument(
+        "--kv-host-hit-weight",
+        type=float,
+        default=PolicySettings.host_hit_weight,
+        help="kv policy: worth of a prompt block in a replica's host-memory KV tier, vs 1.0 in its pool",
+    )
+    router.add_argument(
+        "--kv-disk-hit-weight",
+        type=float,
+        default=PolicySettings.disk_hit_weight,
+        help="kv policy: worth of a prompt block in a replica's disk KV tier, vs 1.0 in its pool",
+    )
     router.add_argument("--session-affinity", action="store_true", help="keep x-session-id / user on one replica")
     router.add_argument("--health-interval", type=float, default=2.0, dest="health_interval_s")
     router.add_argument("--health-timeout", type=float, default=2.0, dest="health_timeout_s")
     router.add_argument("--prefix-index-blocks", type=int, default=65536, help="per replica (prefix policy)")
     router.add_argument("--prefix-index-ttl", type=float, default=600.0, dest="prefix_index_ttl_s")
-    router.add_argument("--kv-index-blocks", type=int, default=1 << 20, help="per replica (kv policy)")
+    router.add_argument("--kv-index-blocks", type=int, default=1 << 20, help="per replica and medium (kv policy)")
     router.set_defaults(handler=run_from_args)
     return router
 
@@ -38,12 +50,16 @@ def run_from_args(args: argparse.Namespace) -> int:
     from servelm.router.replicas import ReplicaSpec
     from servelm.router.state import RouterOptions
 
-    router_options = RouterOptions(
-        policy=args.policy, block_size=args.block_size, load_metric=args.load_metric, load_weight=args.load_weight,
-        capacity=args.capacity, session_affinity=args.session_affinity, prefix_index_blocks=args.prefix_index_blocks,
-        prefix_index_ttl_s=args.prefix_index_ttl_s, kv_index_blocks=args.kv_index_blocks,
-        health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
-    )  # fmt: skip
+    try:
+        router_options = RouterOptions(
+            policy=args.policy, block_size=args.block_size, load_metric=args.load_metric, load_weight=args.load_weight,
+            capacity=args.capacity, host_hit_weight=args.kv_host_hit_weight, disk_hit_weight=args.kv_disk_hit_weight,
+            session_affinity=args.session_affinity, prefix_index_blocks=args.prefix_index_blocks,
+            prefix_index_ttl_s=args.prefix_index_ttl_s, kv_index_blocks=args.kv_index_blocks,
+            health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
+        )  # fmt: skip
+    except ValueError as error:
+        raise SystemExit(f"servelm router: {error}") from None
     options = RouterServerOptions(
         host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
         model=args.model, replicas=[ReplicaSpec.parse(text) for text in args.replica],

@@ -70,7 +70,11 @@ class KVSubscriber:
             logger.warning("KV snapshot from %s failed: %s", self.url, error)
             return False
         self.index.apply_snapshot(self.url, snapshot)
-        logger.info("KV index for %s resynced: %d blocks at seq %d", self.url, len(snapshot.block_hashes), snapshot.seq)
+        tiers = {medium: len(hashes) for medium, hashes in snapshot.tier_block_hashes.items()}
+        logger.info(
+            "KV index for %s resynced at seq %d: %d pool blocks, tiers %s",
+            self.url, snapshot.seq, len(snapshot.block_hashes), tiers,
+        )  # fmt: skip
         return True
 
     async def _run(self) -> None:

@@ -52,6 +52,10 @@ class RouterMetrics:
             PREFIX + "prefix_match_tokens", "Prompt tokens the chosen replica was expected to have cached.",
             buckets=MATCH_TOKEN_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.matched_blocks = Counter(
+            PREFIX + "matched_blocks", "Prompt blocks the chosen replica was expected to serve without computing, by "
+            "medium: device (its pool), host / disk (loaded from its KV tiers).", ["medium"], registry=self.registry,
+        )  # fmt: skip
         self.registry.register(_ReplicaGauges(replicas))
 
     def render(self) -> bytes:

@@ -96,6 +96,9 @@ class Proxy:
         metrics.requests.labels(decision.replica.url).inc()
         block_size = self.router.options.block_size
         metrics.prefix_match_tokens.observe(min(decision.matched_blocks * block_size, view.num_prompt_tokens))
+        for medium, num_blocks in decision.match.by_medium().items():
+            if num_blocks:
+                metrics.matched_blocks.labels(medium).inc(num_blocks)
 
     async def _try(
         self, replica: Replica, view: RequestView, path: str, raw: bytes, headers: dict[str, str]

@@ -39,10 +39,12 @@ class RouterOptions:
     load_metric: str = "requests"
     load_weight: float = 1.0
     capacity: float = 8.0
+    host_hit_weight: float = PolicySettings.host_hit_weight  # kv policy: a host-tier block vs a pool block
+    disk_hit_weight: float = PolicySettings.disk_hit_weight  # ... a disk-tier block
     session_affinity: bool = False
     prefix_index_blocks: int = 65536  # per replica, prefix policy
     prefix_index_ttl_s: float = 600.0
-    kv_index_blocks: int = 1 << 20  # per replica, kv policy (>= the replicas' KV pool size)
+    kv_index_blocks: int = 1 << 20  # per replica and medium, kv policy (>= the replicas' largest tier, in blocks)
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
@@ -51,13 +53,19 @@ class RouterOptions:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_attempts < 1 or self.health_interval_s <= 0:
             raise ValueError("block_size, max_attempts and health_interval_s must be positive")
+        self.policy_settings()  # its own checks, before anything starts
+
+    def policy_settings(self) -> PolicySettings:
+        return PolicySettings(
+            self.load_metric, self.load_weight, self.capacity, self.host_hit_weight, self.disk_hit_weight
+        )
 
 
 class Router:
     def __init__(self, options: RouterOptions) -> None:
         self.options = options
         self.replicas = ReplicaSet()
-        settings = PolicySettings(options.load_metric, options.load_weight, options.capacity)
+        settings = options.policy_settings()
         self.context = PolicyContext(
             settings=settings,
             prefix_index=PrefixIndex(options.prefix_index_blocks, options.prefix_index_ttl_s),

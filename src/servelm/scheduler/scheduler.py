@@ -170,8 +170,12 @@ class Scheduler:
         return self._drafts.counters if self._drafts is not None else None
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        """Block stored / removed events since the last call (for a router)."""
-        return self._kv.take_events()
+        """Block stored / removed events since the last call (for a router): the pool's (medium
+        DEVICE), then the tiers'. Each medium's events keep their order, which is all a mirror of
+        per-medium sets needs (a block's presence in one medium never depends on another's)."""
+        events = self._kv.take_events()
+        tiers = self.kv_tiers
+        return events + tiers.take_events() if tiers is not None else events
 
     # -- requests in and out ------------------------------------------------------
 

@@ -13,10 +13,17 @@ STORED = "stored"
 REMOVED = "removed"
 CLEARED = "cleared"
 
+# Media, nearest first: the values of servelm.datatypes.KVMedium (the pool, host memory, a disk
+# directory), as vLLM's events name a block's medium. A subscriber mirrors any medium it is sent.
+DEVICE = "device"
+HOST = "host"
+DISK = "disk"
+
 
 class KVEventRecord(msgspec.Struct, array_like=True):
     kind: str  # STORED | REMOVED | CLEARED
     block_hash: bytes  # b"" for CLEARED
+    medium: str = DEVICE  # where the block is (un)stored; a record from before tiers decodes as the pool's
 
 
 class KVEventBatch(msgspec.Struct, kw_only=True):
@@ -29,9 +36,10 @@ class KVEventBatch(msgspec.Struct, kw_only=True):
 
 class KVSnapshot(msgspec.Struct, kw_only=True):
     epoch: str
-    seq: int  # the cached set below is the result of batches 1..seq
+    seq: int  # the cached sets below are the result of batches 1..seq
     block_size: int
-    block_hashes: list[bytes]
+    block_hashes: list[bytes]  # the pool's (DEVICE)
+    tier_block_hashes: dict[str, list[bytes]] = {}  # medium (HOST, DISK) → what that tier holds
 
 
 def event_addresses(host: str, port: int) -> tuple[str, str]:
