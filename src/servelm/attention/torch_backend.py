@@ -7,8 +7,7 @@
   On CPU in float32 the paged kernel of `servelm.kernels.cpu` reads K/V (float32, or int8
   codes and scales) straight from the blocks (`KernelDecodes`); elsewhere (an fp8 pool too),
   or without a compiler, they are gathered and dequantized into one padded batch for SDPA
-  (`GatherDecodes`). A lone decode with
-  no kernel goes with the chunks (one SDPA call either way).
+  (`GatherDecodes`). A lone decode with no kernel goes with the chunks (one SDPA call either way).
 - Short queries after cached context (speculative verification: 1 + k tokens, up to 12;
   a prompt's short last chunk after a prefix hit) join the decodes, one decode row per
   token: token j of a request with query_len q and seq_len S is a decode at seq_len
