@@ -235,3 +235,14 @@ def test_an_unwritable_disk_tier_costs_only_hits(tiny_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok")
     assert not list(Path(tmp_path).rglob("*.kv")), "no block file should have been written"
+
+
+def test_int8_kv_blocks_round_trip_through_the_tiers(tiny_dir, tmp_path, prompts):
+    """Codes and scales travel together: an int8 prefix loaded back gives the tokens it gave when
+    computed (int8 output does not depend on where the stored values came from)."""
+    core = make_core(tiny_dir, kv_cache_dtype="int8", kv_offloading_size=0.01, kv_disk_path=str(tmp_path))
+    first = run(core, prompts[:1], "a")
+    run(core, prompts[1:], "b")
+    again = run(core, prompts[:1], "c")
+    assert loaded_tokens(again, "c0") > 0
+    assert again.tokens["c0"] == first.tokens["a0"]

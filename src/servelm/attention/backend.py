@@ -30,6 +30,8 @@ from typing import Protocol
 
 import torch
 
+from servelm.attention.kv_storage import LayerKVCache
+
 
 @dataclass(frozen=True)
 class CommonAttentionInputs:
@@ -51,7 +53,9 @@ class CommonAttentionInputs:
     block_table: torch.Tensor | None  # [R, max_blocks] int32, CPU: block ids, row i = request i
     block_size: int  # tokens per block (0 without a pool)
     device: torch.device  # where the model runs
-    dtype: torch.dtype  # the model's compute dtype (queries and the KV pool)
+    dtype: torch.dtype  # the model's compute dtype (queries, and K/V as attended)
+    # What the KV pool stores: `dtype`, or int8 / float8_e4m3fn codes with scales (kv_storage.py).
+    kv_dtype: torch.dtype
 
     @property
     def num_requests(self) -> int:
@@ -76,6 +80,7 @@ class CommonAttentionInputs:
         block_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,  # None: the pool stores `dtype`
     ) -> CommonAttentionInputs:
         """The inputs of a batch whose request i runs `query_lens[i]` new tokens ending at `seq_lens[i]`.
 
@@ -122,6 +127,7 @@ class CommonAttentionInputs:
             block_size=block_size,
             device=torch.device(device),
             dtype=dtype,
+            kv_dtype=dtype if kv_dtype is None else kv_dtype,
         )
 
     @classmethod
@@ -161,7 +167,7 @@ class AttentionBackend(Protocol):
 
     `forward` is called by the model's attention layers inside the forward, in the same
     process. It writes the new tokens' K/V into `kv_cache` at the metadata's slots (when
-    a cache is given) before reading; it changes nothing else, so calling it twice with
+    a cache is given; quantized when the pool stores codes) before reading; it changes nothing else, so calling it twice with
     the same inputs writes the same values twice.
     """
 
@@ -172,7 +178,7 @@ class AttentionBackend(Protocol):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: LayerKVCache | None,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (kv_storage.py)
         metadata: AttentionMetadata,  # what this backend's build_metadata returned this step
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]

@@ -4,10 +4,10 @@
 
 - Decodes (one new token per request) are attended together in one call, in place
   (requests are never reordered: the runner's sample rows follow scheduler order).
-  On CPU in float32 the paged kernel of `servelm.kernels.cpu` reads K/V
-  straight from the blocks (`KernelDecodes`); elsewhere, or without a compiler, they
-  are gathered into one padded batch for SDPA (`GatherDecodes`). A lone decode with
-  no kernel goes with the chunks (one SDPA call either way).
+  On CPU in float32 the paged kernel of `servelm.kernels.cpu` reads K/V (float32, or int8
+  codes and scales) straight from the blocks (`KernelDecodes`); elsewhere (an fp8 pool too),
+  or without a compiler, they are gathered and dequantized into one padded batch for SDPA
+  (`GatherDecodes`). A lone decode with no kernel goes with the chunks (one SDPA call either way).
 - Short queries after cached context (speculative verification: 1 + k tokens, up to 12;
   a prompt's short last chunk after a prefix hit) join the decodes, one decode row per
   token: token j of a request with query_len q and seq_len S is a decode at seq_len
@@ -29,19 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from servelm.attention.backend import AttentionMetadata, CommonAttentionInputs, register_backend, slots_of
+from servelm.attention.kv_storage import LayerKVCache, QuantizedKV, gather_kv, write_kv
 from servelm.kernels import cpu as cpu_kernels
-
-
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new K/V at their pool slots. kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
-
-
-def _pool_view(kv_cache: torch.Tensor, which: int) -> torch.Tensor:
-    """K (0) or V (1) of the pool addressed by slot: [num_blocks * block_size, KVH, D]."""
-    return kv_cache[which].view(-1, *kv_cache.shape[3:])
 
 
 def _causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor | None:
@@ -83,10 +72,11 @@ class PagedDecodeKernel(Protocol):
     def decode_prepared(
         self,
         query: torch.Tensor,  # [B, H, D] float32 contiguous
-        k_pool: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32 contiguous
+        k_pool: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32 (or int8 codes) contiguous
         v_pool: torch.Tensor,
         batch: Any,
         scale: float,
+        pool_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 codes' K and V scales
     ) -> torch.Tensor: ...  # [B, H, D]
 
 
@@ -95,6 +85,10 @@ def _paged_kernel(device: torch.device, dtype: torch.dtype) -> PagedDecodeKernel
     if device.type != "cpu" or dtype != torch.float32:
         return None
     return cpu_kernels.load()
+
+
+# What the kernel reads from the pool: float32 values, or int8 codes with their scales.
+_KERNEL_KV_DTYPES = (torch.float32, torch.int8)
 
 
 # -- decode path ---------------------------------------------------------------------------
@@ -120,10 +114,13 @@ class KernelDecodes:
     # for every layer's call.
     batch: Any
 
-    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:  # [B, H, D]
+    def attend(self, query: torch.Tensor, kv_cache: LayerKVCache, scale: float) -> torch.Tensor:  # [B, H, D]
+        q = query.contiguous() if self.covers_batch else query.index_select(0, self.rows)
+        if isinstance(kv_cache, QuantizedKV):
+            codes, scales = kv_cache.data, kv_cache.scales
+            return self.kernel.decode_prepared(q, codes[0], codes[1], self.batch, scale, (scales[0], scales[1]))
         if not kv_cache.is_contiguous():
             raise ValueError("the CPU paged decode kernel needs a contiguous KV pool tensor")
-        q = query.contiguous() if self.covers_batch else query.index_select(0, self.rows)
         return self.kernel.decode_prepared(q, kv_cache[0], kv_cache[1], self.batch, scale)
 
 
@@ -142,9 +139,9 @@ class GatherDecodes:
     slots: torch.Tensor  # [R', max_seq_len] long, on device: pool slot per position, 0 past a request's length
     valid: torch.Tensor  # [R', 1, Q, max_seq_len] bool, on device: key mask per query row, True = attend
 
-    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:  # [B, H, D]
-        k = _pool_view(kv_cache, 0)[self.slots].transpose(1, 2).to(query.dtype)  # [R', KVH, max_len, D]
-        v = _pool_view(kv_cache, 1)[self.slots].transpose(1, 2).to(query.dtype)
+    def attend(self, query: torch.Tensor, kv_cache: LayerKVCache, scale: float) -> torch.Tensor:  # [B, H, D]
+        k = gather_kv(kv_cache, 0, self.slots, query.dtype).transpose(1, 2)  # [R', KVH, max_len, D]
+        v = gather_kv(kv_cache, 1, self.slots, query.dtype).transpose(1, 2)
         q = query[self.query_rows].transpose(1, 2)  # [R', H, Q, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.valid, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).flatten(0, 1)[self.outputs]  # [R' * Q, H, D] -> [B, H, D]
@@ -178,7 +175,7 @@ def _decode_grid(common: CommonAttentionInputs, indices: torch.Tensor) -> Decode
 def _build_decodes(common: CommonAttentionInputs, indices: torch.Tensor) -> KernelDecodes | GatherDecodes | None:
     """The decode plan for requests `indices` ([R'] long, ascending), or None when they go with the chunks."""
     assert common.block_table is not None and indices.numel() > 0
-    kernel = _paged_kernel(common.device, common.dtype)
+    kernel = _paged_kernel(common.device, common.dtype) if common.kv_dtype in _KERNEL_KV_DTYPES else None
     if kernel is None and indices.numel() == 1:
         return None  # a lone request without the kernel: the chunk path is one SDPA call too
     grid = _decode_grid(common, indices)
@@ -223,13 +220,13 @@ class PrefillChunk:
     # None when nothing is cached before the chunk and it attends to its own fresh K/V.
     context_slots: torch.Tensor | None
 
-    def attend(self, query, key, value, kv_cache: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def attend(self, query, key, value, kv_cache: LayerKVCache | None, scale: float) -> torch.Tensor:
         s, e = self.start, self.end
         if self.context_slots is None:
             return _attend(query[s:e], key[s:e], value[s:e], scale)
         assert kv_cache is not None  # TorchAttentionBackend.forward checked
-        k = _pool_view(kv_cache, 0)[self.context_slots]  # [seq_len, KVH, D]
-        v = _pool_view(kv_cache, 1)[self.context_slots]
+        k = gather_kv(kv_cache, 0, self.context_slots, query.dtype)  # [seq_len, KVH, D]
+        v = gather_kv(kv_cache, 1, self.context_slots, query.dtype)
         return _attend(query[s:e], k, v, scale)
 
 
@@ -288,7 +285,7 @@ class TorchAttentionBackend:
         query: torch.Tensor,  # [T, H, D]
         key: torch.Tensor,  # [T, KVH, D]
         value: torch.Tensor,  # [T, KVH, D]
-        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, KVH, D]
+        kv_cache: LayerKVCache | None,  # [2, num_blocks, block_size, KVH, D] (kv_storage.py)
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
@@ -297,7 +294,8 @@ class TorchAttentionBackend:
         if kv_cache is not None:
             if metadata.slot_mapping is None:
                 raise ValueError("a KV pool was given but the metadata was built without one (no slot_mapping)")
-            write_kv(kv_cache, key, value, metadata.slot_mapping)
+            # Fresh chunks attend to their K/V as stored: with a quantized pool, dequantized codes.
+            key, value = write_kv(kv_cache, key, value, metadata.slot_mapping)
         elif metadata.reads_kv_pool:
             raise ValueError("the metadata reads K/V from the pool but no kv_cache was given")
         decodes = metadata.decodes

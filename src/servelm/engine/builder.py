@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from servelm.attention.kv_storage import LayerKVCache, block_tensors
 from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpeculativeConfig
 from servelm.engine.core import EngineCore
 from servelm.kv.disk_store import DiskBlockStore
@@ -28,7 +29,7 @@ from servelm.spec.proposer import Proposer, build_proposer
 from servelm.worker.block_table import BlockTable
 from servelm.worker.draft_model import DraftModel, load_draft_model
 from servelm.worker.draft_proposer import DraftModelProposer
-from servelm.worker.kv_cache import allocate_kv_caches, free_device_memory, num_blocks_for_budget
+from servelm.worker.kv_cache import allocate_kv_caches, free_device_memory, num_blocks_for_budget, resolve_kv_dtype
 from servelm.worker.kv_offload import KVOffloader
 from servelm.worker.model_runner import ModelRunner
 
@@ -71,15 +72,14 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     """KV pool, runner, scheduler and core around a built model (a checkpoint's, or random
     weights of a shape no file exists for, as benchmarks/gpu_checks.py builds)."""
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
-    if config.cache.kv_cache_dtype != "auto":
-        raise NotImplementedError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not built yet (issue 13)")
     max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
     # A separate draft model is loaded first: free memory is measured after its weights, and each
     # block then holds its K/V too.
     draft_model = _load_draft_checkpoint(config, model, tokenizer) if proposer is None else None
     kv_archs = [arch] if draft_model is None else [arch, draft_model.arch]
-    num_blocks = _num_kv_blocks(config, kv_archs, dtype, device)
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)  # what the pool stores
+    num_blocks = _num_kv_blocks(config, kv_archs, kv_dtype, device)
     block_size = config.cache.block_size
     if num_blocks * block_size < max_model_len:
         logger.warning(
@@ -88,7 +88,7 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
             max_model_len,
         )
         max_model_len = num_blocks * block_size
-    kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+    kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device)
     eos_ids = eos_token_ids(arch, tokenizer)
     # One table for the runner and a draft-model proposer: the draft's K/V sit in the same blocks.
     block_table = BlockTable.for_requests(config.scheduler.max_num_seqs, max_model_len, block_size)
@@ -108,7 +108,7 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     if config.kv_tiers.enabled:
         if not config.cache.enable_prefix_caching:
             raise ValueError("KV tiers (--kv-offloading-size, --kv-disk-path) need prefix caching: drop --no-prefix-caching")
-        tiers, offloader = _kv_tiers(config, arch, source, [*kv_caches, *draft_kv])
+        tiers, offloader = _kv_tiers(config, arch, source, block_tensors([*kv_caches, *draft_kv]))
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
@@ -163,7 +163,7 @@ def _draft_model_proposer(
     config: EngineConfig,
     speculative: SpeculativeConfig,
     target: LlamaForCausalLM,
-    target_kv_caches: list[torch.Tensor],
+    target_kv_caches: list[LayerKVCache],
     draft_model: LlamaForCausalLM | None,
     num_blocks: int,
     block_table: BlockTable,
@@ -172,7 +172,7 @@ def _draft_model_proposer(
     target's block count, or the target's first draft_num_layers layers."""
     block_size = config.cache.block_size
     if draft_model is not None:
-        draft = DraftModel.separate(draft_model, num_blocks, block_size)
+        draft = DraftModel.separate(draft_model, num_blocks, block_size, target_kv_caches[0].dtype)
     else:
         assert speculative.draft_num_layers is not None  # SpeculativeConfig: exactly one of the two
         draft = DraftModel.first_layers_of(target, target_kv_caches, speculative.draft_num_layers)
@@ -180,9 +180,10 @@ def _draft_model_proposer(
     return DraftModelProposer(draft, block_table, block_size, config.scheduler.max_num_batched_tokens)
 
 
-def _num_kv_blocks(config: EngineConfig, archs: list[ModelArchConfig], dtype: torch.dtype, device: torch.device) -> int:
+def _num_kv_blocks(config: EngineConfig, archs: list[ModelArchConfig], kv_dtype: torch.dtype,
+                   device: torch.device) -> int:  # fmt: skip
     """Blocks of the KV pool: as configured, or what the memory budget holds with the K/V of every
-    model in `archs` per block (--kv-cache-memory covers a draft model's pool too)."""
+    model in `archs` per block, stored as `kv_dtype` (--kv-cache-memory covers a draft model's pool too)."""
     cache = config.cache
     if cache.num_blocks:
         return cache.num_blocks
@@ -192,4 +193,4 @@ def _num_kv_blocks(config: EngineConfig, archs: list[ModelArchConfig], dtype: to
         free = free_device_memory(device)
         # On an accelerator take a fraction of what is free after the weights; on CPU a fixed default.
         budget = int(free * DEFAULT_GPU_MEMORY_FRACTION) if free is not None else DEFAULT_CPU_KV_CACHE_BYTES
-    return num_blocks_for_budget(archs, cache.block_size, dtype, budget)
+    return num_blocks_for_budget(archs, cache.block_size, kv_dtype, budget)

@@ -1,8 +1,8 @@
 """servelm's compiled CPU kernels behind typed, checked wrappers; None where they are off.
 
 Callers, on every layer of every step in the engine core process:
-- `attention/torch_backend.py`: `decode_attention`, paged decode attention for float32 on CPU
-  (source: `csrc/paged_decode_attention.c`);
+- `attention/torch_backend.py`: `decode_attention`, paged decode attention for float32 queries on
+  CPU over a float32 pool or an int8 one with per-(token, head) scales (source: `csrc/paged_decode_attention.c`);
 - `models/linear_methods.py` (Int8BlockLinearMethod): `qgemm_small`, a few rows times int8-coded weights
   (source: `csrc/int8_block_matmul.c`).
 Both treat `load()` returning None as "take the pure-torch path", which gives the same results
@@ -74,9 +74,9 @@ class CpuKernels:
     def __init__(self, library: BuiltLibrary) -> None:
         lib = ctypes.CDLL(str(library.path))
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.decode_scores.argtypes = [ptr] * 5 + [i64] * 8 + [ctypes.c_float, c_int]
+        lib.decode_scores.argtypes = [ptr] * 6 + [i64] * 8 + [ctypes.c_float, c_int]
         lib.decode_scores.restype = i64
-        lib.decode_pv.argtypes = [ptr] * 5 + [i64] * 7 + [c_int]
+        lib.decode_pv.argtypes = [ptr] * 6 + [i64] * 7 + [c_int]
         lib.decode_pv.restype = None
         lib.qgemm_small.argtypes = [ptr] * 5 + [i64] * 3 + [c_int, c_int]
         lib.qgemm_small.restype = None
@@ -92,9 +92,11 @@ class CpuKernels:
         seq_lens: torch.Tensor,  # [B] int32, keys per request (cached + the new one)
         max_len: int,  # >= every seq_len: the width of the scores
         scale: float,
+        pool_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # see decode_prepared
     ) -> torch.Tensor:  # [B, H, D] float32
         """softmax(scale * q . K) . V over each request's own K/V rows, read from its blocks."""
-        return self.decode_prepared(query, k_pool, v_pool, self.prepare_decode(block_tables, seq_lens, max_len), scale)
+        batch = self.prepare_decode(block_tables, seq_lens, max_len)
+        return self.decode_prepared(query, k_pool, v_pool, batch, scale, pool_scales)
 
     def prepare_decode(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int) -> DecodeBatch:
         """A step's decode batch checked once, for the `decode_prepared` call of every layer (the
@@ -107,12 +109,21 @@ class CpuKernels:
         return DecodeBatch(block_tables, seq_lens, max_len)
 
     def decode_prepared(
-        self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DecodeBatch, scale: float
+        self,
+        query: torch.Tensor,  # [B, H, D] float32
+        k_pool: torch.Tensor,  # [num_blocks, block_size, KVH, D]: float32, or int8 codes with pool_scales
+        v_pool: torch.Tensor,
+        batch: DecodeBatch,
+        scale: float,
+        # None: the pools hold float32 values. Else the K and V codes' scales, [num_blocks, block_size, KVH]
+        # float32 each: value = code * scale (servelm.attention.kv_storage.QuantizedKV).
+        pool_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [B, H, D] float32
         """`decode_attention` for a batch from `prepare_decode`: only the query and this layer's pools are checked."""
         check_tensor("query", query, torch.float32, 3)
-        check_tensor("k_pool", k_pool, torch.float32, 4)
-        check_tensor("v_pool", v_pool, torch.float32, 4)
+        pool_dtype = torch.float32 if pool_scales is None else torch.int8
+        check_tensor("k_pool", k_pool, pool_dtype, 4)
+        check_tensor("v_pool", v_pool, pool_dtype, 4)
         num_requests, heads, head_dim = query.shape
         num_blocks, block_size, kv_heads, pool_head_dim = k_pool.shape
         if pool_head_dim != head_dim or block_size < 1 or kv_heads < 1 or heads % kv_heads:
@@ -121,6 +132,12 @@ class CpuKernels:
                 f"head_dim {head_dim} as in query], found {tuple(k_pool.shape)}"
             )
         check_shape("v_pool", v_pool, tuple(k_pool.shape), "k_pool's")
+        k_scales_ptr = v_scales_ptr = None
+        if pool_scales is not None:
+            for name, scales in zip(("k_scales", "v_scales"), pool_scales):
+                check_tensor(name, scales, torch.float32, 3)
+                check_shape(name, scales, tuple(k_pool.shape[:3]), "k_pool's without head_dim")
+            k_scales_ptr, v_scales_ptr = pool_scales[0].data_ptr(), pool_scales[1].data_ptr()
         if num_requests != batch.batch:
             raise KernelArgumentError(
                 f"block_tables: expected [batch, max_blocks] with batch {num_requests} as in query, "
@@ -130,7 +147,7 @@ class CpuKernels:
         threads = torch.get_num_threads()
         scores = torch.empty(num_requests, heads, max_len, dtype=torch.float32)
         bad = self._lib.decode_scores(  # checks seq_lens and the used table entries before any read
-            query.data_ptr(), k_pool.data_ptr(), batch.tables_ptr, batch.lens_ptr, scores.data_ptr(),
+            query.data_ptr(), k_pool.data_ptr(), k_scales_ptr, batch.tables_ptr, batch.lens_ptr, scores.data_ptr(),
             num_requests, heads, kv_heads, head_dim, block_size, max_blocks, max_len, num_blocks, float(scale),
             threads,
         )  # fmt: skip
@@ -143,9 +160,9 @@ class CpuKernels:
         probs = torch.softmax(scores, dim=-1)  # [B, H, max_len]; positions past a seq_len hold -inf -> 0
         out = torch.empty(num_requests, heads, head_dim, dtype=torch.float32)
         self._lib.decode_pv(
-            probs.data_ptr(), v_pool.data_ptr(), batch.tables_ptr, batch.lens_ptr, out.data_ptr(),
+            probs.data_ptr(), v_pool.data_ptr(), v_scales_ptr, batch.tables_ptr, batch.lens_ptr, out.data_ptr(),
             num_requests, heads, kv_heads, head_dim, block_size, max_blocks, max_len, threads,
-        )
+        )  # fmt: skip
         return out
 
     def qgemm_small(

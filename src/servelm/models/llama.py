@@ -12,13 +12,14 @@ How each linear layer stores its weight is its `LinearMethod`, chosen by the mod
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from servelm.attention.backend import AttentionBackend, AttentionMetadata
+from servelm.attention.kv_storage import LayerKVCache
 from servelm.models.arch import ModelArchConfig
 from servelm.models.linear_methods import DENSE, LinearMethod, LinearMethodChooser, all_dense
 from servelm.models.rotary import RotaryEmbedding, apply_rotary
@@ -103,7 +104,7 @@ class LlamaAttention(nn.Module):
         self,
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D/2] each (RotaryEmbedding.cos_sin)
         hidden: torch.Tensor,  # [T, hidden]
-        kv_cache: torch.Tensor | None,
+        kv_cache: LayerKVCache | None,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -172,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] long
         positions: torch.Tensor,  # [T] long, position of each token within its request
         metadata: AttentionMetadata,
-        kv_caches: list[torch.Tensor] | None = None,  # one [2, blocks, block_size, KVH, D] per layer
+        kv_caches: Sequence[LayerKVCache] | None = None,  # one [2, blocks, block_size, KVH, D] per layer
         num_layers: int | None = None,  # run only the first N decoder layers (a self-speculative draft)
     ) -> torch.Tensor:  # [T, hidden]
         hidden = self.embed_tokens(input_ids)

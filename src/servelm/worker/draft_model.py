@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from servelm.attention.kv_storage import LayerKVCache
 from servelm.models.arch import ModelArchConfig
 from servelm.models.factory import build_model
 from servelm.models.llama import LlamaForCausalLM
@@ -35,13 +36,13 @@ logger = logging.getLogger(__name__)
 class DraftModel:
     model: LlamaForCausalLM
     num_layers: int  # decoder layers each draft forward runs (all of a separate model's)
-    kv_caches: list[torch.Tensor]  # one per layer run: [2, num_blocks, block_size, KVH, D]
+    kv_caches: list[LayerKVCache]  # one per layer run: [2, num_blocks, block_size, KVH, D] (kv_storage.py)
     # True for the target's first layers: its K/V at the target's computed positions are the target's.
     shares_target_kv: bool
 
     @classmethod
     def first_layers_of(
-        cls, target: LlamaForCausalLM, target_kv_caches: list[torch.Tensor], num_layers: int
+        cls, target: LlamaForCausalLM, target_kv_caches: list[LayerKVCache], num_layers: int
     ) -> DraftModel:
         """A self-speculative draft: the target's first `num_layers` layers with its norm and head."""
         num_target_layers = target.arch.num_hidden_layers
@@ -52,14 +53,15 @@ class DraftModel:
         return cls(target, num_layers, target_kv_caches[:num_layers], shares_target_kv=True)
 
     @classmethod
-    def separate(cls, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> DraftModel:
-        """A model of its own, with a KV pool of its own of `num_blocks` blocks (the target's count)."""
+    def separate(cls, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> DraftModel:
+        """A model of its own, with a KV pool of its own of `num_blocks` blocks (the target's count),
+        storing `kv_dtype` as the target's pool does (the pool's budget was sized for that)."""
         weight = model.embed_tokens.weight
-        kv_caches = allocate_kv_caches(model.arch, num_blocks, block_size, weight.dtype, weight.device)
+        kv_caches = allocate_kv_caches(model.arch, num_blocks, block_size, kv_dtype, weight.device)
         logger.info(
             "draft model: %d layers; its KV pool takes %.1f MiB next to the target's (%d blocks)",
             model.arch.num_hidden_layers,
-            bytes_per_block(model.arch, block_size, weight.dtype) * num_blocks / 2**20,
+            bytes_per_block(model.arch, block_size, kv_dtype) * num_blocks / 2**20,
             num_blocks,
         )
         return cls(model, model.arch.num_hidden_layers, kv_caches, shares_target_kv=False)

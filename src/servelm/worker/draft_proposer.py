@@ -85,6 +85,7 @@ class DraftModelProposer:
         self.max_catch_up_tokens = max_catch_up_tokens  # tokens in the first forward of one propose()
         weight = draft.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        self.kv_dtype = draft.kv_caches[0].dtype  # what its pool stores (the target's when it shares it)
         self._kv: dict[str, _DraftKV] = {}  # separate draft only
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
@@ -154,7 +155,7 @@ class DraftModelProposer:
         query_lens = torch.tensor([len(f.token_ids) for f in feeds], dtype=torch.long)  # [R]
         rows = torch.tensor([f.row for f in feeds], dtype=torch.long)  # [R]
         positions, common = paged_attention_inputs(
-            self.block_table.table, rows, starts, query_lens, self.block_size, self.device, self.dtype
+            self.block_table.table, rows, starts, query_lens, self.block_size, self.device, self.dtype, self.kv_dtype
         )
         input_ids = torch.tensor([t for f in feeds for t in f.token_ids], dtype=torch.long).to(self.device)
         model = self.draft.model

@@ -1,7 +1,9 @@
-"""KV pool tensors: how many blocks a memory budget buys, and allocating them once.
+"""KV pool tensors: what the pool stores, how many blocks a memory budget buys, allocating them once.
 
-Per layer one tensor [2, num_blocks, block_size, num_kv_heads, head_dim]: K then V,
-addressed by block id exactly as the block pool in servelm.kv hands them out.
+Per layer one tensor [2, num_blocks, block_size, num_kv_heads, head_dim] in the model's dtype: K then
+V, addressed by block id exactly as the block pool in servelm.kv hands them out. With
+--kv-cache-dtype int8 or fp8 a layer's pool is a QuantizedKV instead (8-bit codes of that shape plus
+float32 scales [2, num_blocks, block_size, num_kv_heads]; see servelm.attention.kv_storage).
 """
 
 from __future__ import annotations
@@ -10,12 +12,55 @@ from collections.abc import Sequence
 
 import torch
 
+from servelm.attention.kv_storage import QUANTIZED_MAX, LayerKVCache, QuantizedKV
 from servelm.models.arch import ModelArchConfig
+
+# CacheConfig.kv_cache_dtype's quantized names → what the pool stores.
+_QUANTIZED_KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a pool stores K/V as for CacheConfig.kv_cache_dtype: "auto" → the model's dtype.
+
+    Called once by the engine builder. Raises ValueError for an unknown name, and for "fp8" on a
+    device where torch cannot store and read back float8_e4m3fn (naming the device; int8 works anywhere).
+    """
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _QUANTIZED_KV_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of auto, {', '.join(_QUANTIZED_KV_DTYPES)}; got {kv_cache_dtype!r}"
+        )
+    dtype = _QUANTIZED_KV_DTYPES[kv_cache_dtype]
+    if dtype == torch.float8_e4m3fn:
+        _check_fp8_storage(device)
+    return dtype
+
+
+def _check_fp8_storage(device: torch.device) -> None:
+    """The pool's fp8 operations (cast, byte-wise slot writes, gather, dequantize) on a tiny tensor."""
+    try:
+        codes = torch.full((2, 1, 1), 1.5, device=device).to(torch.float8_e4m3fn)
+        pool = torch.zeros((4, 1, 1), dtype=torch.float8_e4m3fn, device=device)
+        pool.view(torch.uint8).index_copy_(0, torch.tensor([0, 2], device=device), codes.view(torch.uint8))
+        works = bool((pool[torch.tensor([2], device=device)].float() == 1.5).all())
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        works, reason = False, f": {exc}"
+    else:
+        reason = ": a stored value did not read back"
+    if not works:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        raise ValueError(
+            f"--kv-cache-dtype fp8: torch cannot store float8_e4m3fn KV on {device} ({name}){reason}; "
+            "use --kv-cache-dtype int8"
+        )
 
 
 def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block id takes in a pool of `dtype` (a quantized one counts its float32 scales)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * arch.num_key_value_heads * arch.head_dim * element_size  # K and V
+    per_head = arch.head_dim * element_size + (4 if dtype in QUANTIZED_MAX else 0)  # codes + a scale
+    per_token = 2 * arch.num_key_value_heads * per_head  # K and V
     return per_token * block_size * arch.num_hidden_layers
 
 
@@ -23,7 +68,7 @@ def num_blocks_for_budget(
     archs: Sequence[ModelArchConfig], block_size: int, dtype: torch.dtype, budget_bytes: int
 ) -> int:
     """Blocks `budget_bytes` holds when each block id holds the K/V of every model in `archs` (the
-    target's, and a draft model's own pool addressed by the same block ids)."""
+    target's, and a draft model's own pool addressed by the same block ids), stored as `dtype`."""
     block_bytes = sum(bytes_per_block(arch, block_size, dtype) for arch in archs)
     num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:
@@ -44,6 +89,14 @@ def free_device_memory(device: torch.device) -> int | None:
 
 def allocate_kv_caches(
     arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[torch.Tensor]:
+) -> list[LayerKVCache]:
+    """One zeroed pool per layer storing `dtype`: a plain tensor, or a QuantizedKV for int8 / fp8."""
     shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
+    if dtype not in QUANTIZED_MAX:
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
+    return [
+        QuantizedKV(
+            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+        )
+        for _ in range(arch.num_hidden_layers)
+    ]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from servelm.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionInputs, slots_of
+from servelm.attention.kv_storage import LayerKVCache, block_tensors
 from servelm.datatypes import ModelOutput, PositionLogprobs, SchedulerOutput
 from servelm.models.llama import LlamaForCausalLM
 from servelm.spec.proposer import DraftRequest, Proposer
@@ -73,6 +74,7 @@ def paged_attention_inputs(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype,  # what the KV pool stores (the model's dtype, or int8 / fp8 codes)
 ) -> tuple[torch.Tensor, CommonAttentionInputs]:
     """Positions ([T] long, CPU) and attention inputs of a forward over paged K/V whose request i
     runs query_lens[i] new tokens after num_computed[i] (the runner's steps, a draft model's)."""
@@ -88,6 +90,7 @@ def paged_attention_inputs(
         block_size=block_size,
         device=device,
         dtype=dtype,
+        kv_dtype=kv_dtype,
     )
     return positions, common
 
@@ -96,7 +99,7 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, KVH, D]
+        kv_caches: list[LayerKVCache],  # per layer [2, num_blocks, block_size, KVH, D] (attention/kv_storage.py)
         block_size: int,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
@@ -112,6 +115,10 @@ class ModelRunner:
         self.model = model
         self.attention_backend = attention_backend_of(model)
         self.kv_caches = kv_caches
+        self.kv_dtype = kv_caches[0].dtype  # what the pool stores: the model's dtype, int8 or float8_e4m3fn
+        # Every pool tensor whose dim 1 is the block id, in a fixed order (per layer: K/V, or codes then
+        # scales): a block's bytes are their [:, block_id] slices (what a KV mover copies).
+        self.kv_block_tensors: list[torch.Tensor] = block_tensors(kv_caches)
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.device = device
@@ -125,11 +132,6 @@ class ModelRunner:
         self.proposer = proposer
         self.max_draft_tokens = max_draft_tokens
         self.kv_offloader = kv_offloader
-
-    @property
-    def kv_block_tensors(self) -> list[torch.Tensor]:
-        """Every pool tensor whose dim 1 is the block id (what a block's bytes are; kv_offload.py)."""
-        return self.kv_caches
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Run one step; the output carries how long that took (the runner is the one that knows)."""
@@ -195,8 +197,9 @@ class ModelRunner:
             token_ids.extend(request_drafts)
         rows = torch.tensor([self.block_table.row(rid) for rid in request_ids], dtype=torch.long)  # [R]
         positions, common = paged_attention_inputs(
-            self.block_table.table, rows, num_computed, query_lens, self.block_size, self.device, self.dtype
-        )
+            self.block_table.table, rows, num_computed, query_lens, self.block_size, self.device, self.dtype,
+            self.kv_dtype,
+        )  # fmt: skip
         ends_in_batch = common.query_start_loc[1:].tolist()
         # Caught up (this step's last logits give a new token): sample from the request's last row,
         # or from its last 1 + k rows when it verifies k drafts.

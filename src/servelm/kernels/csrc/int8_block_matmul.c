@@ -19,8 +19,7 @@
 /* Eight weights of one 32-block from their int8 codes: d * q (+ m for Q4_1), rounded as the
    checkpoint's float32 values were. */
 static inline __m256 dequant8(const int8_t* q, __m256 vd, __m256 vm, int has_min) {
-    const __m128i codes = _mm_loadl_epi64((const __m128i*)q);
-    const __m256 w = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
+    const __m256 w = _mm256_mul_ps(vd, load_int8x8_ps(q));
     return has_min ? _mm256_add_ps(w, vm) : w;
 }
 #endif

@@ -12,6 +12,11 @@
 
    Shapes: q [B, H, D]; pool [num_blocks, bs, KVH, D] (the K or the V half of one layer);
    block_tables [B, max_blocks]; seq_lens [B]; scores and probs [B, H, max_len]; out [B, H, D].
+
+   The pool holds float32 values, or (--kv-cache-dtype int8) int8 codes with a float32 scale per
+   (token, KV head), pool_scales [num_blocks, bs, KVH], value = code * scale. A NULL pool_scales
+   means float32. With codes, a score is (q . codes) * (scale * row scale), and a V row's weight is
+   probs * row scale: one multiply per row, the same byte reads as the values would need / 4.
    Work is split by request; a batch smaller than the thread count splits by KV head too.
    Rows are visited block by block: one table lookup per block, each K/V row read once for
    all the query heads that share it.
@@ -69,6 +74,44 @@ static inline void scores_rows(const float* qh, const float* rows, int64_t row_s
     }
 }
 
+/* scores_rows for int8 codes: row o's score is (q . codes_o) * (scale * row_scales[o * scale_stride]). */
+static inline void scores_rows_q8(const float* qh, const int8_t* rows, const float* row_scales, int64_t row_stride,
+                                  int64_t scale_stride, int64_t n, int64_t D, float scale, float* out) {
+    int64_t o = 0;
+#ifdef SERVELM_HAVE_AVX2
+    if (D % 8 == 0) {
+        const __m256 vscale = _mm256_set1_ps(scale);
+        for (; o + 8 <= n; o += 8) {
+            const int8_t* r = rows + o * row_stride;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + d);
+                a0 = _mm256_fmadd_ps(qv, load_int8x8_ps(r + 0 * row_stride + d), a0);
+                a1 = _mm256_fmadd_ps(qv, load_int8x8_ps(r + 1 * row_stride + d), a1);
+                a2 = _mm256_fmadd_ps(qv, load_int8x8_ps(r + 2 * row_stride + d), a2);
+                a3 = _mm256_fmadd_ps(qv, load_int8x8_ps(r + 3 * row_stride + d), a3);
+                a4 = _mm256_fmadd_ps(qv, load_int8x8_ps(r + 4 * row_stride + d), a4);
+                a5 = _mm256_fmadd_ps(qv, load_int8x8_ps(r + 5 * row_stride + d), a5);
+                a6 = _mm256_fmadd_ps(qv, load_int8x8_ps(r + 6 * row_stride + d), a6);
+                a7 = _mm256_fmadd_ps(qv, load_int8x8_ps(r + 7 * row_stride + d), a7);
+            }
+            const float* sc = row_scales + o * scale_stride;
+            const __m256 vrow = _mm256_setr_ps(sc[0], sc[scale_stride], sc[2 * scale_stride], sc[3 * scale_stride],
+                                               sc[4 * scale_stride], sc[5 * scale_stride], sc[6 * scale_stride],
+                                               sc[7 * scale_stride]);
+            const __m256 sums = hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
+            _mm256_storeu_ps(out + o, _mm256_mul_ps(sums, _mm256_mul_ps(vscale, vrow)));
+        }
+    }
+#endif
+    for (; o < n; o++) {
+        const int8_t* k = rows + o * row_stride;
+        float acc = 0.f;
+        for (int64_t d = 0; d < D; d++) acc += qh[d] * (float)k[d];
+        out[o] = acc * (scale * row_scales[o * scale_stride]);
+    }
+}
+
 /* out_h[0:D] += sum over n rows of p[o] * row_o. */
 static inline void pv_rows(const float* p, const float* rows, int64_t row_stride, int64_t n, int64_t D, float* outh) {
     int64_t d = 0;
@@ -95,36 +138,95 @@ static inline void pv_rows(const float* p, const float* rows, int64_t row_stride
     }
 }
 
-/* Ask for the next block while this one is computed: blocks sit anywhere in the pool. */
-static inline void prefetch_block(const float* block, int64_t count) {
-    for (int64_t i = 0; i < count; i += 16) __builtin_prefetch(block + i, 0, 3);
+/* pv_rows for int8 codes: row o weighs p[o] * row_scales[o * scale_stride]. */
+static inline void pv_rows_q8(const float* p, const int8_t* rows, const float* row_scales, int64_t row_stride,
+                              int64_t scale_stride, int64_t n, int64_t D, float* outh) {
+    int64_t d = 0;
+#ifdef SERVELM_HAVE_AVX2
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(outh + d), a1 = _mm256_loadu_ps(outh + d + 8);
+        __m256 a2 = _mm256_loadu_ps(outh + d + 16), a3 = _mm256_loadu_ps(outh + d + 24);
+        for (int64_t o = 0; o < n; o++) {
+            const int8_t* v = rows + o * row_stride + d;
+            const __m256 pv = _mm256_set1_ps(p[o] * row_scales[o * scale_stride]);
+            a0 = _mm256_fmadd_ps(pv, load_int8x8_ps(v), a0);
+            a1 = _mm256_fmadd_ps(pv, load_int8x8_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(pv, load_int8x8_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(pv, load_int8x8_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(outh + d, a0); _mm256_storeu_ps(outh + d + 8, a1);
+        _mm256_storeu_ps(outh + d + 16, a2); _mm256_storeu_ps(outh + d + 24, a3);
+    }
+#endif
+    for (; d < D; d++) {
+        float acc = outh[d];
+        for (int64_t o = 0; o < n; o++) acc += (p[o] * row_scales[o * scale_stride]) * (float)rows[o * row_stride + d];
+        outh[d] = acc;
+    }
 }
 
-static void scores_one(const float* q, const float* k_pool, const int32_t* bt, int64_t L, float* sb,
+/* Ask for the next block while this one is computed: blocks sit anywhere in the pool. */
+static inline void prefetch_block(const char* block, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(block + i, 0, 3);
+}
+
+/* One layer's K or V half: float32 values, or int8 codes with their scales (scales NULL: float32). */
+typedef struct {
+    const char* base;  /* the pool's first byte */
+    const float* scales;
+    int64_t element_size; /* 4 or 1 */
+} pool_half;
+
+static inline pool_half pool_half_of(const void* pool, const float* scales) {
+    pool_half half = {(const char*)pool, scales, scales ? 1 : 4};
+    return half;
+}
+
+/* The first byte (row 0, head 0) of `block` in the pool. */
+static inline const char* block_start(pool_half pool, int32_t block, int64_t bs, int64_t KVH, int64_t D) {
+    return pool.base + (int64_t)block * bs * KVH * D * pool.element_size;
+}
+
+static void scores_one(const float* q, pool_half k_pool, const int32_t* bt, int64_t L, float* sb,
                        int64_t kh0, int64_t kh1, int64_t H, int64_t KVH, int64_t D, int64_t bs,
                        int64_t max_len, float scale) {
-    const int64_t G = H / KVH;
+    const int64_t G = H / KVH, block_bytes = bs * KVH * D * k_pool.element_size;
     for (int64_t start = 0; start < L; start += bs) {
         const int64_t n = L - start < bs ? L - start : bs;
-        const float* block = k_pool + (int64_t)bt[start / bs] * bs * KVH * D;
-        if (start + bs < L) prefetch_block(k_pool + (int64_t)bt[start / bs + 1] * bs * KVH * D, bs * KVH * D);
-        for (int64_t h = kh0 * G; h < kh1 * G; h++)
-            scores_rows(q + h * D, block + (h / G) * D, KVH * D, n, D, scale, sb + h * max_len + start);
+        const char* block = block_start(k_pool, bt[start / bs], bs, KVH, D);
+        if (start + bs < L) prefetch_block(block_start(k_pool, bt[start / bs + 1], bs, KVH, D), block_bytes);
+        for (int64_t h = kh0 * G; h < kh1 * G; h++) {
+            float* out = sb + h * max_len + start;
+            if (k_pool.scales) {
+                const float* row_scales = k_pool.scales + (int64_t)bt[start / bs] * bs * KVH + h / G;
+                scores_rows_q8(q + h * D, (const int8_t*)block + (h / G) * D, row_scales, KVH * D, KVH, n, D, scale,
+                               out);
+            } else {
+                scores_rows(q + h * D, (const float*)block + (h / G) * D, KVH * D, n, D, scale, out);
+            }
+        }
     }
     for (int64_t h = kh0 * G; h < kh1 * G; h++)
         for (int64_t l = L; l < max_len; l++) sb[h * max_len + l] = -INFINITY;
 }
 
-static void pv_one(const float* pb, const float* v_pool, const int32_t* bt, int64_t L, float* ob,
+static void pv_one(const float* pb, pool_half v_pool, const int32_t* bt, int64_t L, float* ob,
                    int64_t kh0, int64_t kh1, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_len) {
-    const int64_t G = H / KVH;
+    const int64_t G = H / KVH, block_bytes = bs * KVH * D * v_pool.element_size;
     for (int64_t i = kh0 * G * D; i < kh1 * G * D; i++) ob[i] = 0.f;
     for (int64_t start = 0; start < L; start += bs) {
         const int64_t n = L - start < bs ? L - start : bs;
-        const float* block = v_pool + (int64_t)bt[start / bs] * bs * KVH * D;
-        if (start + bs < L) prefetch_block(v_pool + (int64_t)bt[start / bs + 1] * bs * KVH * D, bs * KVH * D);
-        for (int64_t h = kh0 * G; h < kh1 * G; h++)
-            pv_rows(pb + h * max_len + start, block + (h / G) * D, KVH * D, n, D, ob + h * D);
+        const char* block = block_start(v_pool, bt[start / bs], bs, KVH, D);
+        if (start + bs < L) prefetch_block(block_start(v_pool, bt[start / bs + 1], bs, KVH, D), block_bytes);
+        for (int64_t h = kh0 * G; h < kh1 * G; h++) {
+            const float* p = pb + h * max_len + start;
+            if (v_pool.scales) {
+                const float* row_scales = v_pool.scales + (int64_t)bt[start / bs] * bs * KVH + h / G;
+                pv_rows_q8(p, (const int8_t*)block + (h / G) * D, row_scales, KVH * D, KVH, n, D, ob + h * D);
+            } else {
+                pv_rows(p, (const float*)block + (h / G) * D, KVH * D, n, D, ob + h * D);
+            }
+        }
     }
 }
 
@@ -146,31 +248,34 @@ static int64_t first_invalid_request(const int32_t* block_tables, const int32_t*
 
 /* Returns -1 after filling scores, or (reading nothing else, writing nothing) the first request
    whose seq_len or block ids fall outside the pool: decode_pv may then run on the same tables. */
-int64_t decode_scores(const float* q, const float* k_pool, const int32_t* block_tables, const int32_t* seq_lens,
+int64_t decode_scores(const float* q, const void* k_pool, const float* k_scales, const int32_t* block_tables,
+                      const int32_t* seq_lens,
                       float* scores, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
                       int64_t max_blocks, int64_t max_len, int64_t num_blocks, float scale, int num_threads) {
     const int64_t bad = first_invalid_request(block_tables, seq_lens, B, max_blocks, bs, max_len, num_blocks);
     if (bad >= 0) return bad;
+    const pool_half pool = pool_half_of(k_pool, k_scales);
     const int64_t split = B < num_threads ? KVH : 1; /* pieces per request */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < B * split; item++) {
         const int64_t b = item / split, piece = item % split;
         const int64_t kh0 = piece * KVH / split, kh1 = (piece + 1) * KVH / split;
-        scores_one(q + b * H * D, k_pool, block_tables + b * max_blocks, seq_lens[b], scores + b * H * max_len,
+        scores_one(q + b * H * D, pool, block_tables + b * max_blocks, seq_lens[b], scores + b * H * max_len,
                    kh0, kh1, H, KVH, D, bs, max_len, scale);
     }
     return -1;
 }
 
-void decode_pv(const float* probs, const float* v_pool, const int32_t* block_tables, const int32_t* seq_lens,
-               float* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
+void decode_pv(const float* probs, const void* v_pool, const float* v_scales, const int32_t* block_tables,
+               const int32_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
                int64_t max_blocks, int64_t max_len, int num_threads) {
+    const pool_half pool = pool_half_of(v_pool, v_scales);
     const int64_t split = B < num_threads ? KVH : 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < B * split; item++) {
         const int64_t b = item / split, piece = item % split;
         const int64_t kh0 = piece * KVH / split, kh1 = (piece + 1) * KVH / split;
-        pv_one(probs + b * H * max_len, v_pool, block_tables + b * max_blocks, seq_lens[b], out + b * H * D,
+        pv_one(probs + b * H * max_len, pool, block_tables + b * max_blocks, seq_lens[b], out + b * H * D,
                kh0, kh1, H, KVH, D, bs, max_len);
     }
 }

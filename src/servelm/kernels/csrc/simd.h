@@ -9,6 +9,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <stdint.h>
 #define SERVELM_HAVE_AVX2 1
 
 /* The eight lanes of v summed pairwise in a fixed order, so a result never depends on anything
@@ -17,6 +18,11 @@ static inline float sum_lanes8(__m256 v) {
     float lanes[8];
     _mm256_storeu_ps(lanes, v);
     return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+/* Eight int8 codes as eight floats (exact: every int8 is a float). */
+static inline __m256 load_int8x8_ps(const int8_t* codes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)codes)));
 }
 #endif
 
