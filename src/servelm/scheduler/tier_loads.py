@@ -51,6 +51,11 @@ class TierLoads:
         max_blocks = (request.num_tokens - 1) // self._kv.block_size - num_hit_blocks
         media = self.tiers.lookup(hit.block_hashes, num_hit_blocks, max_blocks)
         media = media[: self.tiers.worth_loading(media, prefill_seconds_per_token)]
+        # A pool too full for the whole load still takes its leading blocks: the rest is computed.
+        room = self._kv.max_new_tokens(
+            request.request_id, num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit
+        )
+        media = media[: max(0, room) // self._kv.block_size]
         if not media:
             return False
         block_ids = self._kv.allocate_slots(
