@@ -56,7 +56,7 @@ class TierMachine(RuleBasedStateMachine):
             disk_bytes=max(1, disk_blocks * disk.file_bytes(block_bytes)) if disk else 1,
         )
         self.tiers = KVTiers(config, BLOCK_SIZE, block_bytes, disk)
-        self.offloader = KVOffloader([self.pool], host_tier=host_blocks > 0, disk_store=disk)
+        self.offloader = KVOffloader([self.pool], disk_store=disk)
         self.disk = disk
 
     @rule(content=st.integers(0, NUM_CONTENTS - 1), retention=st.sampled_from(KV_RETENTIONS))

@@ -144,7 +144,7 @@ def _kv_tiers(
     }
     fingerprint = kv_fingerprint(dataclasses.asdict(arch), weights_identity(source), layout)
     disk = DiskBlockStore(tier_config.disk_path, fingerprint) if tier_config.disk_path is not None else None
-    offloader = KVOffloader(block_tensors, host_tier=tier_config.host_bytes > 0, disk_store=disk)
+    offloader = KVOffloader(block_tensors, disk_store=disk)
     tiers = KVTiers(tier_config, block_size, offloader.codec.block_bytes, disk, config.kv_events.enabled)
     capacities = {medium.value: index.capacity_blocks for medium, index in tiers.indexes.items()}
     logger.info("KV tiers (blocks each holds): %s; fingerprint %s", capacities, fingerprint)

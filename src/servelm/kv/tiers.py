@@ -96,11 +96,6 @@ class KVTiers:
         self._bandwidth = dict(INITIAL_BANDWIDTH)
 
     @property
-    def media(self) -> list[KVMedium]:
-        """The tiers configured, nearest first."""
-        return list(self.indexes)
-
-    @property
     def num_loading(self) -> int:
         return len(self._loads)
 

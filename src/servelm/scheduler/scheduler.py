@@ -514,10 +514,8 @@ class Scheduler:
 
     def _try_admit(self, request: Request, plan: StepPlan, now: float) -> bool:
         hit = self._lookup(request)
-        if self._tier_loads is not None:
-            fit = self.step_cost.current()
-            if self._tier_loads.try_start(request, hit, fit[1] if fit is not None else None, now):
-                return True  # it waits for its KV off the queue (tier_loads.py), taking no budget
+        if self._tier_loads is not None and self._tier_loads.try_start(request, hit, self.step_cost, now):
+            return True  # it waits for its KV off the queue (tier_loads.py), taking no budget
         num_uncomputed = request.num_tokens - hit.num_computed_tokens
         num_new = plan.prefill_chunk(num_uncomputed)
         room = self._kv.max_new_tokens(

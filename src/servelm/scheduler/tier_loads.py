@@ -20,6 +20,7 @@ from servelm.datatypes import EventType, KVLoadResult, KVMedium, KVTransfers
 from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
 from servelm.kv.tiers import KVTiers
 from servelm.scheduler.request import Request, RequestStatus
+from servelm.scheduler.step_cost import StepCostModel
 
 
 class TierLoads:
@@ -38,19 +39,20 @@ class TierLoads:
     def has_pending(self) -> bool:
         return self.tiers.has_pending()
 
-    def try_start(
-        self, request: Request, hit: ComputedBlocks, prefill_seconds_per_token: float | None, now: float
-    ) -> bool:
+    def try_start(self, request: Request, hit: ComputedBlocks, step_cost: StepCostModel, now: float) -> bool:
         """At admission, after the pool lookup `hit`: start loading the blocks that follow it from
-        the tiers when that beats computing them and the pool has room. True: the request is now
-        loading (off the waiting queue, holding blocks)."""
+        the tiers when that beats computing them (`step_cost`'s prefill time per token) and the pool
+        has room. True: the request is now loading (off the waiting queue, holding blocks)."""
         if request.tiers_looked_up or not hit.block_hashes:
             return False
         num_hit_blocks = len(hit.blocks)
         # The last token is always computed (its logits), as in the pool lookup.
         max_blocks = (request.num_tokens - 1) // self._kv.block_size - num_hit_blocks
         media = self.tiers.lookup(hit.block_hashes, num_hit_blocks, max_blocks)
-        media = media[: self.tiers.worth_loading(media, prefill_seconds_per_token)]
+        if not media:
+            return False
+        fit = step_cost.current()  # a regression over the recent steps: only when a tier holds something
+        media = media[: self.tiers.worth_loading(media, fit[1] if fit is not None else None)]
         # A pool too full for the whole load still takes its leading blocks: the rest is computed.
         room = self._kv.max_new_tokens(
             request.request_id, num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit

@@ -80,11 +80,10 @@ class KVOffloader:
     """Host store, disk writer and background loader of one runner. `apply` and `take_results` are
     called by the runner's thread only; `close` stops the threads (pending disk writes first)."""
 
-    def __init__(
-        self, block_tensors: Sequence[torch.Tensor], host_tier: bool, disk_store: DiskBlockStore | None
-    ) -> None:
+    def __init__(self, block_tensors: Sequence[torch.Tensor], disk_store: DiskBlockStore | None) -> None:
+        """Host copies are kept for the saves ordered to the host tier (the scheduler orders them
+        only when there is one); `disk_store` is the disk tier, None without one."""
         self.codec = BlockCodec(block_tensors)
-        self._host_tier = host_tier
         self._disk = disk_store
         self._pin = block_tensors[0].device.type == "cuda"  # page-locked host copies for fast DMA
         self._host: dict[bytes, torch.Tensor] = {}  # block hash → payload; read by the loader thread
@@ -104,10 +103,6 @@ class KVOffloader:
         if disk_store is not None:
             self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
             self._writer.start()
-
-    @property
-    def num_host_blocks(self) -> int:
-        return len(self._host)
 
     def host_hashes(self) -> set[bytes]:
         with self._host_lock:
@@ -167,7 +162,7 @@ class KVOffloader:
     def _save(self, block_id: int, block_hash: bytes, media: tuple[KVMedium, ...]) -> None:
         payload = torch.empty(self.codec.block_bytes, dtype=torch.uint8, pin_memory=self._pin)
         self.codec.pack(block_id, payload)
-        if KVMedium.HOST in media and self._host_tier:
+        if KVMedium.HOST in media:
             with self._host_lock:
                 self._host[block_hash] = payload
             self._count_saved(KVMedium.HOST, self.codec.block_bytes)
