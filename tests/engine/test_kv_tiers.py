@@ -20,6 +20,7 @@ from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest, EventType, KVMedium
 from servelm.engine.builder import build_engine
 from servelm.engine.core import EngineCore
+from servelm.kv.block_hash import hash_block_tokens
 from servelm.sampling_params import SamplingParams
 from servelm.testing.engine_run import EngineRun, run_requests
 from servelm.testing.reference_decode import greedy_decode
@@ -110,11 +111,15 @@ def test_a_restarted_replica_reads_its_disk_tier_and_another_replica_shares_it(t
     read = run(reader, prompts[:1], "r")
     assert read.tokens["r0"] == expected[0]
     assert loaded_tokens(read, "r0") == (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
-    # ... and the writer, still alive, hits what the reader computed meanwhile.
+    # ... and the writer, still alive, finds on disk what the reader computed meanwhile. (Whether it
+    # then loads or computes is its cost model's call, from its own measured step times: on a tiny
+    # model the two are close, so the lookup is what is asserted here, not the load.)
     assert run(reader, prompts[1:2], "n").tokens["n0"] == expected[1]
     finish_pending_transfers(reader)
-    shared = run(writer, prompts[1:2], "s")
-    assert shared.tokens["s0"] == expected[1] and loaded_tokens(shared, "s0") > 0
+    num_blocks = (PROMPT_TOKENS - 1) // BLOCK_SIZE
+    hashes = hash_block_tokens(prompts[1], BLOCK_SIZE)
+    assert writer.scheduler.kv_tiers.lookup(hashes, 0, num_blocks) == [KVMedium.DISK] * num_blocks
+    assert run(writer, prompts[1:2], "s").tokens["s0"] == expected[1]
 
 
 def test_corrupt_and_truncated_files_are_misses_and_the_rest_is_computed(tiny_dir, tmp_path, prompts, expected):
