@@ -244,6 +244,9 @@ class ModelOutput:
     # Speculative decoding: drafts the proposer made after this step's sampling, for the next
     # step (request_id → up to num_speculative_tokens ids; missing: no guess).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Wall seconds of execute_seconds the proposer took to make them: a draft model's forwards are
+    # the cost of drafting, which the goodput controller charges (and the step-cost fit leaves out).
+    propose_seconds: float = 0.0
     # KV tiers: loads that ended since the previous step, and bytes written out per medium.
     kv_load_results: list[KVLoadResult] = field(default_factory=list)
     kv_saved_bytes: dict[KVMedium, int] = field(default_factory=dict)

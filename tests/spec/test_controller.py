@@ -93,6 +93,26 @@ def test_k_fades_out_as_the_batch_grows_without_a_cliff() -> None:
         assert all(before - after <= 1.0 for before, after in zip(mean_ks, mean_ks[1:])), mean_ks
 
 
+def test_a_draft_models_own_forwards_are_charged() -> None:
+    """Acceptance 0.5 pays when drafts cost only their verification (a lookup), and stops paying
+    as each draft's making (a draft model's forward) approaches a step's cost."""
+    free = StepCost(0.03, 0.0005)
+    ks = [batch_ks(2, 1, StepCost(free.fixed_s, free.per_token_s, draft_token_s=s)) for s in (0.0, 0.002, 0.01, 0.03)]
+    flat = [k for (k,) in ks]
+    assert flat[0] >= 3 and flat[-1] == 0
+    assert flat == sorted(flat, reverse=True), flat
+
+    # 4% acceptance (a poor self-speculative draft): it pays for free, not at a quarter of a step a draft
+    def poor() -> SpecController:
+        controller = SpecController(MAX_K)
+        for i in range(500):
+            controller.observe("poor", 1, 1 if i % 25 == 0 else 0)
+        return controller
+
+    assert poor().choose(offers(["poor"]), 1, free)["poor"] >= 1
+    assert poor().choose(offers(["poor"]), 1, StepCost(0.03, 0.0005, draft_token_s=0.0075))["poor"] == 0
+
+
 def test_low_acceptance_gets_no_drafts() -> None:
     controller = SpecController(MAX_K)
     for _ in range(60):

@@ -6,7 +6,8 @@ many of them to verify: at most what the request may still use (its max_tokens, 
 window, its own `num_speculative_tokens` override, the configured k), and — with the goodput
 controller (`SpeculativeConfig.adaptive`) — what pays at this step's batch and cost. The
 request is then scheduled with 1 + k tokens. After the step, `verified` records how many were
-accepted (metrics, and the controller's acceptance estimate).
+accepted (metrics, and the controller's acceptance estimate), and `proposed` what making the
+drafts cost (the controller charges it: a draft model's forwards are not free).
 """
 
 from __future__ import annotations
@@ -29,6 +30,29 @@ class SpecCounters:
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts at position j accepted
 
 
+# Memory of the proposer's cost per draft, per step that proposed: ~the last 20 such steps, so it
+# follows the batch (a draft model's forward is shared by the requests drafting in it).
+PROPOSE_COST_MEMORY = 0.95
+
+
+@dataclass
+class ProposeCost:
+    """Discounted seconds and drafts of the proposer's recent calls: seconds per draft made."""
+
+    seconds: float = 0.0
+    num_drafts: float = 0.0
+
+    def add(self, seconds: float, num_drafts: int) -> None:
+        self.seconds = PROPOSE_COST_MEMORY * self.seconds + seconds
+        self.num_drafts = PROPOSE_COST_MEMORY * self.num_drafts + num_drafts
+
+    @property
+    def per_draft_s(self) -> float:
+        # A call that only caught up (no drafts yet) still counts: its seconds are spread over
+        # the drafts that follow it.
+        return self.seconds / self.num_drafts if self.num_drafts > 0 else 0.0
+
+
 class DraftScheduling:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.max_k = config.num_speculative_tokens
@@ -38,6 +62,7 @@ class DraftScheduling:
         self.lookahead_slots = config.num_speculative_tokens if config.method == "draft" else 0
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self.controller = SpecController(config.num_speculative_tokens, adaptive=config.adaptive)
+        self.propose_cost = ProposeCost()
 
     def usable_drafts(self, request: Request) -> int:
         """Drafts `request` could verify now, before any cost consideration."""
@@ -52,13 +77,22 @@ class DraftScheduling:
         limit = min(limit, self.max_model_len - request.num_tokens - 1)
         return max(0, min(limit, len(request.draft_token_ids)))
 
-    def choose(self, decodes: Sequence[Request], cost: StepCost | None) -> dict[str, int]:
+    def choose(self, decodes: Sequence[Request], step_cost: tuple[float, float] | None) -> dict[str, int]:
         """k per decoding request this step (missing: 0). `decodes` are the requests step 1 will
-        schedule one token each, in schedule order: the step's size without drafts."""
+        schedule one token each, in schedule order: the step's size without drafts. `step_cost`:
+        the scheduler's (fixed seconds, seconds per token) fit, None before it has one."""
         offers = [DraftOffer(r.request_id, n) for r in decodes if (n := self.usable_drafts(r)) > 0]
         if not offers:
             return {}
+        cost = None
+        if step_cost is not None:
+            cost = StepCost(step_cost[0], step_cost[1], draft_token_s=self.propose_cost.per_draft_s)
         return self.controller.choose(offers, len(decodes), cost)
+
+    def proposed(self, seconds: float, num_drafts: int) -> None:
+        """The runner's proposer took `seconds` to make `num_drafts` drafts after a step."""
+        if seconds > 0 or num_drafts > 0:
+            self.propose_cost.add(seconds, num_drafts)
 
     def drafts_wanted(self, request: Request, num_drafts: int) -> int:
         """Drafts worth proposing for `request` after this step, which verifies `num_drafts` of its

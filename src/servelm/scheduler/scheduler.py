@@ -80,7 +80,6 @@ from servelm.scheduler.step_plan import StepPlan
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.tier_loads import TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
-from servelm.spec.controller import StepCost
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -373,9 +372,7 @@ class Scheduler:
         """k per decode (missing: 0): what each may verify, and what pays at this step's size and cost."""
         if self._drafts is None or not decodes:
             return {}
-        fitted = self.step_cost.current()
-        cost = StepCost(fixed_s=fitted[0], per_token_s=fitted[1]) if fitted is not None else None
-        return self._drafts.choose(decodes, cost)
+        return self._drafts.choose(decodes, self.step_cost.current())
 
     def _schedule_prefills(self, plan: StepPlan, now: float) -> None:
         """Running prompts mid-prefill and waiting requests, merged by (effective priority,
@@ -567,7 +564,12 @@ class Scheduler:
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[EngineOutput]:
         """Apply one executed step. Returns one output per request that got tokens or finished."""
         now = self._clock()
-        self.step_cost.observe(scheduler_output.total_num_scheduled_tokens, model_output.execute_seconds)
+        # The fit is of the target's step; the proposer's time is charged to drafts (drafts.py).
+        forward_seconds = model_output.execute_seconds - model_output.propose_seconds
+        self.step_cost.observe(scheduler_output.total_num_scheduled_tokens, forward_seconds)
+        if self._drafts is not None:
+            num_drafts_made = sum(len(drafts) for drafts in model_output.draft_token_ids.values())
+            self._drafts.proposed(model_output.propose_seconds, num_drafts_made)
         self.step_log.record(scheduler_output, model_output)
         self._fair_share.decay(now)
         outputs, self._pending_outputs = self._pending_outputs, []

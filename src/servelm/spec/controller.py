@@ -12,7 +12,8 @@ Contract (implemented in this module; the scheduler is the one caller):
   per-request override and max_k).
 - `num_step_tokens`: tokens the step carries without any draft (its decodes, plus prefill chunks
   when the scheduler knows them).
-- `cost`: the scheduler's step-cost fit (seconds = fixed + per_token × tokens), None before it has one.
+- `cost`: the scheduler's step-cost fit (seconds = fixed + per_token × tokens) and the proposer's
+  measured seconds per draft token, None before the scheduler has a fit.
 - Returns {request_id: k} with 0 <= k <= num_available for every offer (missing = 0).
 """
 
@@ -34,6 +35,9 @@ class DraftOffer:
 class StepCost:
     fixed_s: float  # seconds a step costs whatever its size
     per_token_s: float  # seconds each scheduled token adds
+    # Seconds the proposer spends per draft it makes: ~0 for token lookups, a draft model's
+    # forwards for `draft` (shared by the requests drafting in one forward, so it falls with batch).
+    draft_token_s: float = 0.0
 
 
 # Before the scheduler has a step-cost fit: a step's fixed part is taken to be worth this many
@@ -147,11 +151,13 @@ class SpecController:
     A step of N tokens costs T(N) = fixed + per_token × N. The step's undrafted tokens are useful
     work (a decode emits one token; a prefill token is work the step does anyway); the j-th draft
     of a request with acceptance α emits a token with probability α^j, so k drafts yield
-    (1 - α^(k+1)) / (1 - α) tokens with its decode. Adding a draft raises tokens / T exactly when
-    its α^j beats the break-even per_token × tokens / T, and the best drafts go first (greedy;
-    optimal here, since every draft costs the same and each request's gains fall with j). As the
-    batch grows tokens / T tends to 1 / per_token, the break-even tends to 1, and k falls to 0 one
-    draft at a time: no batch-size threshold.
+    (1 - α^(k+1)) / (1 - α) tokens with its decode. A draft costs its verification (per_token)
+    plus its making (draft_token: a draft model's forward). Adding one raises tokens / T exactly
+    when its α^j beats the break-even (per_token + draft_token) × tokens / T, and the best drafts
+    go first (greedy; optimal here, since every draft costs the same and each request's gains fall
+    with j). As the batch grows tokens / T tends to 1 / per_token, the break-even passes 1, and k
+    falls to 0 one draft at a time: no batch-size threshold. A draft costing as much as a step
+    never pays: a poor draft model turns itself off.
 
     Not thread-safe; the scheduler calls it from its one thread. All methods are safe to call
     for unknown request ids.
@@ -170,14 +176,18 @@ class SpecController:
         _check_step(offers, num_step_tokens, cost)
         if not self.adaptive:
             return {offer.request_id: min(self.max_k, offer.num_available) for offer in offers}
-        fixed_s, per_token_s = (cost.fixed_s, cost.per_token_s) if cost else (PRIOR_FIXED_TOKENS, 1.0)
+        # Before a fit there is no time unit to charge a draft model's seconds in: its first steps
+        # are priced as a lookup's; the fit comes within a few steps.
+        fixed_s, per_token_s, draft_s = (
+            (cost.fixed_s, cost.per_token_s, cost.draft_token_s) if cost else (PRIOR_FIXED_TOKENS, 1.0, 0.0)
+        )
         states = [self._requests.setdefault(offer.request_id, _RequestState()) for offer in offers]
         prior = self._global.mean(PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE_TRIALS)
         bands = [state.acceptance.band(prior, REQUEST_PRIOR_TRIALS) for state in states]
         break_even = _break_even(
             [band.mean for band in bands],
             [min(self.max_k, offer.num_available) for offer in offers],
-            _Step(float(num_step_tokens), fixed_s + per_token_s * num_step_tokens, per_token_s),
+            _Step(float(num_step_tokens), fixed_s + per_token_s * num_step_tokens, per_token_s + draft_s),
         )
         ks: dict[str, int] = {}
         for offer, state, band in zip(offers, states, bands):
@@ -236,12 +246,12 @@ class _Step:
 
     tokens: float
     seconds: float
-    per_token_s: float
+    per_draft_s: float  # what one more draft adds: its verification and its making
 
     @property
     def break_even(self) -> float:
         """Acceptance gain a draft needs to raise tokens / seconds."""
-        return self.per_token_s * self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.per_draft_s * self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 def _break_even(acceptances: list[float], caps: list[int], step: _Step) -> float:
@@ -253,7 +263,7 @@ def _break_even(acceptances: list[float], caps: list[int], step: _Step) -> float
         negative_gain, i = heapq.heappop(candidates)
         ks[i] += 1
         step.tokens += -negative_gain
-        step.seconds += step.per_token_s
+        step.seconds += step.per_draft_s
         if ks[i] < caps[i]:
             heapq.heappush(candidates, (-(acceptances[i] ** (ks[i] + 1)), i))
     return step.break_even
@@ -278,5 +288,9 @@ def _check_step(offers: Sequence[DraftOffer], num_step_tokens: int, cost: StepCo
         raise ValueError(
             f"choose(): num_step_tokens {num_step_tokens} < {len(offers)} offers (each offer's decode is a step token)"
         )
-    if cost is not None and (cost.fixed_s < 0 or cost.per_token_s < 0 or cost.fixed_s + cost.per_token_s <= 0):
-        raise ValueError(f"choose(): cost needs fixed_s, per_token_s >= 0 and not both 0, got {cost}")
+    if cost is not None and (
+        cost.fixed_s < 0 or cost.per_token_s < 0 or cost.draft_token_s < 0 or cost.fixed_s + cost.per_token_s <= 0
+    ):
+        raise ValueError(
+            f"choose(): cost needs fixed_s, per_token_s, draft_token_s >= 0, fixed_s + per_token_s > 0, got {cost}"
+        )

@@ -159,7 +159,9 @@ class ModelRunner:
         if inputs.samples:
             self._sample(inputs, hidden, output)
             if self.proposer is not None:
+                proposing = time.perf_counter()
                 output.draft_token_ids = self._propose(inputs.samples, output, scheduler_output.num_drafts_wanted)
+                output.propose_seconds = time.perf_counter() - proposing
         return output
 
     # -- mirrors -----------------------------------------------------------------------
