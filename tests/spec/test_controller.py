@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelm.spec.controller import PROBE_EVERY, DraftOffer, SpecController, StepCost
+from servelm.spec.controller import PROBE_EVERY, PROBE_TIME_SHARE, DraftOffer, SpecController, StepCost
 
 CPU_COST = StepCost(fixed_s=0.03, per_token_s=0.004)  # about the default model's decode on this CPU
 MAX_K = 5
@@ -243,3 +243,19 @@ def test_bad_input_is_named() -> None:
         controller.choose(offers(["a"]), 1, StepCost(-1.0, 0.001))
     with pytest.raises(ValueError, match="num_accepted"):
         controller.observe("a", 2, 3)
+
+
+def test_a_costly_proposer_probes_less_often() -> None:
+    """Held at k = 0, a lookup proposer probes every PROBE_EVERY steps; a draft model whose draft
+    costs half a step probes so rarely that its probes stay within PROBE_TIME_SHARE of the time."""
+    costs = {"lookup": StepCost(0.03, 0.0005), "draft model": StepCost(0.03, 0.0005, draft_token_s=0.015)}
+    probes = {}
+    for name, cost in costs.items():
+        controller = SpecController(MAX_K)
+        for _ in range(60):
+            controller.observe("r", 5, 0)
+        ks = [controller.choose(offers(["r"]), 1, cost)["r"] for _ in range(400)]
+        probes[name] = sum(1 for k in ks if k > 0)
+    assert 400 // PROBE_EVERY - 1 <= probes["lookup"] <= 400 // PROBE_EVERY + 1
+    assert probes["draft model"] * 0.015 <= PROBE_TIME_SHARE * 0.0305 * 400 + 0.015
+    assert probes["draft model"] >= 1

@@ -66,6 +66,10 @@ HYSTERESIS_Z = 2.5
 # within tens of steps; only while a draft accepted with PROBE_ACCEPTANCE would pay at this step.
 PROBE_EVERY = 16
 PROBE_ACCEPTANCE = 0.8
+# A proposer that costs time (a draft model's forward) probes less often: its probes take at most
+# this share of the step time of a request held at k = 0.
+PROBE_TIME_SHARE = 0.02
+_PROBE_DUE = 1 << 30  # steps_at_zero that makes the next probe due whatever the interval
 
 
 @dataclass
@@ -122,14 +126,14 @@ class _RequestState:
     probe_k: int = 1  # drafts its next probe verifies: doubles while probes are all accepted
     probing: bool = False  # its k this step is a probe (observe() grades it)
 
-    def with_probe(self, k: int, num_available: int, may_probe: bool) -> int:
-        """k, or a probe in its place when the request has sat at k = 0 for PROBE_EVERY steps."""
+    def with_probe(self, k: int, num_available: int, may_probe: bool, probe_every: int) -> int:
+        """k, or a probe in its place when the request has sat at k = 0 for `probe_every` steps."""
         self.probing = False
         if k > 0:
             self.steps_at_zero, self.probe_k = 0, 1
             return k
         self.steps_at_zero += 1
-        if self.steps_at_zero < PROBE_EVERY or not may_probe:
+        if self.steps_at_zero < probe_every or not may_probe:
             return 0
         self.steps_at_zero, self.probing = 0, True
         return min(self.probe_k, num_available)
@@ -137,10 +141,10 @@ class _RequestState:
     def probed(self, num_drafted: int, num_accepted: int, max_k: int) -> None:
         """A probe's outcome. At least half accepted: probe again next step, twice as many if all
         were (a repetitive stretch earns back its k in a few steps, not a few hundred); else back
-        to one draft per PROBE_EVERY steps."""
+        to one draft per probe interval."""
         if 2 * num_accepted >= num_drafted:
             grown = 2 * num_drafted if num_accepted == num_drafted else num_drafted
-            self.steps_at_zero, self.probe_k = PROBE_EVERY, min(grown, max_k)
+            self.steps_at_zero, self.probe_k = _PROBE_DUE, min(grown, max_k)
         else:
             self.probe_k = 1
 
@@ -170,6 +174,7 @@ class SpecController:
         self.adaptive = adaptive
         self._global = _Acceptance(GLOBAL_MEMORY)
         self._requests: dict[str, _RequestState] = {}
+        self._probe_every = PROBE_EVERY  # steps between probes at the last step's costs
 
     def choose(self, offers: Sequence[DraftOffer], num_step_tokens: int, cost: StepCost | None) -> dict[str, int]:
         """k per offer (0 <= k <= num_available) for this step; see the module docstring."""
@@ -181,13 +186,15 @@ class SpecController:
         fixed_s, per_token_s, draft_s = (
             (cost.fixed_s, cost.per_token_s, cost.draft_token_s) if cost else (PRIOR_FIXED_TOKENS, 1.0, 0.0)
         )
+        step_s = fixed_s + per_token_s * num_step_tokens
+        self._probe_every = max(PROBE_EVERY, math.ceil(draft_s / (PROBE_TIME_SHARE * step_s)))
         states = [self._requests.setdefault(offer.request_id, _RequestState()) for offer in offers]
         prior = self._global.mean(PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE_TRIALS)
         bands = [state.acceptance.band(prior, REQUEST_PRIOR_TRIALS) for state in states]
         break_even = _break_even(
             [band.mean for band in bands],
             [min(self.max_k, offer.num_available) for offer in offers],
-            _Step(float(num_step_tokens), fixed_s + per_token_s * num_step_tokens, per_token_s + draft_s),
+            _Step(float(num_step_tokens), step_s, per_token_s + draft_s),
         )
         ks: dict[str, int] = {}
         for offer, state, band in zip(offers, states, bands):
@@ -196,7 +203,8 @@ class SpecController:
             highest = _num_paying(band.keep, break_even, self.max_k)
             state.wanted_k = min(max(state.wanted_k, lowest), highest)
             k = min(state.wanted_k, offer.num_available)
-            ks[offer.request_id] = state.with_probe(k, offer.num_available, break_even < PROBE_ACCEPTANCE)
+            may_probe = break_even < PROBE_ACCEPTANCE
+            ks[offer.request_id] = state.with_probe(k, offer.num_available, may_probe, self._probe_every)
         return ks
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
@@ -225,7 +233,7 @@ class SpecController:
             return self.max_k
         if state.wanted_k > 0:
             return min(self.max_k, state.wanted_k + 1)
-        return state.probe_k if state.steps_at_zero + 1 >= PROBE_EVERY else 0
+        return state.probe_k if state.steps_at_zero + 1 >= self._probe_every else 0
 
     def decoded_without_drafts(self, request_id: str) -> None:
         """The request decoded a step with no drafts on hand (none were wanted): it counts towards
