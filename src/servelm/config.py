@@ -82,6 +82,59 @@ class KVTierConfig:
         return self.host_bytes > 0 or self.disk_path is not None
 
 
+KV_ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (servelm.disagg): this engine's role and its KV transfer.
+
+    A producer (role prefill or both) computes a prompt sent with `kv_transfer_params`
+    {"do_remote_decode": true, ...}, keeps its KV in the host tier (L2; one is added when none
+    is configured) for `kv_transfer_hold_s`, and serves it to consumers from a transfer server
+    bound at start-up. A consumer (decode or both) pulls the prompt's KV of a request sent with
+    {"do_remote_prefill": true, ...} into its pool, then decodes; what does not arrive (a dead
+    peer, a timeout, a bad checksum) it computes itself.
+    """
+
+    kv_role: str | None = None  # None: no disaggregation (requests with kv_transfer_params are refused)
+    kv_transfer_host: str = "127.0.0.1"  # the transfer server binds here (producer roles)
+    kv_transfer_port: int = 0  # 0: any free port (GET /v1/kv_transfer reports the bound address)
+    kv_transfer_hold_s: float = 30.0  # a prefill's KV waits this long for its pull, then is dropped
+    # A consumer's pull: how long it waits for a producer to announce a transfer it has not seen yet
+    # (the prefill request may still be on its way), and for the next block or heartbeat before it
+    # gives the peer up; the whole pull (prefill compute included) ends at kv_transfer_timeout_s.
+    kv_transfer_wait_s: float = 5.0
+    kv_transfer_timeout_s: float = 120.0
+    # Consumer: most pool blocks held by pulls in flight (None: half the pool), so running streams
+    # are never starved by blocks reserved for KV that has not arrived.
+    kv_transfer_max_reserved_blocks: int | None = None
+    kv_transfer_peers: tuple[str, ...] = ()  # consumer: producers' transfer addresses, connected at start-up
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kv_role is None or self.kv_role in KV_ROLES,
+            f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}",
+        )
+        _require(
+            0 <= self.kv_transfer_port < 65536, f"kv_transfer_port must be in 0..65535, got {self.kv_transfer_port}"
+        )
+        for name in ("kv_transfer_hold_s", "kv_transfer_wait_s", "kv_transfer_timeout_s"):
+            _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        _require(
+            self.kv_transfer_max_reserved_blocks is None or self.kv_transfer_max_reserved_blocks > 0,
+            f"kv_transfer_max_reserved_blocks must be positive, got {self.kv_transfer_max_reserved_blocks}",
+        )
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("prefill", "both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("decode", "both")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Token-budget scheduling: how much work one step may take and in what order."""
@@ -336,6 +389,7 @@ class EngineConfig:
     kv_events: KVEventsConfig = KVEventsConfig()
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_tiers: KVTierConfig = KVTierConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
 
     def scheduler_for(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler slice with the context window the engine builder resolved from
@@ -364,6 +418,7 @@ class EngineConfig:
             overrides["disk_path"] = overrides.pop("kv_disk_path")
         slices: dict[type, dict[str, Any]] = {
             ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}, KVEventsConfig: {}, KVTierConfig: {},
+            KVTransferConfig: {},
         }  # fmt: skip
         settable = {c: {f.name for f in fields(c)} - _RESOLVED_BY_BUILDER.get(c, set()) for c in slices}
         for key, value in overrides.items():
@@ -379,4 +434,5 @@ class EngineConfig:
             kv_events=KVEventsConfig(**slices[KVEventsConfig]),
             speculative=speculative,
             kv_tiers=KVTierConfig(**slices[KVTierConfig]),
+            kv_transfer=KVTransferConfig(**slices[KVTransferConfig]),
         )

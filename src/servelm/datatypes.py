@@ -37,6 +37,10 @@ class EventType(str, enum.Enum):
     SPEC_VERIFIED = "spec_verified"  # drafts verified in a step; detail = how many were accepted
     KV_LOAD_STARTED = "kv_load_started"  # its prefix's KV is being loaded from a tier; detail = tokens
     KV_LOADED = "kv_loaded"  # the load ended; detail = tokens that arrived (the rest is computed)
+    # Disaggregation, consumer side: the pull of its prompt's KV from a prefill worker started
+    # (detail = tokens asked for) / ended (detail = tokens that arrived; the rest is computed).
+    KV_PULL_STARTED = "kv_pull_started"
+    KV_PULLED = "kv_pulled"
     FINISHED = "finished"
 
 
@@ -68,6 +72,23 @@ DEFAULT_SLO = RequestSlo()
 KV_RETENTIONS = ("low", "normal", "high")
 
 
+class KVTransferRole(str, enum.Enum):
+    PRODUCER = "producer"  # compute the prompt, keep its KV for a consumer's pull (vLLM: do_remote_decode)
+    CONSUMER = "consumer"  # pull the prompt's KV from `peer`, then decode (vLLM: do_remote_prefill)
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
+    """One side of a prefill/decode hand-off, from the API's `kv_transfer_params` (servelm.disagg).
+
+    The router gives both sides the same `transfer_id`; the consumer pulls the prompt's blocks by
+    their hashes (which it computes from its own tokens) under that id from the producer's
+    transfer server at `peer`."""
+
+    transfer_id: str
+    role: KVTransferRole
+    peer: str | None = None  # consumer: the producer's transfer address, "tcp://host:port"
+
+
 class EngineRequest(msgspec.Struct, kw_only=True):
     """A request as the engine core receives it: already tokenized."""
 
@@ -78,6 +99,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     arrival_time: float = 0.0  # time.time() when the API process received it
     cache_salt: str | None = None  # isolates prefix caching between tenants
     slo: RequestSlo = DEFAULT_SLO
+    kv_transfer: KVTransferParams | None = None  # disaggregation: this request's side of a hand-off
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -118,6 +140,7 @@ class KVMedium(str, enum.Enum):
     DEVICE = "device"  # the engine's pool (L1), on whatever device the runner uses
     HOST = "host"  # host memory (L2)
     DISK = "disk"  # a directory, perhaps shared by replicas (L3)
+    REMOTE = "remote"  # a prefill worker's host tier, pulled over the transfer (disaggregation)
 
 
 @dataclass(frozen=True)
@@ -138,6 +161,32 @@ class KVLoad:
     block_ids: list[int]
     block_hashes: list[bytes]
     media: list[KVMedium]
+    peer: KVPeer | None = None  # media REMOTE: where and under which transfer id to pull them
+
+
+@dataclass(frozen=True)
+class KVPeer:
+    """A producer's transfer server and the transfer a consumer pulls from it."""
+
+    address: str  # "tcp://host:port"
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """Producer: the blocks `block_hashes` (the prompt's full blocks, in order) of transfer
+    `transfer_id` will be in the host tier as they are computed: serve them to its pull."""
+
+    transfer_id: str
+    block_hashes: list[bytes]
+
+
+class KVExportEnd(str, enum.Enum):
+    """Why an export changes state (KVTransfers.export_ends)."""
+
+    COMPLETE = "complete"  # the prompt is computed: every block that will be saved has been ordered
+    ABORTED = "aborted"  # the prefill failed or was aborted: pulls get what is there, then "missing"
+    EXPIRED = "expired"  # not pulled within kv_transfer_hold_s: forgotten (pulls fail at once)
 
 
 @dataclass(frozen=True)
@@ -158,10 +207,14 @@ class KVTransfers:
     saves: list[KVSave] = field(default_factory=list)
     drops: list[KVDrop] = field(default_factory=list)
     loads: list[KVLoad] = field(default_factory=list)
+    # Disaggregation, producer side (applied after the saves): transfers announced, and
+    # (transfer_id, why) for those that changed state.
+    exports: list[KVExport] = field(default_factory=list)
+    export_ends: list[tuple[str, KVExportEnd]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.cancels or self.saves or self.drops or self.loads)
+        return not (self.cancels or self.saves or self.drops or self.loads or self.exports or self.export_ends)
 
 
 @dataclass(frozen=True)
@@ -250,3 +303,5 @@ class ModelOutput:
     # KV tiers: loads that ended since the previous step, and bytes written out per medium.
     kv_load_results: list[KVLoadResult] = field(default_factory=list)
     kv_saved_bytes: dict[KVMedium, int] = field(default_factory=dict)
+    # Disaggregation, producer side: transfers whose every block has been sent since the last step.
+    kv_exports_served: list[str] = field(default_factory=list)
