@@ -2,6 +2,9 @@
 
     app.py           HTTP front: OpenAI endpoints, /health, /metrics, /admin/replicas
     proxy.py         choose → forward → retry once before the first byte → stream through
+    disagg.py        per request: whole on one replica, or prefill on a prefill worker + decode (and why)
+    prefill_calls.py a split request's two bodies; its prefill call in the background
+    roles.py         a replica's disaggregation role and transfer address (GET /v1/kv_transfer)
     request_view.py  body → tokens → engine block hashes (what policies route on)
     policies.py      round_robin, least_load, prefix, kv (+ SessionAffinity); the registry
     prefix_index.py  per replica: hashes the router sent there (LRU + TTL)
@@ -9,7 +12,7 @@
     kv_subscriber.py ZMQ SUB per replica; snapshot resync on any loss
     health.py        periodic /health; failures take a replica out and drop its index
     state.py         Router: replicas + policy + indexes, and every change of a replica's standing
-    replicas.py      ReplicaSpec (address) and Replica (health, load)
+    replicas.py      ReplicaSpec (address, stated role) and Replica (health, load, reported role)
     metrics.py       servelm:router_* Prometheus metrics
 
 The router talks to replicas over HTTP and ZMQ only; where replicas run is the

@@ -5,7 +5,8 @@
     GET  /health                                  200 while at least one replica is in rotation
     GET  /metrics                                 router metrics (servelm:router_*)
     GET  /admin/replicas                          every replica: health, load, index sizes
-    POST /admin/replicas    {"url", "kv_events"?} add one at runtime (in rotation after its first health check)
+    POST /admin/replicas    {"url", "kv_events"?, "role"?}  add one at runtime (in rotation after its first
+                                                   health check; "role" is checked against what it reports)
     DELETE /admin/replicas  {"url"}               remove one (its index dropped)
 
 With an API key, everything but /health and /metrics requires `Authorization: Bearer KEY`
@@ -32,7 +33,7 @@ from starlette.responses import Response
 from servelm.openai_api.auth import ApiKeyMiddleware, single_key
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
 from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_response
-from servelm.router.health import HealthChecker, check_all
+from servelm.router.health import HealthChecker
 from servelm.router.kv_index import TIERS_NEAREST_FIRST
 from servelm.router.proxy import Proxy, request_headers
 from servelm.router.replicas import ReplicaSpec
@@ -41,7 +42,7 @@ from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
-# Policies that look at prompt tokens; the others never need the tokenizer.
+# Policies that look at prompt tokens; the others need the tokenizer only to size prompts for disaggregation.
 _TOKENIZING_POLICIES = {"prefix", "kv"}
 
 
@@ -69,20 +70,24 @@ def create_router_app(router_options: RouterOptions, options: RouterServerOption
         for spec in options.replicas:
             router.add_replica(spec)
         tokenizer = None
-        if router_options.policy in _TOKENIZING_POLICIES:
+        if router_options.policy in _TOKENIZING_POLICIES or router_options.disagg:
             tokenizer = await asyncio.to_thread(_load_tokenizer, options.model)
         timeout = httpx.Timeout(connect=router_options.connect_timeout_s, read=None, write=60.0, pool=None)
         limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
         client = httpx.AsyncClient(timeout=timeout, limits=limits)
-        health = HealthChecker(router, client)
-        await check_all(client, router)  # in rotation from the first request, when healthy already
+        # The replicas' role endpoint is under /v1: a cluster gives them the router's key.
+        replica_headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+        health = HealthChecker(router, client, replica_headers)
+        await health.check_all()  # in rotation from the first request, when healthy already
         health.start()
         app.state.router = router
+        app.state.health = health
         app.state.proxy = Proxy(router, client, tokenizer)
         try:
             yield
         finally:
             await health.stop()
+            await app.state.proxy.close()
             await router.close()
             await client.aclose()
             if tokenizer is not None:
@@ -100,6 +105,8 @@ def _replica_summary(router: Router) -> list[dict[str, Any]]:
     for r in router.replicas.all():
         summary.append({
             "url": r.url, "kv_events": r.spec.kv_events, "healthy": r.healthy, "in_flight": r.in_flight,
+            "role": r.kv_role, "configured_role": r.spec.role, "transfer_address": r.transfer_address,
+            "prefills_in_flight": r.prefills_in_flight,
             "outstanding_tokens": r.outstanding_tokens, "num_requests": r.num_requests, "last_error": r.last_error,
             "kv_synced": kv.is_synced(r.url), "kv_index_blocks": kv.replica_size(r.url),
             "kv_index_tier_blocks": {medium: kv.replica_size(r.url, medium) for medium in TIERS_NEAREST_FIRST},
@@ -142,7 +149,9 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/admin/replicas")
     async def list_replicas(request: Request) -> Response:
-        return Response(json.dumps({"replicas": _replica_summary(request.app.state.router)}), media_type="application/json")
+        return Response(
+            json.dumps({"replicas": _replica_summary(request.app.state.router)}), media_type="application/json"
+        )
 
     @app.post("/admin/replicas")
     async def add_replica(request: Request) -> Response:
@@ -151,14 +160,20 @@ def _add_routes(app: FastAPI) -> None:
             return body
         try:
             spec = ReplicaSpec.parse(str(body.get("url", "")))
-            if body.get("kv_events"):
-                spec = ReplicaSpec(spec.url, str(body["kv_events"]))
         except ValueError as exc:
             return error_response(400, str(exc), type=INVALID_REQUEST, param="url")
+        try:
+            role = body.get("role")
+            spec = ReplicaSpec(spec.url, str(body["kv_events"]) if body.get("kv_events") else None,
+                               str(role) if role is not None else None)  # fmt: skip
+        except ValueError as exc:
+            return error_response(400, str(exc), type=INVALID_REQUEST, param="role")
         router: Router = request.app.state.router
         replica = router.add_replica(spec)
-        await check_all(request.app.state.proxy.client, router)
-        return Response(json.dumps({"url": replica.url, "healthy": replica.healthy}), 201, media_type="application/json")
+        await request.app.state.health.check_all()
+        return Response(
+            json.dumps({"url": replica.url, "healthy": replica.healthy}), 201, media_type="application/json"
+        )
 
     @app.delete("/admin/replicas")
     async def remove_replica(request: Request) -> Response:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 
 from servelm import envs
+from servelm.router.disagg import DisaggSettings
 from servelm.router.policies import LOAD_METRICS, POLICIES, PolicySettings
 
 
 def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="cache-aware OpenAI-compatible router over replicas")
     router.add_argument(
-        "--replica", action="append", default=[], metavar="URL[,kv=tcp://HOST:PORT]",
-        help="a replica's base URL, with its --kv-events-port address for the kv policy (repeat per replica)",
+        "--replica", action="append", default=[], metavar="URL[,kv=tcp://HOST:PORT][,role=ROLE]",
+        help="a replica's base URL, with its --kv-events-port address for the kv policy and the --kv-role it "
+        "should report (a cross-check: the replica's own answer wins); repeat per replica",
     )  # fmt: skip
     router.add_argument("--policy", default="kv", choices=sorted(POLICIES))
     router.add_argument("--model", default=None, help="the replicas' model (its tokenizer hashes prompts)")
@@ -36,6 +38,18 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="kv policy: worth of a prompt block in a replica's disk KV tier, vs 1.0 in its pool",
     )
     router.add_argument("--session-affinity", action="store_true", help="keep x-session-id / user on one replica")
+    router.add_argument(
+        "--no-disagg", action="store_false", dest="disagg",
+        help="never split a request onto a prefill worker (prefill-only replicas then get no requests)",
+    )  # fmt: skip
+    router.add_argument(
+        "--disagg-min-uncached-tokens", type=int, default=DisaggSettings.min_uncached_tokens,
+        help="split a request only when the decode worker would compute at least this many prompt tokens",
+    )  # fmt: skip
+    router.add_argument(
+        "--disagg-max-prefill-load", type=int, default=DisaggSettings.max_prefill_load,
+        help="prefill calls in flight per prefill worker before it counts as saturated (then no split)",
+    )  # fmt: skip
     router.add_argument("--health-interval", type=float, default=2.0, dest="health_interval_s")
     router.add_argument("--health-timeout", type=float, default=2.0, dest="health_timeout_s")
     router.add_argument("--prefix-index-blocks", type=int, default=65536, help="per replica (prefix policy)")
@@ -56,12 +70,14 @@ def run_from_args(args: argparse.Namespace) -> int:
             capacity=args.capacity, host_hit_weight=args.kv_host_hit_weight, disk_hit_weight=args.kv_disk_hit_weight,
             session_affinity=args.session_affinity, prefix_index_blocks=args.prefix_index_blocks,
             prefix_index_ttl_s=args.prefix_index_ttl_s, kv_index_blocks=args.kv_index_blocks,
-            health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
+            health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s, disagg=args.disagg,
+            disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
+            disagg_max_prefill_load=args.disagg_max_prefill_load,
         )  # fmt: skip
+        replicas = [ReplicaSpec.parse(text) for text in args.replica]
     except ValueError as error:
         raise SystemExit(f"servelm router: {error}") from None
     options = RouterServerOptions(
-        host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
-        model=args.model, replicas=[ReplicaSpec.parse(text) for text in args.replica],
+        host=args.host, port=args.port, api_key=args.api_key or envs.api_key(), model=args.model, replicas=replicas,
     )  # fmt: skip
     return run_router(router_options, options)

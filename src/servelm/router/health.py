@@ -3,41 +3,61 @@
 A replica that answers 200 within `timeout_s` is (put back) in rotation; one that does not
 is taken out at once (Router.mark_down drops its index). The proxy also marks a replica
 down the moment a request to it fails at the connection level, without waiting for this.
+Before a replica enters rotation its disaggregation role is asked for (roles.py); a replica
+whose role cannot be learned stays out, since it might be a prefill-only one.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 import httpx
 
 from servelm.router.background import BackgroundTask
 from servelm.router.replicas import Replica
+from servelm.router.roles import apply_role, fetch_role
 from servelm.router.state import Router
 
 
-async def check_replica(client: httpx.AsyncClient, router: Router, replica: Replica, timeout_s: float) -> None:
+async def check_replica(
+    client: httpx.AsyncClient, router: Router, replica: Replica, timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+) -> None:  # fmt: skip
+    """`headers` go with the role query only (the replicas' API key; /health is open)."""
     try:
         response = await client.get(f"{replica.url}/health", timeout=timeout_s)
     except httpx.HTTPError as error:
         await router.mark_down(replica, f"health check failed: {type(error).__name__}: {error}")
         return
-    if response.status_code == 200:
-        router.mark_up(replica)
-    else:
+    if response.status_code != 200:
         await router.mark_down(replica, f"health check returned {response.status_code}")
+        return
+    if not replica.healthy:
+        try:
+            role = await fetch_role(client, replica.url, timeout_s, headers)
+        except (httpx.HTTPError, ValueError) as error:
+            await router.mark_down(replica, f"role query failed: {type(error).__name__}: {error}")
+            return
+        apply_role(replica, role, router.options.block_size)
+    router.mark_up(replica)
 
 
-async def check_all(client: httpx.AsyncClient, router: Router) -> None:
+async def check_all(client: httpx.AsyncClient, router: Router, headers: Mapping[str, str] | None = None) -> None:
     timeout_s = router.options.health_timeout_s
-    await asyncio.gather(*(check_replica(client, router, r, timeout_s) for r in router.replicas.all()))
+    await asyncio.gather(*(check_replica(client, router, r, timeout_s, headers) for r in router.replicas.all()))
 
 
 class HealthChecker:
-    def __init__(self, router: Router, client: httpx.AsyncClient) -> None:
+    def __init__(self, router: Router, client: httpx.AsyncClient, headers: Mapping[str, str] | None = None) -> None:
         self.router = router
         self.client = client
+        self.headers = dict(headers or {})
         self._task = BackgroundTask("router-health", self._run)
+
+    async def check_all(self) -> None:
+        """One pass over every replica now (start-up, a replica added by the admin API)."""
+        await check_all(self.client, self.router, self.headers)
 
     def start(self) -> None:
         self._task.start()
@@ -47,5 +67,5 @@ class HealthChecker:
 
     async def _run(self) -> None:
         while True:
-            await check_all(self.client, self.router)
+            await self.check_all()
             await asyncio.sleep(self.router.options.health_interval_s)

@@ -26,18 +26,28 @@ class _ReplicaGauges:
             PREFIX + "outstanding_tokens", "Prompt + max output tokens in flight per replica.", labels=["replica"]
         )
         healthy = GaugeMetricFamily(PREFIX + "replica_healthy", "1 if the replica is in rotation.", labels=["replica"])
+        prefills = GaugeMetricFamily(
+            PREFIX + "prefill_in_flight",
+            "Disaggregated prefill calls in flight per prefill worker.",
+            labels=["replica"],
+        )
         for replica in self._replicas().all():
             in_flight.add_metric([replica.url], replica.in_flight)
             tokens.add_metric([replica.url], replica.outstanding_tokens)
             healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
-        return [in_flight, tokens, healthy]
+            if replica.is_producer:
+                prefills.add_metric([replica.url], replica.prefills_in_flight)
+        return [in_flight, tokens, healthy, prefills]
 
 
 class RouterMetrics:
     def __init__(self, replicas: Callable[[], ReplicaSet]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            PREFIX + "requests", "Requests sent to each replica (retries included).", ["replica"], registry=self.registry
+            PREFIX + "requests",
+            "Requests sent to each replica (retries included).",
+            ["replica"],
+            registry=self.registry,
         )
         self.decisions = Counter(
             PREFIX + "routing_decisions", "Routing decisions by reason.", ["reason"], registry=self.registry
@@ -55,6 +65,15 @@ class RouterMetrics:
         self.matched_blocks = Counter(
             PREFIX + "matched_blocks", "Prompt blocks the chosen replica was expected to serve without computing, by "
             "medium: device (its pool), host / disk (loaded from its KV tiers).", ["medium"], registry=self.registry,
+        )  # fmt: skip
+        self.disagg_decisions = Counter(
+            PREFIX + "disagg_decisions", "Prefill/decode split decisions per attempt: disaggregated, or aggregated "
+            "and why (router/disagg.py).", ["decision", "reason"], registry=self.registry,
+        )  # fmt: skip
+        self.prefill_calls = Counter(
+            PREFIX + "prefill_calls", "Disaggregated prefill calls by outcome: ok, error (the decode worker computed "
+            "the prompt itself), cancelled (the client or the decode attempt went first).", ["outcome"],
+            registry=self.registry,
         )  # fmt: skip
         self.registry.register(_ReplicaGauges(replicas))
 

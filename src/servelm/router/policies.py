@@ -60,6 +60,9 @@ class RequestView:
     num_output_tokens: int = 0  # max_tokens, when given
     session_id: str | None = None  # x-session-id header or the body's `user`
     routing_key: bytes = b""  # stable per prefix: spreads misses (first block hash, else the prompt's hash)
+    # One prompt, n = 1, no prompt scoring (echo + logprobs): its prefill may run on another
+    # replica (disagg.py); anything else is served whole where it is routed.
+    single_generation: bool = True
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@
                                ▲                              │ no (connect error, reset, 429/502/503/504)
                                └──── another replica ◀────────┘ (once; the failed one is marked down)
 
+A disaggregated request (disagg.py decides) sends its prefill to a prefill worker in the
+background and the request itself, told where to pull the prompt's KV, to the decode worker,
+whose answer is what the client sees (prefill_calls.py). A retry is always served whole.
+
 "Before the first byte" is literal: the upstream's first body chunk is awaited before the
 client gets the status line, so a replica that dies while prefilling (or while computing a
 non-streamed answer) costs a retry, not an error. After that, bytes are passed through
@@ -12,8 +16,10 @@ unchanged and unbuffered (`aiter_raw`), and a failure can only cut the stream.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +31,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from servelm.openai_api.errors import SERVER_ERROR, error_response
+from servelm.router.disagg import DisaggPlan, plan_request
 from servelm.router.policies import Decision, RequestView
+from servelm.router.prefill_calls import PrefillCalls, decode_body, prefill_body
 from servelm.router.replicas import Replica
 from servelm.router.request_view import build_view
 from servelm.router.state import Router
@@ -38,6 +46,8 @@ RETRY_STATUSES = {429, 502, 503, 504}
 _DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"}
 _DROP_RESPONSE_HEADERS = {"connection", "keep-alive", "transfer-encoding", "upgrade", "date", "server"}
 REPLICA_HEADER = "x-servelm-replica"
+DISAGG_HEADER = "x-servelm-disagg"  # the split decision's reason (disagg.py)
+PREFILL_REPLICA_HEADER = "x-servelm-prefill-replica"  # where the prompt was computed, when split
 
 
 @dataclass
@@ -62,6 +72,10 @@ class Proxy:
         self.router = router
         self.client = client
         self.tokenizer = tokenizer
+        self.prefill_calls = PrefillCalls(router, client)
+
+    async def close(self) -> None:
+        await self.prefill_calls.close()
 
     async def forward(self, request: Request) -> Response:
         raw = await request.body()
@@ -75,18 +89,43 @@ class Proxy:
         view = await build_view(self.tokenizer, self.router.options.block_size, request.url.path, body, headers)
         tried: set[str] = set()
         failures: list[_Failure] = []
-        for attempt in range(self.router.options.max_attempts):
+        options = self.router.options
+        for attempt in range(options.max_attempts):
             candidates = [r for r in self.router.replicas.healthy() if r.url not in tried]
-            if not candidates:
+            plan = plan_request(view, candidates, self.router.policy, self.router.cached_blocks,
+                                options.disagg_settings(), options.block_size, retry=attempt > 0)  # fmt: skip
+            if plan is None:
                 break
-            decision = self.router.policy.choose(view, candidates)
-            tried.add(decision.replica.url)
-            self._record_decision(decision, view, retry=attempt > 0)
-            result = await self._try(decision.replica, view, request.url.path, raw, headers)
+            tried.add(plan.decode.url)
+            self._record_decision(plan.route, view, retry=attempt > 0)
+            self.router.metrics.disagg_decisions.labels(plan.decision, plan.reason).inc()
+            result, prefill = await self._dispatch(plan, view, request.url.path, raw, body, headers)
             if isinstance(result, _Attempt):
-                return self._stream(result, view)
+                return self._stream(result, view, plan, prefill)
             failures.append(result)
         return _give_up(failures)
+
+    async def _dispatch(
+        self, plan: DisaggPlan, view: RequestView, path: str, raw: bytes, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[_Attempt | _Failure, asyncio.Task[None] | None]:
+        """One attempt: the request whole (its bytes untouched), or split into the prefill call
+        (background) and the decode request (awaited to its first byte, as `_try`). The prefill
+        is cancelled when the decode attempt fails or this coroutine is cancelled."""
+        if plan.prefill is None or plan.prefill.transfer_address is None:
+            return await self._try(plan.decode, view, path, raw, headers), None
+        transfer_id = uuid.uuid4().hex
+        prefill_content = json.dumps(prefill_body(body, transfer_id)).encode()
+        prefill = self.prefill_calls.start(plan.prefill, path, prefill_content, headers)
+        decode_content = json.dumps(decode_body(body, transfer_id, plan.prefill.transfer_address)).encode()
+        try:
+            result = await self._try(plan.decode, view, path, decode_content, headers)
+        except BaseException:
+            prefill.cancel()
+            raise
+        if isinstance(result, _Failure):
+            prefill.cancel()
+            return result, None
+        return result, prefill
 
     def _record_decision(self, decision: Decision, view: RequestView, retry: bool) -> None:
         metrics = self.router.metrics
@@ -131,7 +170,9 @@ class Proxy:
         logger.warning("attempt failed before the first byte: %s", failure.message)
         return failure
 
-    def _stream(self, attempt: _Attempt, view: RequestView) -> StreamingResponse:
+    def _stream(
+        self, attempt: _Attempt, view: RequestView, plan: DisaggPlan, prefill: asyncio.Task[None] | None
+    ) -> StreamingResponse:
         replica, response = attempt.replica, attempt.response
         tokens = view.num_prompt_tokens + view.num_output_tokens
 
@@ -151,9 +192,14 @@ class Proxy:
             await response.aclose()  # a client gone mid-stream: closing aborts the request on the replica
             replica.in_flight -= 1
             replica.outstanding_tokens -= tokens
+            if prefill is not None:
+                prefill.cancel()  # no-op once it returned; else the client left (or the decode worker gave up on it)
 
         headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
         headers[REPLICA_HEADER] = replica.url
+        headers[DISAGG_HEADER] = plan.reason
+        if plan.prefill is not None:
+            headers[PREFILL_REPLICA_HEADER] = plan.prefill.url
         return _ReleasingStream(body(), release, status_code=response.status_code, headers=headers)
 
     async def get_any(self, path: str, headers: dict[str, str]) -> Response:

@@ -9,31 +9,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Disaggregation roles a replica may report (GET /v1/kv_transfer); a replica without one is "plain".
+KV_ROLES = ("prefill", "decode", "both")
+
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """How to reach one replica: its HTTP base URL and, optionally, its KV-event PUB address.
+    """How to reach one replica: its HTTP base URL and, optionally, its KV-event PUB address and
+    the disaggregation role its operator expects it to have.
 
-    Parsed from `URL` or `URL,kv=tcp://HOST:PORT` (the snapshot socket is PORT+1, see
-    servelm.engine.kv_events). Placement (which machine, which process) is not here: the
-    launcher decides it and hands the router only these addresses.
+    Parsed from `URL[,kv=tcp://HOST:PORT][,role=prefill|decode|both]` (the snapshot socket is
+    PORT+1, see servelm.engine.kv_events). Placement (which machine, which process) is not here:
+    the launcher decides it and hands the router only these addresses. The stated role is a
+    cross-check only: the router asks the replica (roles.py), and the replica's answer wins.
     """
 
     url: str
     kv_events: str | None = None
+    role: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role is not None and self.role not in KV_ROLES:
+            raise ValueError(f"replica role must be one of {', '.join(KV_ROLES)}, got {self.role!r}")
 
     @classmethod
     def parse(cls, text: str) -> ReplicaSpec:
         url, *options = [part.strip() for part in text.split(",")]
-        kv_events = None
+        values: dict[str, str] = {}
         for option in options:
             key, _, value = option.partition("=")
-            if key != "kv" or not value:
-                raise ValueError(f"bad replica option {option!r} in {text!r}; expected kv=tcp://HOST:PORT")
-            kv_events = value
+            if key not in ("kv", "role") or not value:
+                raise ValueError(f"bad replica option {option!r} in {text!r}; expected kv=tcp://HOST:PORT or role=ROLE")
+            values[key] = value
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
-        return cls(url.rstrip("/"), kv_events)
+        return cls(url.rstrip("/"), values.get("kv"), values.get("role"))
 
     @property
     def snapshot_address(self) -> str | None:
@@ -53,10 +63,30 @@ class Replica:
     consecutive_failures: int = 0
     last_error: str = ""  # why it is out of rotation; cleared when it is back
     num_requests: int = 0  # routed here, retries included
+    # What the replica reported when it last came into rotation (roles.py): None is a plain
+    # (aggregated-only) replica; a producer's transfer address is where decode workers pull from.
+    kv_role: str | None = None
+    transfer_address: str | None = None
+    prefills_in_flight: int = 0  # disaggregated prefill calls sent here and not returned
 
     @property
     def url(self) -> str:
         return self.spec.url
+
+    @property
+    def serves_aggregated(self) -> bool:
+        """Every replica but a prefill-only one takes whole requests."""
+        return self.kv_role != "prefill"
+
+    @property
+    def is_producer(self) -> bool:
+        """It can prefill for another replica: a producer role and an address to pull from."""
+        return self.kv_role in ("prefill", "both") and self.transfer_address is not None
+
+    @property
+    def is_consumer(self) -> bool:
+        """It can decode a request whose prompt another replica computes."""
+        return self.kv_role in ("decode", "both")
 
     def load(self, metric: str) -> float:
         """The raw load number the policies compare: "requests" or "tokens"."""

@@ -37,6 +37,17 @@ async def prompt_token_ids(tokenizer: PromptTokenizer, path: str, body: dict[str
     return []
 
 
+def is_single_generation(body: dict[str, Any]) -> bool:
+    """One prompt (not a batch), one choice, and no prompt logprobs to compute (echo + logprobs,
+    or max_tokens 0 scoring the prompt): what a prefill/decode split can hand off whole."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > 1:
+        return False
+    n = body.get("n", 1)
+    scores_prompt = bool(body.get("echo")) and (body.get("logprobs") is not None or body.get("max_tokens") == 0)
+    return (n is None or n == 1) and not scores_prompt
+
+
 def _max_tokens(body: dict[str, Any]) -> int:
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
@@ -57,7 +68,9 @@ async def build_view(
             token_ids = []  # the replica will reject the request with a proper error
     salt = body.get("cache_salt")
     # A salted request hashes into its own namespace on the replica: hash it the same way here.
-    block_hashes = hash_block_tokens(token_ids, block_size, extra_key_from_salt(salt if isinstance(salt, str) else None))
+    block_hashes = hash_block_tokens(
+        token_ids, block_size, extra_key_from_salt(salt if isinstance(salt, str) else None)
+    )
     routing_key = block_hashes[0] if block_hashes else hashlib.sha256(repr(token_ids or body).encode()).digest()
     user = body.get("user")
     session_id = headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)
@@ -67,4 +80,5 @@ async def build_view(
         num_output_tokens=_max_tokens(body),
         session_id=session_id,
         routing_key=routing_key,
+        single_generation=is_single_generation(body),
     )

@@ -12,11 +12,14 @@ subscription; `mark_up` puts it back (its KV index resyncs from a snapshot);
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq.asyncio
 
-from servelm.router.kv_index import KVIndex
+from servelm.kv.block_hash import BlockHash
+from servelm.router.disagg import DisaggSettings
+from servelm.router.kv_index import KVIndex, KVMatch
 from servelm.router.kv_subscriber import KVSubscriber
 from servelm.router.metrics import RouterMetrics
 from servelm.router.policies import (
@@ -49,11 +52,18 @@ class RouterOptions:
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
     max_attempts: int = 2  # the first try, plus one retry on another replica before the first byte
+    disagg: bool = True  # split long uncached prompts onto prefill workers, when there are any (disagg.py)
+    disagg_min_uncached_tokens: int = DisaggSettings.min_uncached_tokens
+    disagg_max_prefill_load: int = DisaggSettings.max_prefill_load
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_attempts < 1 or self.health_interval_s <= 0:
             raise ValueError("block_size, max_attempts and health_interval_s must be positive")
         self.policy_settings()  # its own checks, before anything starts
+        self.disagg_settings()
+
+    def disagg_settings(self) -> DisaggSettings:
+        return DisaggSettings(self.disagg, self.disagg_min_uncached_tokens, self.disagg_max_prefill_load)
 
     def policy_settings(self) -> PolicySettings:
         return PolicySettings(
@@ -80,9 +90,17 @@ class Router:
         self._zmq = zmq.asyncio.Context()
         self._subscribers: dict[str, KVSubscriber] = {}
 
+    def cached_blocks(self, url: str, block_hashes: Sequence[BlockHash]) -> KVMatch:
+        """The prompt blocks a replica is known to hold: its KV events (kv), else what the router
+        sent it (prefix). What the disaggregation decider weighs; read-only."""
+        if self.options.policy == "prefix":
+            return KVMatch(device=self.context.prefix_index.match(url, block_hashes))
+        return self.context.kv_index.lookup(url, block_hashes)
+
     def add_replica(self, spec: ReplicaSpec) -> Replica:
         """Register a replica; it joins the rotation once a health check passes."""
-        logger.info("replica added: %s (kv events: %s)", spec.url, spec.kv_events or "none")
+        logger.info("replica added: %s (kv events: %s, role: %s)", spec.url, spec.kv_events or "none",
+                    spec.role or "as it reports")  # fmt: skip
         return self.replicas.add(spec)
 
     async def remove_replica(self, url: str) -> bool:
