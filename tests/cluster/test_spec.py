@@ -53,7 +53,12 @@ def test_process_specs(tmp_path: Path) -> None:
     assert [r.kv_events for r in replicas] == ["tcp://127.0.0.1:9100", "tcp://127.0.0.1:9102", "tcp://127.0.0.1:9104"]
     argv = replicas[1].argv
     assert argv[:5] == ("serve", "--host", "127.0.0.1", "--port", "8101")
-    for flag, value in (("--num-threads", "2"), ("--model", "/models/m"), ("--api-key", "k1"), ("--kv-events-port", "9102")):
+    for flag, value in (
+        ("--num-threads", "2"),
+        ("--model", "/models/m"),
+        ("--api-key", "k1"),
+        ("--kv-events-port", "9102"),
+    ):
         assert argv[argv.index(flag) + 1] == value
     assert argv[-2:] == ("--max-num-seqs", "64")
     router = config.router_process(replicas)
@@ -79,5 +84,76 @@ def test_no_kv_events_means_plain_replica_urls() -> None:
     ],
 )
 def test_bad_configs_say_what_is_wrong(data: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig.from_dict(data)
+
+
+PD_YAML = """
+model: /models/m
+block_size: 32
+prefill: {count: 2, num_threads: 2, base_port: 8200, transfer_base_port: 9300, args: ["--max-num-seqs", "8"]}
+decode: {count: 1, base_port: 8300}
+router: {port: 8000}
+"""
+
+
+def test_prefill_and_decode_pools_resolve_to_roles_ports_and_peers(tmp_path: Path) -> None:
+    (tmp_path / "pd.yaml").write_text(PD_YAML)
+    config = load_cluster_config(tmp_path / "pd.yaml")
+    assert config.replicas is None  # pools given: no default aggregated replicas
+    processes = config.replica_processes()
+    assert [(p.name, p.kv_role, p.url) for p in processes] == [
+        ("prefill-0", "prefill", "http://127.0.0.1:8200"),
+        ("prefill-1", "prefill", "http://127.0.0.1:8201"),
+        ("decode-0", "decode", "http://127.0.0.1:8300"),
+    ]
+    prefill1, decode0 = processes[1].argv, processes[2].argv
+    for argv, flag, value in (
+        (prefill1, "--kv-role", "prefill"), (prefill1, "--kv-transfer-port", "9301"),
+        (prefill1, "--kv-transfer-host", "127.0.0.1"), (prefill1, "--kv-events-port", "9202"),
+        (prefill1, "--num-threads", "2"), (prefill1, "--block-size", "32"), (prefill1, "--model", "/models/m"),
+        (decode0, "--kv-role", "decode"), (decode0, "--kv-transfer-peers", "tcp://127.0.0.1:9300,tcp://127.0.0.1:9301"),
+        (decode0, "--kv-events-port", "9400"), (decode0, "--block-size", "32"),
+    ):  # fmt: skip
+        assert argv[argv.index(flag) + 1] == value, (flag, argv)
+    assert prefill1[-2:] == ("--max-num-seqs", "8") and "--max-num-seqs" not in decode0
+    assert "--kv-transfer-port" not in decode0 and "--kv-transfer-peers" not in prefill1
+    router = config.router_process(processes).argv
+    assert router[router.index("--block-size") + 1] == "32"
+    assert "http://127.0.0.1:8201,kv=tcp://127.0.0.1:9202,role=prefill" in router
+    assert "http://127.0.0.1:8300,kv=tcp://127.0.0.1:9400,role=decode" in router
+
+
+def test_pools_and_aggregated_replicas_together_with_defaults() -> None:
+    config = ClusterConfig.from_dict({"replicas": {"count": 1}, "prefill": {}, "decode": {}})
+    names = [(p.name, p.url, p.kv_events) for p in config.replica_processes()]
+    assert names == [
+        ("replica-0", "http://127.0.0.1:8100", "tcp://127.0.0.1:9100"),
+        ("prefill-0", "http://127.0.0.1:8200", "tcp://127.0.0.1:9200"),
+        ("decode-0", "http://127.0.0.1:8300", "tcp://127.0.0.1:9400"),
+    ]
+    assert config.transfer_addresses() == ["tcp://127.0.0.1:9300"]
+    assert "--kv-role" not in config.replica_processes()[0].argv
+    assert "--block-size" not in config.replica_processes()[0].argv  # no block_size: the replicas' default
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"prefill": {"count": 1}}, "a prefill pool needs a decode pool"),
+        ({"prefill": {}, "replicas": {}}, "a prefill pool needs a decode pool"),
+        ({"decode": {"transfer_base_port": 9500}}, "unknown key.*transfer_base_port"),
+        ({"prefill": {"transfer_base_port": None}, "decode": {}}, "prefill.transfer_base_port is required"),
+        ({"prefill": {"count": 0}, "decode": {}}, "prefill.count and prefill.num_threads must be >= 1"),
+        ({"decode": {"args": ["--kv-role", "both"]}}, "decode.args sets --kv-role"),
+        ({"replicas": {"args": ["--block-size=32"]}}, "replicas.args sets --block-size.*top-level block_size"),
+        ({"router": {"args": ["--block-size", "32"]}}, "router.args sets --block-size"),
+        ({"prefill": {"base_port": 8300}, "decode": {}}, r"ports used twice.*\[8300\]"),
+        ({"prefill": {"transfer_base_port": 8300}, "decode": {}}, r"ports used twice.*\[8300\]"),
+        ({"replicas": {"count": 2, "kv_events_base_port": 9199}, "prefill": {}, "decode": {}}, r"\[9200, 9201\]"),
+        ({"block_size": 0}, "block_size must be >= 1"),
+    ],
+)
+def test_bad_pool_configs_say_what_is_wrong(data: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ClusterConfig.from_dict(data)

@@ -3,17 +3,27 @@
     model: /models/smollm2          # every replica's --model and the router's tokenizer (omit: default model)
     host: 127.0.0.1
     api_key: null                   # the router's and every replica's --api-key
+    block_size: 16                  # every replica's and the router's --block-size (omit: their default)
     placement: local                # who starts the processes (only "local" today)
-    replicas:
+    replicas:                       # aggregated replicas (plain: no --kv-role)
       count: 2
       num_threads: 1
       base_port: 8100               # replica i serves HTTP on base_port + i
       kv_events_base_port: 9100     # replica i publishes on 9100 + 2i (snapshot on the next port)
       args: ["--max-num-seqs", "64"]  # more `servelm serve` flags, for every replica
+    prefill:                        # prefill workers: --kv-role prefill --kv-transfer-port transfer_base_port + i
+      count: 1                      # (defaults: base_port 8200, kv_events_base_port 9200, transfer_base_port 9300)
+      transfer_base_port: 9300
+    decode:                         # decode workers: --kv-role decode --kv-transfer-peers <every prefill worker>
+      count: 1                      # (defaults: base_port 8300, kv_events_base_port 9400)
     router:
       port: 8000
       policy: kv
       args: ["--load-weight", "1.0"]  # more `servelm router` flags
+
+Any of replicas / prefill / decode may be left out (a file with none of them gets the
+default 2 aggregated replicas), but a prefill pool needs a decode pool: only a decode worker
+pulls KV. The router is given every replica and learns each one's role from the replica.
 
 The spec resolves into one `ProcessSpec` per process (a role, a command line, the ports it
 will listen on). A launcher turns those into processes: `local` as children of
@@ -25,28 +35,37 @@ from __future__ import annotations
 
 import sys
 import tomllib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-_SECTIONS = {"model", "host", "api_key", "placement", "replicas", "router"}
+_SECTIONS = {"model", "host", "api_key", "block_size", "placement", "replicas", "prefill", "decode", "router"}
 _REPLICA_KEYS = {"count", "num_threads", "base_port", "kv_events_base_port", "args"}
+_PREFILL_KEYS = _REPLICA_KEYS | {"transfer_base_port"}
 _ROUTER_KEYS = {"port", "policy", "args"}
+# Pool defaults where the file leaves a key out (aggregated replicas: ReplicasConfig's own).
+_POOL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "replicas": {},
+    "prefill": {"count": 1, "base_port": 8200, "kv_events_base_port": 9200, "transfer_base_port": 9300},
+    "decode": {"count": 1, "base_port": 8300, "kv_events_base_port": 9400},
+}
+# Flags the launcher sets itself from the config (one value for the whole cluster, or per role).
+_OWNED_SERVE_FLAGS = ("--block-size", "--kv-role", "--kv-transfer-port", "--kv-transfer-host", "--kv-transfer-peers")
 
 
 @dataclass(frozen=True)
 class ReplicasConfig:
+    """One pool of identical `servelm serve` processes (aggregated, prefill or decode)."""
+
     count: int = 2
     num_threads: int = 1
     base_port: int = 8100
     kv_events_base_port: int | None = 9100  # None: no KV events (then only cache-blind or prefix routing)
     args: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.count < 1 or self.num_threads < 1:
-            raise ValueError(f"replicas.count and replicas.num_threads must be >= 1, got {self.count}, {self.num_threads}")
+    transfer_base_port: int | None = None  # prefill pool only: worker i's KV transfer server on this + i
 
 
 @dataclass(frozen=True)
@@ -60,11 +79,12 @@ class RouterConfig:
 class ProcessSpec:
     """One process to start: placement-free (a launcher adds where)."""
 
-    name: str  # replica-0, replica-1, ..., router
+    name: str  # replica-0, ..., prefill-0, ..., decode-0, ..., router
     role: str  # replica | router
     argv: tuple[str, ...]  # `servelm ...` arguments (the launcher picks the interpreter)
     url: str  # where its HTTP API will answer
     kv_events: str | None = None  # replicas: their PUB address
+    kv_role: str | None = None  # replicas: prefill | decode, None for an aggregated one
 
 
 @dataclass(frozen=True)
@@ -73,51 +93,142 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     api_key: str | None = None
     placement: str = "local"
-    replicas: ReplicasConfig = field(default_factory=ReplicasConfig)
+    replicas: ReplicasConfig | None = field(default_factory=ReplicasConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    prefill: ReplicasConfig | None = None
+    decode: ReplicasConfig | None = None
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        pools = self.pools()
+        if not pools:
+            raise ValueError("the cluster config has no replicas: give replicas, decode (and prefill) pools")
+        for name, pool in pools.items():
+            if pool.count < 1 or pool.num_threads < 1:
+                raise ValueError(
+                    f"{name}.count and {name}.num_threads must be >= 1, got {pool.count}, {pool.num_threads}"
+                )
+            if (pool.transfer_base_port is None) == (name == "prefill"):
+                raise ValueError(
+                    "prefill.transfer_base_port is required"
+                    if name == "prefill"
+                    else f"{name}.transfer_base_port: only prefill workers serve KV transfers"
+                )
+            for flag in _OWNED_SERVE_FLAGS:
+                if any(arg == flag or arg.startswith(flag + "=") for arg in pool.args):
+                    raise ValueError(f"{name}.args sets {flag}: the cluster sets it itself ({_owner(flag)})")
+        if self.prefill is not None and self.decode is None:
+            raise ValueError(
+                "a prefill pool needs a decode pool: only decode workers pull the KV prefill workers compute"
+            )
+        if any(arg == "--block-size" or arg.startswith("--block-size=") for arg in self.router.args):
+            raise ValueError("router.args sets --block-size: set block_size at the top level (every process uses it)")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        taken = Counter(self._ports())
+        clashes = sorted(port for port, uses in taken.items() if uses > 1)
+        if clashes:
+            raise ValueError(f"ports used twice (HTTP, KV events + snapshot, KV transfer, router): {clashes}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
         _check_keys("cluster config", data, _SECTIONS)
-        replicas = dict(data.get("replicas") or {})
         router = dict(data.get("router") or {})
-        _check_keys("replicas", replicas, _REPLICA_KEYS)
         _check_keys("router", router, _ROUTER_KEYS)
-        replicas["args"] = tuple(str(a) for a in replicas.get("args", ()))
         router["args"] = tuple(str(a) for a in router.get("args", ()))
-        model = data.get("model")
+        has_pools = any(name in data for name in ("prefill", "decode"))
+        # No pool at all: today's default of aggregated replicas.
+        pools = {name: _pool(name, data.get(name)) if name in data else None for name in _POOL_DEFAULTS}
+        if not has_pools and pools["replicas"] is None:
+            pools["replicas"] = ReplicasConfig()
+        model, block_size = data.get("model"), data.get("block_size")
         return cls(
             model=str(model) if model is not None else None,
             host=str(data.get("host", "127.0.0.1")),
             api_key=data.get("api_key"),
             placement=str(data.get("placement", "local")),
-            replicas=ReplicasConfig(**replicas),
+            replicas=pools["replicas"],
             router=RouterConfig(**router),
+            prefill=pools["prefill"],
+            decode=pools["decode"],
+            block_size=int(block_size) if block_size is not None else None,
         )
 
+    def pools(self) -> dict[str, ReplicasConfig]:
+        """The serving pools present, by section name, in start order."""
+        named = {"replicas": self.replicas, "prefill": self.prefill, "decode": self.decode}
+        return {name: pool for name, pool in named.items() if pool is not None}
+
+    def transfer_addresses(self) -> list[str]:
+        """Every prefill worker's KV transfer server (what decode workers connect to at start-up)."""
+        if self.prefill is None or self.prefill.transfer_base_port is None:
+            return []
+        return [f"tcp://{self.host}:{self.prefill.transfer_base_port + i}" for i in range(self.prefill.count)]
+
     def replica_processes(self) -> list[ProcessSpec]:
+        """Every `servelm serve` process: aggregated replicas, prefill workers, decode workers."""
         specs = []
-        r = self.replicas
-        for i in range(r.count):
-            port = r.base_port + i
-            argv = ["serve", "--host", self.host, "--port", str(port), "--num-threads", str(r.num_threads)]
-            argv += ["--model", self.model] if self.model else []
-            argv += ["--api-key", self.api_key] if self.api_key else []
-            kv_events = None
-            if r.kv_events_base_port is not None:
-                kv_port = r.kv_events_base_port + 2 * i  # two ports each: PUB and snapshot
-                argv += ["--kv-events-port", str(kv_port)]
-                kv_events = f"tcp://{self.host}:{kv_port}"
-            specs.append(ProcessSpec(f"replica-{i}", "replica", tuple(argv) + r.args, f"http://{self.host}:{port}", kv_events))
+        for name, pool in self.pools().items():
+            kv_role = None if name == "replicas" else name
+            for i in range(pool.count):
+                specs.append(self._replica_process(pool, kv_role, i))
         return specs
+
+    def _replica_process(self, pool: ReplicasConfig, kv_role: str | None, i: int) -> ProcessSpec:
+        port = pool.base_port + i
+        argv = ["serve", "--host", self.host, "--port", str(port), "--num-threads", str(pool.num_threads)]
+        argv += ["--model", self.model] if self.model else []
+        argv += ["--api-key", self.api_key] if self.api_key else []
+        argv += ["--block-size", str(self.block_size)] if self.block_size is not None else []
+        kv_events = None
+        if pool.kv_events_base_port is not None:
+            kv_port = pool.kv_events_base_port + 2 * i  # two ports each: PUB and snapshot
+            argv += ["--kv-events-port", str(kv_port)]
+            kv_events = f"tcp://{self.host}:{kv_port}"
+        if kv_role == "prefill" and pool.transfer_base_port is not None:
+            argv += ["--kv-role", "prefill", "--kv-transfer-host", self.host]
+            argv += ["--kv-transfer-port", str(pool.transfer_base_port + i)]
+        elif kv_role == "decode":
+            argv += ["--kv-role", "decode"]
+            peers = self.transfer_addresses()
+            argv += ["--kv-transfer-peers", ",".join(peers)] if peers else []
+        name = f"{kv_role or 'replica'}-{i}"
+        url = f"http://{self.host}:{port}"
+        return ProcessSpec(name, "replica", tuple(argv) + pool.args, url, kv_events, kv_role)
 
     def router_process(self, replicas: list[ProcessSpec]) -> ProcessSpec:
         argv = ["router", "--host", self.host, "--port", str(self.router.port), "--policy", self.router.policy]
         argv += ["--model", self.model] if self.model else []
         argv += ["--api-key", self.api_key] if self.api_key else []
+        argv += ["--block-size", str(self.block_size)] if self.block_size is not None else []
         for replica in replicas:
-            argv += ["--replica", replica.url + (f",kv={replica.kv_events}" if replica.kv_events else "")]
+            options = f",kv={replica.kv_events}" if replica.kv_events else ""
+            options += f",role={replica.kv_role}" if replica.kv_role else ""
+            argv += ["--replica", replica.url + options]
         return ProcessSpec("router", "router", tuple(argv) + self.router.args, f"http://{self.host}:{self.router.port}")
+
+    def _ports(self) -> list[int]:
+        ports = [self.router.port]
+        for pool in self.pools().values():
+            ports += [pool.base_port + i for i in range(pool.count)]
+            if pool.kv_events_base_port is not None:
+                ports += [pool.kv_events_base_port + j for j in range(2 * pool.count)]
+            if pool.transfer_base_port is not None:
+                ports += [pool.transfer_base_port + i for i in range(pool.count)]
+        return ports
+
+
+def _pool(name: str, data: Any) -> ReplicasConfig:
+    values = dict(_POOL_DEFAULTS[name])
+    given = dict(data or {})
+    _check_keys(name, given, _PREFILL_KEYS if name == "prefill" else _REPLICA_KEYS)
+    values.update(given)
+    values["args"] = tuple(str(a) for a in values.get("args", ()))
+    return ReplicasConfig(**values)
+
+
+def _owner(flag: str) -> str:
+    return "the top-level block_size" if flag == "--block-size" else "from the pool the process is in"
 
 
 def _check_keys(where: str, data: dict[str, Any], valid: set[str]) -> None:
