@@ -19,15 +19,26 @@ leaves (evicted, or discarded as missing or corrupt), with the tier's medium.
 Which tiers a block is looked up in: the host index (this process's own L2), then the disk index,
 then the disk directory itself: a file another replica wrote (shared L3) or one written before a
 restart is a hit too, and joins the index.
+
+Disaggregation (servelm.disagg) rides on the same connector:
+- a consumer's pull is a load from the REMOTE medium (a producer's host tier, over the transfer):
+  no index (what the producer holds is its business: a block it lacks ends the pull), a deadline
+  of its own (the pull overlaps the producer's prefill), and its own cap on the pool blocks that
+  pulls in flight may hold (`num_pull_blocks`);
+- a producer's export is a hold on its prompt's blocks in the host tier: `export` at the request's
+  arrival pins them there as they are saved, `end_export` when its prefill ends starts the hold
+  timer, and the hold lets go when the pull is served (`exports_served`) or the timer runs out
+  (`expire_exports`, which tells the worker to forget the export).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from servelm.config import KVTierConfig
-from servelm.datatypes import KVDrop, KVLoad, KVLoadResult, KVMedium, KVSave, KVTransfers
+from servelm.datatypes import KVDrop, KVExport, KVExportEnd, KVLoad, KVLoadResult, KVMedium, KVPeer, KVSave, KVTransfers
 from servelm.kv.block_hash import BlockHash
 from servelm.kv.block_pool import KVCacheEvent, KVEventType
 from servelm.kv.disk_store import DiskBlockStore
@@ -35,7 +46,7 @@ from servelm.kv.tier_index import TierIndex, TierIndexError
 
 # Bandwidths assumed until a tier has been measured (bytes/s): optimistic, so the first loads
 # happen and measure the real figure.
-INITIAL_BANDWIDTH = {KVMedium.HOST: 4e9, KVMedium.DISK: 1e9}
+INITIAL_BANDWIDTH = {KVMedium.HOST: 4e9, KVMedium.DISK: 1e9, KVMedium.REMOTE: 1e9}
 # Weight of the newest measurement in the moving averages of load bandwidth.
 BANDWIDTH_EWMA = 0.2
 
@@ -61,6 +72,15 @@ class _Load:
     cancelled: bool = False
 
 
+@dataclass
+class _Hold:
+    """A producer's export: its blocks stay pinned in the host tier until pulled or expired."""
+
+    block_hashes: list[BlockHash]
+    pinned: list[BlockHash] = field(default_factory=list)  # those pinned so far (saved to the host tier)
+    expires: float | None = None  # set when its prefill ends
+
+
 class KVTiers:
     """The scheduler's view of L2/L3. Not thread-safe: the scheduler is the only caller."""
 
@@ -71,9 +91,10 @@ class KVTiers:
         block_bytes: int,  # bytes of one block's KV in every tensor the runner moves
         disk_store: DiskBlockStore | None = None,  # required when config.disk_path is set
         enable_kv_events: bool = False,  # record STORED / REMOVED per tier (take_events), as the pool does
+        remote: bool = False,  # loads may come from the REMOTE medium (a disaggregation consumer)
     ) -> None:
-        if not config.enabled:
-            raise ValueError("KVTiers needs a host or disk tier (KVTierConfig.enabled)")
+        if not (config.enabled or remote):
+            raise ValueError("KVTiers needs a host or disk tier (KVTierConfig.enabled) or remote loads")
         if (disk_store is None) != (config.disk_path is None):
             raise ValueError("a disk store is needed exactly when config.disk_path is set")
         self.config = config
@@ -94,6 +115,9 @@ class KVTiers:
         self._loads: dict[str, _Load] = {}
         self.counters = TierCounters()
         self._bandwidth = dict(INITIAL_BANDWIDTH)
+        self.remote = remote
+        self._holds: dict[str, _Hold] = {}  # producer: transfer id → its export's hold
+        self._num_holds: dict[BlockHash, int] = {}  # producer: holds per block hash (pinned once each)
 
     @property
     def num_loading(self) -> int:
@@ -143,17 +167,42 @@ class KVTiers:
     ) -> None:
         """Order the load of `block_hashes` (from `media`) into the request's fresh `block_ids`;
         its blocks are pinned in their tiers until `finish_load`."""
+        self._check_load(request_id, block_ids, block_hashes, media)
+        if KVMedium.REMOTE in media:
+            raise ValueError("a load from the REMOTE medium is a pull: start_pull")
+        for block_hash, medium in zip(block_hashes, media, strict=True):
+            self.indexes[medium].pin([block_hash])
+        timeout = self.config.load_timeout_base_s + self.config.load_timeout_per_1k_tokens_s * (
+            len(block_ids) * self.block_size / 1024
+        )
+        self._order_load(KVLoad(request_id, block_ids, block_hashes, media), now + timeout)
+
+    def start_pull(
+        self, request_id: str, block_ids: list[int], block_hashes: list[BlockHash], peer: KVPeer, deadline: float
+    ) -> None:
+        """Order the pull of `block_hashes` from a producer (`peer`) into the request's fresh
+        `block_ids`, cancelled at `deadline` (monotonic, the scheduler's clock) if not done."""
+        media = [KVMedium.REMOTE] * len(block_ids)
+        self._check_load(request_id, block_ids, block_hashes, media)
+        if not self.remote:
+            raise ValueError("this engine does not pull KV (KVTiers(remote=False))")
+        self._order_load(KVLoad(request_id, block_ids, block_hashes, media, peer), deadline)
+
+    @property
+    def num_pull_blocks(self) -> int:
+        """Pool blocks held by pulls in flight."""
+        return sum(len(load.request.block_ids) for load in self._loads.values() if load.request.peer is not None)
+
+    def _check_load(
+        self, request_id: str, block_ids: list[int], block_hashes: list[BlockHash], media: list[KVMedium]
+    ) -> None:
         if request_id in self._loads:
             raise ValueError(f"request {request_id!r} is already loading")
         if not len(block_ids) == len(block_hashes) == len(media) > 0:
             raise ValueError(f"load of {len(block_ids)} blocks, {len(block_hashes)} hashes, {len(media)} media")
-        for block_hash, medium in zip(block_hashes, media, strict=True):
-            self.indexes[medium].pin([block_hash])
-        load = KVLoad(request_id, block_ids, block_hashes, media)
-        timeout = self.config.load_timeout_base_s + self.config.load_timeout_per_1k_tokens_s * (
-            len(block_ids) * self.block_size / 1024
-        )
-        self._loads[request_id] = _Load(load, deadline=now + timeout)
+
+    def _order_load(self, load: KVLoad, deadline: float) -> None:
+        self._loads[load.request_id] = _Load(load, deadline=deadline)
         self._transfers.loads.append(load)
 
     def cancel(self, request_id: str) -> None:
@@ -174,16 +223,19 @@ class KVTiers:
         """A load ended (the runner's report): unpin, count, learn the bandwidth, and forget blocks
         that turned out missing or corrupt. Returns the load as ordered."""
         load = self._loads.pop(result.request_id).request
+        indexed = load.peer is None  # a pull's blocks are the producer's: no index here
         for block_hash, medium in zip(load.block_hashes, load.media, strict=True):
-            self.indexes[medium].unpin([block_hash])
+            if indexed:
+                self.indexes[medium].unpin([block_hash])
         loaded = result.num_blocks_loaded
         for block_hash, medium in zip(load.block_hashes[:loaded], load.media[:loaded], strict=True):
-            self.indexes[medium].hit(block_hash)
+            if indexed:
+                self.indexes[medium].hit(block_hash)
             self.counters.add(self.counters.hit_tokens, medium, self.block_size)
             self.counters.add(self.counters.loaded_bytes, medium, self.block_bytes)
         if result.failure is not None:
             self.counters.failed_loads += 1
-            if result.failure != "cancelled" and loaded < len(load.block_hashes):
+            if indexed and result.failure != "cancelled" and loaded < len(load.block_hashes):
                 # The block that failed is not there (or not usable): forget it, and drop its file.
                 failed_hash, failed_medium = load.block_hashes[loaded], load.media[loaded]
                 if self.indexes[failed_medium].discard(failed_hash):
@@ -211,6 +263,65 @@ class KVTiers:
                     media.append(medium)
             if media:
                 self._transfers.saves.append(KVSave(block_id, block_hash, tuple(media)))
+
+    # -- exports (disaggregation, producer side) ------------------------------------------
+
+    def export(self, transfer_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """A producer request arrived: hold its prompt's blocks `block_hashes` in the host tier as
+        they are saved (pinned: never evicted before the pull), and tell the worker to serve them
+        under `transfer_id`. An id already held is ignored."""
+        if KVMedium.HOST not in self.indexes:
+            raise ValueError("exports need the host tier (KVTierConfig.host_bytes > 0)")
+        if transfer_id in self._holds:
+            return
+        hold = _Hold(list(block_hashes))
+        self._holds[transfer_id] = hold
+        for block_hash in hold.block_hashes:
+            self._num_holds[block_hash] = self._num_holds.get(block_hash, 0) + 1
+            if block_hash in self.indexes[KVMedium.HOST]:
+                self._pin_held(hold, block_hash)
+        self._transfers.exports.append(KVExport(transfer_id, hold.block_hashes))
+
+    def end_export(self, transfer_id: str, why: KVExportEnd, expires: float) -> None:
+        """The producer request's prefill ended (COMPLETE) or failed (ABORTED): every block it will
+        save has been ordered; its hold lasts until `expires` unless the pull is served first."""
+        hold = self._holds.get(transfer_id)
+        if hold is None or hold.expires is not None:
+            return
+        hold.expires = expires
+        self._transfers.export_ends.append((transfer_id, why))
+
+    def exports_served(self, transfer_ids: Sequence[str]) -> None:
+        """The worker reports these exports pulled: let go of their blocks (they stay in the host
+        tier, evictable)."""
+        for transfer_id in transfer_ids:
+            self._release(transfer_id)
+
+    def expire_exports(self, now: float) -> list[str]:
+        """Forget the exports whose hold ran out (the consumer recomputes what it did not pull)."""
+        late = [tid for tid, hold in self._holds.items() if hold.expires is not None and now >= hold.expires]
+        for transfer_id in late:
+            self._release(transfer_id)
+            self._transfers.export_ends.append((transfer_id, KVExportEnd.EXPIRED))
+        return late
+
+    @property
+    def num_exports(self) -> int:
+        return len(self._holds)
+
+    def _pin_held(self, hold: _Hold, block_hash: BlockHash) -> None:
+        self.indexes[KVMedium.HOST].pin([block_hash])
+        hold.pinned.append(block_hash)
+
+    def _release(self, transfer_id: str) -> None:
+        hold = self._holds.pop(transfer_id, None)
+        if hold is None:
+            return
+        self.indexes[KVMedium.HOST].unpin(hold.pinned)
+        for block_hash in hold.block_hashes:
+            self._num_holds[block_hash] -= 1
+            if not self._num_holds[block_hash]:
+                del self._num_holds[block_hash]
 
     def record_saved(self, saved_bytes: dict[KVMedium, int]) -> None:
         for medium, num_bytes in saved_bytes.items():
@@ -249,6 +360,10 @@ class KVTiers:
             self._emit(KVEventType.REMOVED, victim, medium)
         if added and is_new:
             self._emit(KVEventType.STORED, block_hash, medium)
+            if medium is KVMedium.HOST and block_hash in self._num_holds:
+                for hold in self._holds.values():  # few at a time: one per prefill in flight
+                    if block_hash in hold.block_hashes and block_hash not in hold.pinned:
+                        self._pin_held(hold, block_hash)
         return added
 
     def _emit(self, event_type: KVEventType, block_hash: BlockHash, medium: KVMedium) -> None:
@@ -260,9 +375,16 @@ class KVTiers:
             index.check_invariants()
         pinned: dict[KVMedium, set[BlockHash]] = {medium: set() for medium in self.indexes}
         for load in self._loads.values():
+            if load.request.peer is not None:
+                continue  # a pull: the producer's blocks
             pinned_here = zip(load.request.block_hashes, load.request.media, strict=True)
             for block_hash, medium in pinned_here:
                 pinned[medium].add(block_hash)
+        for hold in self._holds.values():
+            pinned[KVMedium.HOST].update(hold.pinned)
         for medium, hashes in pinned.items():
             if any(not self.indexes[medium].is_pinned(h) for h in hashes):
-                raise TierIndexError(f"a loading block is not pinned in the {medium.value} tier")
+                raise TierIndexError(f"a loading or exported block is not pinned in the {medium.value} tier")
+        held = Counter(h for hold in self._holds.values() for h in hold.block_hashes)
+        if dict(held) != self._num_holds:
+            raise TierIndexError("the per-block hold counts disagree with the holds")

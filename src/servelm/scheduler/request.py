@@ -18,6 +18,7 @@ from servelm.datatypes import (
     EngineRequest,
     EventType,
     FinishReason,
+    KVTransferParams,
     PositionLogprobs,
     RequestEvent,
     RequestSlo,
@@ -87,6 +88,11 @@ class Request:
     # KV tiers: its prefix was looked up beyond the pool in this admission (and loaded, if found);
     # its next admission uses the pool alone. Reset by a preemption.
     tiers_looked_up: bool = False
+    # Disaggregation: its side of a prefill/decode hand-off (None: an ordinary request), and
+    # whether a consumer already pulled (once: after a preemption it swaps in from the tiers or
+    # recomputes; the producer's hold is gone by then).
+    kv_transfer: KVTransferParams | None = None
+    pull_tried: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -104,6 +110,7 @@ class Request:
             arrival_seq=arrival_seq,
             cache_salt=request.cache_salt,
             slo=request.slo,
+            kv_transfer=request.kv_transfer,
         )
 
     @property

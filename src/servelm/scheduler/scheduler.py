@@ -56,7 +56,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterable
 
-from servelm.config import SchedulerConfig, SpeculativeConfig
+from servelm.config import KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from servelm.datatypes import (
     CachedRequestData,
     EngineOutput,
@@ -78,7 +78,7 @@ from servelm.scheduler.step_cost import StepCostModel, step_time_target_s
 from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.step_plan import StepPlan
 from servelm.scheduler.stop import check_stop
-from servelm.scheduler.tier_loads import TierLoads
+from servelm.scheduler.tier_loads import Admission, TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
 
 
@@ -95,6 +95,7 @@ class Scheduler:
         clock: Callable[[], float] = time.time,  # wall clock for events and aging
         speculative: SpeculativeConfig | None = None,  # None: no request ever verifies drafts
         kv_tiers: KVTiers | None = None,  # KV beyond the pool (host / disk); None: the pool alone
+        kv_transfer: KVTransferConfig | None = None,  # disaggregation (needs kv_tiers); None: no role
     ) -> None:
         if scheduler_config.max_model_len is None:
             raise ValueError(
@@ -124,7 +125,7 @@ class Scheduler:
         self.step_cost = StepCostModel()  # learned in update() from the runner's timings; used when max_step_ms > 0
         self.step_log = StepLog()  # what the executed steps were, for metrics
         self._drafts = DraftScheduling(speculative, self.max_model_len) if speculative is not None else None
-        self._tier_loads = TierLoads(kv_tiers, kv_cache_manager) if kv_tiers is not None else None
+        self._tier_loads = TierLoads(kv_tiers, kv_cache_manager, kv_transfer) if kv_tiers is not None else None
 
     # -- queries -------------------------------------------------------------------
 
@@ -197,6 +198,8 @@ class Scheduler:
         request.record(EventType.QUEUED, now)
         self._requests[request_id] = request
         self._waiting.add(request)
+        if self._tier_loads is not None:
+            self._tier_loads.arrived(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests now and free their blocks. Unknown or finished ids are ignored
@@ -511,8 +514,12 @@ class Scheduler:
 
     def _try_admit(self, request: Request, plan: StepPlan, now: float) -> bool:
         hit = self._lookup(request)
-        if self._tier_loads is not None and self._tier_loads.try_start(request, hit, self.step_cost, now):
-            return True  # it waits for its KV off the queue (tier_loads.py), taking no budget
+        if self._tier_loads is not None:
+            admission = self._tier_loads.try_start(request, hit, self.step_cost, now)
+            if admission is not Admission.COMPUTE:
+                # LOADING: it waits for its KV off the queue (tier_loads.py), taking no budget;
+                # DEFER: it stays in the queue, its pull waiting for room.
+                return admission is Admission.LOADING
         num_uncomputed = request.num_tokens - hit.num_computed_tokens
         num_new = plan.prefill_chunk(num_uncomputed)
         room = self._kv.max_new_tokens(
@@ -529,6 +536,7 @@ class Scheduler:
             raise SchedulerInvariantError(f"{request.request_id!r}: {num_new} tokens fit but could not be allocated")
         if self._tier_loads is not None:
             self._tier_loads.admitted_without_load(request, hit)
+            self._tier_loads.admitted(request, hit)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = hit.num_computed_tokens
         if request.num_cached_tokens is None:
@@ -575,6 +583,7 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         if self._tier_loads is not None:
             self._tier_loads.record_saved(model_output.kv_saved_bytes)
+            self._tier_loads.exports_served(model_output.kv_exports_served)
             for arrived in self._tier_loads.finish(model_output.kv_load_results, now):
                 arrived.record(EventType.QUEUED, now)
                 self._waiting.add(arrived)
@@ -667,6 +676,8 @@ class Scheduler:
         self._kv.free(request.request_id)
         request.status = status
         self._drop_drafts(request)
+        if self._tier_loads is not None:
+            self._tier_loads.finished(request, now)
         request.record(EventType.FINISHED, now)
         if request.num_sent_tokens > 0:  # the runner mirrors it
             self._finished_ids.add(request.request_id)
