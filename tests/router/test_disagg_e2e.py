@@ -152,3 +152,22 @@ def test_a_prompt_the_decode_worker_holds_stays_whole(pd_fleet: PDFleet) -> None
     again, headers = complete(pd_fleet.router, prompt)
     assert headers["x-servelm-disagg"] == "cached_on_decode"
     assert again == first
+
+
+def test_a_dead_prefill_worker_costs_no_request(pd_fleet: PDFleet) -> None:
+    """Runs last: it leaves the fleet without its prefill worker."""
+    errors_before = metric(pd_fleet.router, "servelm:router_prefill_calls_total", 'outcome="error"')
+    victim = next(p for p in pd_fleet.cluster.processes if p.spec.url == pd_fleet.prefill)
+    victim.process.kill()
+    victim.process.wait(timeout=30)
+    prompt = document(30)
+    text, headers = complete(pd_fleet.router, prompt)  # at once: the router most likely still counts it in
+    assert text == complete(pd_fleet.reference.base_url, prompt)[0]
+    assert headers["x-servelm-replica"] == pd_fleet.decode
+    if headers["x-servelm-disagg"] == "disaggregated":  # the prefill call failed; the decode worker computed it
+        assert metric(pd_fleet.router, "servelm:router_prefill_calls_total", 'outcome="error"') == errors_before + 1
+    else:  # the health check was quicker
+        assert headers["x-servelm-disagg"] == "no_prefill_worker"
+    text, headers = complete(pd_fleet.router, document(31))
+    assert headers["x-servelm-disagg"] == "no_prefill_worker" and not admin(pd_fleet)[pd_fleet.prefill]["healthy"]
+    assert text == complete(pd_fleet.reference.base_url, document(31))[0]
