@@ -118,6 +118,12 @@ def test_role_is_learned_when_a_replica_enters_rotation(caplog: pytest.LogCaptur
             server.kv_transfer = (404, b"")  # type: ignore[attr-defined]
             await check_replica(client, router, replica, timeout_s=2)
             assert replica.healthy and replica.kv_role is None and replica.transfer_address is None
+            # A replica keyed differently from the router keeps serving, as a plain one.
+            replica.kv_role = "decode"
+            await router.mark_down(replica, "gone")
+            server.kv_transfer = (401, b"")  # type: ignore[attr-defined]
+            await check_replica(client, router, replica, timeout_s=2)
+            assert replica.healthy and replica.kv_role is None
         await router.close()
 
     try:

@@ -2,6 +2,7 @@
 
     200 {"kv_role": "prefill"|"decode"|"both", "address": "tcp://HOST:PORT" | null, "block_size": N}
     404                                              a plain replica (aggregated only)
+    401 / 403                                        plain too, with a warning (the router lacks the replicas' key)
     anything else (an error status, a bad body)      unknown: the replica stays out of rotation
 
 Asked on every return to rotation, not once: a restarted replica may come back with another
@@ -57,6 +58,14 @@ async def fetch_role(
     that is neither a role nor 404). Read-only on both sides: safe to call any number of times."""
     response = await client.get(url + KV_TRANSFER_PATH, timeout=timeout_s, headers=dict(headers or {}))
     if response.status_code == 404:
+        return ReplicaRole()
+    if response.status_code in (401, 403):
+        # A replica keyed differently from the router: it served before roles existed, so it still
+        # does, as a plain one; only disaggregation is lost, and the log says how to get it back.
+        logger.warning(
+            "replica %s refused %s (%d): treated as plain; give the router the replicas' --api-key to learn roles",
+            url, KV_TRANSFER_PATH, response.status_code,
+        )  # fmt: skip
         return ReplicaRole()
     if response.status_code != 200:
         raise ValueError(f"{KV_TRANSFER_PATH} answered {response.status_code}")
