@@ -156,6 +156,15 @@ def test_a_peer_nobody_listens_on_fails_unreachable_within_wait_s(client, receiv
     assert WAIT_S <= time.monotonic() - started < LATE_S
 
 
+def test_an_address_zmq_refuses_fails_unreachable_and_the_client_keeps_working(producer, client, received):
+    pull(client, "bad", "tcp://127.0.0.1", "t", 1)  # no port
+    assert received.wait_end("bad") == "unreachable"
+    producer.announce("t", 1)
+    producer.store.save("t", [0])
+    pull(client, "good", producer.server.address, "t", 1)
+    assert received.wait_end("good") is None
+
+
 def test_a_producer_killed_mid_pull_fails_peer_gone_within_wait_s(client, received):
     here = Path(__file__).parent
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), *sys.path])}

@@ -177,7 +177,7 @@ class KVTransferClient:
             return
         del self._pulls[pull.key]
         del self._by_id[pull.request.pull_id]
-        if failure is not None and failure not in _PRODUCER_FAILURES:
+        if failure is not None and pull.sent and failure not in _PRODUCER_FAILURES:
             cancel = client_encoder.encode(PullCancel(pull.request.pull_id))
             self._command(lambda: self._send_cancel(pull.address, cancel))
         self._on_end(pull.key, failure)
@@ -203,31 +203,44 @@ class KVTransferClient:
     def _open(self, address: str) -> None:
         self._socket_for(address)
 
-    def _socket_for(self, address: str) -> zmq.Socket[bytes]:
+    def _socket_for(self, address: str) -> zmq.Socket[bytes] | None:
+        """The DEALER connected to `address`; None (logged) when ZMQ refuses the address."""
         socket = self._sockets.get(address)
         if socket is None:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.IMMEDIATE, 1)
             socket.setsockopt(zmq.RCVHWM, RECV_HWM)
-            socket.connect(address)
+            try:
+                socket.connect(address)
+            except zmq.ZMQError as exc:
+                logger.warning("KV transfer client: cannot connect to %s: %s", address, exc)
+                socket.close()
+                return None
             self._poller.register(socket, zmq.POLLIN)
             self._sockets[address] = socket
         return socket
 
     def _send_request(self, pull: _Pull) -> None:
+        # Under the lock, so that a concurrent cancel sees `sent` as it is and cancels at the producer.
         with self._lock:
             if self._pulls.get(pull.key) is not pull or pull.sent:
                 return  # ended before its request went out, or sent by a retry already
-        try:
-            self._socket_for(pull.address).send(client_encoder.encode(pull.request), zmq.NOBLOCK)
-            pull.sent = True
-        except zmq.Again:  # no live connection yet: retried by the timers until wait_s has passed
-            pass
+            socket = self._socket_for(pull.address)
+            if socket is None:
+                self._end(pull, PullFailure.UNREACHABLE)
+                return
+            try:
+                socket.send(client_encoder.encode(pull.request), zmq.NOBLOCK)
+                pull.sent = True
+            except zmq.Again:  # no live connection yet: retried by the timers until wait_s has passed
+                pass
 
     def _send_cancel(self, address: str, message: bytes) -> None:
+        socket = self._socket_for(address)
         try:
-            self._socket_for(address).send(message, zmq.NOBLOCK)
+            if socket is not None:
+                socket.send(message, zmq.NOBLOCK)
         except zmq.Again:  # the producer is unreachable: it is not serving the pull either
             pass
 
