@@ -101,13 +101,21 @@ def test_take_served_reports_each_served_pull_once_and_forgets_expired():
 def test_listeners_hear_every_change_from_any_thread():
     registry, store = make_registry()
     calls: list[str] = []
-    registry.add_listener(lambda: calls.append(threading.current_thread().name))
+
+    def listener() -> None:
+        calls.append(threading.current_thread().name)
+
+    registry.add_listener(listener)
     registry.announce("t", hashes("t", 1))
     store.save("t", [0])
     saver = threading.Thread(target=lambda: registry.end("t", KVExportEnd.COMPLETE), name="runner")
     saver.start()
     saver.join()
     assert calls == ["MainThread", "MainThread", "runner"]
+    registry.remove_listener(registry.remove_listener)  # never added: ignored
+    registry.remove_listener(listener)
+    registry.notify_saved()
+    assert len(calls) == 3
 
 
 def test_bad_input_is_refused_with_a_clear_error():

@@ -231,6 +231,7 @@ def test_close_cancels_running_pulls_and_is_safe_twice(producer, received):
         pull(client, "s", producer.server.address, "t", 1)
     producer.server.close()
     producer.server.close()
+    producer.store.save("t", [0])  # the closed server no longer listens to the registry
 
 
 def test_bad_pulls_are_refused_with_a_clear_error(producer, client):

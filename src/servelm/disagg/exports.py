@@ -70,6 +70,12 @@ class ExportRegistry:
         with self._lock:
             self._listeners.append(listener)
 
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        """Stop calling `listener` (a closing server); safe if it was never added."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
     # -- the scheduler's orders (the producer's runner thread) -------------------------------
 
     def announce(self, transfer_id: str, block_hashes: Sequence[bytes]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 
 import msgspec
 
@@ -82,18 +83,24 @@ def check_address(address: str) -> None:
 
 class Waker:
     """A self-pipe a ZMQ poller can watch: another thread calls `wake()` to end the I/O thread's
-    poll at once (ZMQ sockets are not thread-safe, so other threads never touch them)."""
+    poll at once (ZMQ sockets are not thread-safe, so other threads never touch them). A wake
+    after `close` does nothing (it must never write into a reused descriptor)."""
 
     def __init__(self) -> None:
         self.fd, self._write_fd = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write_fd, False)
+        self._lock = threading.Lock()
+        self._closed = False
 
     def wake(self) -> None:
-        try:
-            os.write(self._write_fd, b"\0")
-        except (BlockingIOError, OSError):  # full pipe: a wake-up is pending anyway; closed: shutting down
-            pass
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._write_fd, b"\0")
+            except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
+                pass
 
     def drain(self) -> None:
         try:
@@ -103,5 +110,10 @@ class Waker:
             pass
 
     def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._write_fd)
+        """Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self.fd)
+            os.close(self._write_fd)

@@ -117,6 +117,7 @@ class KVTransferServer:
         if self._closed:
             return
         self._closed = True
+        self._registry.remove_listener(self._waker.wake)
         self._stop.set()
         self._waker.wake()
         self._thread.join(timeout=10)
