@@ -40,6 +40,37 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory for KV blocks on disk (L3): survives restarts; replicas of one model may share it",
     )  # fmt: skip
     group.add_argument("--kv-disk-size", type=float, default=None, help="GiB of KV on disk at most (default 16)")
+    group.add_argument(
+        "--kv-role", default=None, choices=["prefill", "decode", "both"],
+        help="prefill/decode disaggregation: prefill (compute prompts, serve their KV), decode (pull it, then "
+        "decode) or both; the router sends requests' kv_transfer_params (default: no disaggregation)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-transfer-port", type=int, default=None, help="prefill: the KV transfer server's port (default: any free)"
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-transfer-host", default=None, help="prefill: the KV transfer server's address (default 127.0.0.1)"
+    )
+    group.add_argument(
+        "--kv-transfer-hold-s", type=float, default=None,
+        help="prefill: seconds a prompt's KV waits for its pull after the prefill, then is dropped (default 30)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-transfer-wait-s", type=float, default=None,
+        help="decode: seconds a pull waits for an unannounced transfer or a silent peer before computing itself (default 5)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-transfer-timeout-s", type=float, default=None,
+        help="decode: seconds a whole pull may take, the prefill included (default 120)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-transfer-max-reserved-blocks", type=int, default=None,
+        help="decode: most KV blocks held by pulls in flight (default: half the pool)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-transfer-peers", default=None, type=_comma_list,
+        help="decode: prefill servers' transfer addresses (tcp://HOST:PORT,...) to connect at start-up",
+    )  # fmt: skip
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=None, help="requests per step at most")
     group.add_argument(
@@ -69,6 +100,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     flat = {
         name: getattr(args, name, None)
@@ -85,6 +120,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "kv_offloading_size",
             "kv_disk_path",
             "kv_disk_size",
+            "kv_role",
+            "kv_transfer_host",
+            "kv_transfer_port",
+            "kv_transfer_hold_s",
+            "kv_transfer_wait_s",
+            "kv_transfer_timeout_s",
+            "kv_transfer_max_reserved_blocks",
+            "kv_transfer_peers",
             "max_num_batched_tokens",
             "max_num_seqs",
             "max_num_partial_prefills",

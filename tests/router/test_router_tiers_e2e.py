@@ -32,10 +32,10 @@ def tier_fleet(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("tier-fleet")
     model = write_tiny_checkpoint(root / "model", seed=0)
     base = free_port_range(1 + 2 * 3)
-    replica_args = ("--num-blocks", str(POOL_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "4",
-                    "--kv-offloading-size", "0.01")  # fmt: skip
+    replica_args = ("--num-blocks", str(POOL_BLOCKS), "--max-num-seqs", "4", "--kv-offloading-size", "0.01")
     config = ClusterConfig(
         model=str(model),
+        block_size=BLOCK_SIZE,
         replicas=ReplicasConfig(count=2, num_threads=1, base_port=base + 1, kv_events_base_port=base + 3,
                                 args=replica_args),
         router=RouterConfig(port=base, policy="kv", args=("--health-interval", "0.5")),

@@ -28,7 +28,7 @@ from servelm.bench.slow_reader import SlowReading
 from servelm.bench.tokens import TokenSource
 from servelm.bench.workload import WorkloadRequest
 
-BREAKDOWN_COMPONENTS = ("ingress", "queue", "kv_load", "prefill", "preemption", "output")
+BREAKDOWN_COMPONENTS = ("ingress", "queue", "kv_load", "kv_transfer", "prefill", "preemption", "output")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@
          network     → network      (client TTFT − server TTFT)
          preemption  → kv_cache     (waiting after a preemption, recomputing lost work)
          kv_load     → kv_cache     (loading a prefix's KV from host memory or disk before the first step)
+         kv_transfer → disaggregation (pulling the prompt's KV from a prefill worker: its prefill and the hop)
          queue       → load         when the load grew (LOAD_GROWTH: arrival rate, the typical prompt,
                                     or output tokens per request), else
                        kv_cache     when the KV cache was the limit (preemptions rose, usage near full), else
@@ -45,7 +46,7 @@ from typing import Any
 
 from servelm.diagnose.signals import COMPONENTS, Signals
 
-CAUSES = ("scheduler", "kv_cache", "output", "network", "frontend", "load", "none")
+CAUSES = ("scheduler", "kv_cache", "output", "network", "frontend", "load", "disaggregation", "none")
 STEP_GROWTH = 1.5  # engine steps this much longer (mean): the gaps between tokens are the steps
 OUTPUT_BACKLOG = 10.0  # outputs queued in the API (max over the window) that count as a pile-up, if 2x the baseline
 LOAD_GROWTH = 1.5  # rate or request size up by this factor: the same queueing is simply more work
@@ -65,6 +66,8 @@ KNOBS = {
     "frontend": "the API process: chat-template and tokenization cost of long re-sent histories "
     "(--tokenizer-threads, shorter histories, more API processes)",
     "load": "capacity: more replicas behind `servelm router`, or shed load earlier (--max-waiting-requests)",
+    "disaggregation": "the prefill pool or the KV transfer: more prefill workers, a higher "
+    "--disagg-min-uncached-tokens on the router (fewer prompts sent to prefill workers), a faster link",
 }
 
 EVIDENCE = {
@@ -78,10 +81,12 @@ EVIDENCE = {
     "load": ("ttft.queue", "ttft.prefill", "request_rate", "prompt_tokens_p50", "prompt_tokens_per_request",
              "uncached_prompt_tokens_per_request",
              "generation_tokens_per_request", "prompt_tokens_per_s", "waiting_mean"),
+    "disaggregation": ("ttft.kv_transfer", "ttft.queue", "ttft_p90_s"),
     "none": ("ttft_p50_s", "ttft_p90_s"),
 }  # fmt: skip
 FIXED_CAUSE = {
     "ingress": "frontend", "output": "output", "network": "network", "preemption": "kv_cache", "kv_load": "kv_cache",
+    "kv_transfer": "disaggregation",
 }  # fmt: skip
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from servelm.config import EngineConfig
-from servelm.datatypes import DEFAULT_SLO, EngineOutput, EngineRequest, RequestSlo
+from servelm.datatypes import DEFAULT_SLO, EngineOutput, EngineRequest, KVTransferParams, RequestSlo
 from servelm.engine.async_client import AsyncEngineClient, EngineDeadError
 from servelm.engine.fan_out import Choice, ChoiceDelta, FanOut
 from servelm.obs.metrics import FinishedRequest
@@ -65,6 +65,7 @@ class GenerationRequest:
     priority: int = 0
     cache_salt: str | None = None  # the prefix-cache namespace of every engine request here
     slo: RequestSlo = DEFAULT_SLO  # the caller's tenant and SLO class (servelm.tenancy)
+    kv_transfer: KVTransferParams | None = None  # disaggregation: its side of a hand-off (n = 1 only)
 
 
 class AsyncLLM:
@@ -159,6 +160,7 @@ class AsyncLLM:
             arrival_time=request.timeline.wall[ApiStamp.RECEIVED],
             cache_salt=request.cache_salt,
             slo=request.slo,
+            kv_transfer=request.kv_transfer,
         )
         return GenerationStream(self, fan_out, request.timeline, observer)
 

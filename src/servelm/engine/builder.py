@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,10 @@ from servelm.worker.kv_offload import KVOffloader
 from servelm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+# A producer's host tier when --kv-offloading-size is not given: exports wait for their pull there.
+PRODUCER_HOST_TIER_BYTES = 1 << 30
+# Fault injection for end-to-end tests: the transfer server corrupts every Nth block it sends.
+FAULT_KV_CORRUPT_ENV = "SERVELM_FAULT_KV_CORRUPT_EVERY"
 
 
 @dataclass
@@ -44,6 +49,7 @@ class BuiltEngine:
     max_model_len: int
     num_blocks: int
     source: str  # where the weights came from
+    kv_transfer_address: str | None = None  # a producer's transfer server (--kv-role prefill|both)
 
 
 def eos_token_ids(arch: ModelArchConfig, tokenizer: Any) -> tuple[int, ...]:
@@ -105,9 +111,12 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     draft_kv = proposer.draft.kv_caches if isinstance(proposer, DraftModelProposer) and separate_draft else []
     tiers: KVTiers | None = None
     offloader: KVOffloader | None = None
-    if config.kv_tiers.enabled:
+    if config.kv_tiers.enabled or config.kv_transfer.kv_role is not None:
         if not config.cache.enable_prefix_caching:
-            raise ValueError("KV tiers (--kv-offloading-size, --kv-disk-path) need prefix caching: drop --no-prefix-caching")
+            raise ValueError(
+                "KV tiers (--kv-offloading-size, --kv-disk-path) and --kv-role need prefix caching: "
+                "drop --no-prefix-caching"
+            )
         tiers, offloader = _kv_tiers(config, arch, source, block_tensors([*kv_caches, *draft_kv]))
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
@@ -119,7 +128,7 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
     scheduler = Scheduler(
         config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative,
-        kv_tiers=tiers,
+        kv_tiers=tiers, kv_transfer=config.kv_transfer,
     )  # fmt: skip
     return BuiltEngine(
         core=EngineCore(scheduler, runner, kv_manager),
@@ -128,6 +137,7 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
         max_model_len=max_model_len,
         num_blocks=num_blocks,
         source=source,
+        kv_transfer_address=offloader.transfer_address if offloader is not None else None,
     )
 
 
@@ -135,8 +145,12 @@ def _kv_tiers(
     config: EngineConfig, arch: ModelArchConfig, source: str, block_tensors: list[torch.Tensor]
 ) -> tuple[KVTiers, KVOffloader]:
     """The scheduler's and the runner's halves of the host/disk KV tiers, over one disk store
-    namespaced by the model fingerprint."""
-    tier_config, block_size = config.kv_tiers, config.cache.block_size
+    namespaced by the model fingerprint, and of a disaggregation role (a producer serves its
+    exports from the host tier: it gets one when none is configured)."""
+    tier_config, block_size, transfer = config.kv_tiers, config.cache.block_size, config.kv_transfer
+    if transfer.is_producer and tier_config.host_bytes == 0:
+        tier_config = dataclasses.replace(tier_config, host_bytes=PRODUCER_HOST_TIER_BYTES)
+        logger.info("--kv-role %s: a %d MiB host tier holds exports", transfer.kv_role, PRODUCER_HOST_TIER_BYTES >> 20)
     layout = {
         "block_size": block_size,
         "kv_cache_dtype": config.cache.kv_cache_dtype,
@@ -144,8 +158,14 @@ def _kv_tiers(
     }
     fingerprint = kv_fingerprint(dataclasses.asdict(arch), weights_identity(source), layout)
     disk = DiskBlockStore(tier_config.disk_path, fingerprint) if tier_config.disk_path is not None else None
-    offloader = KVOffloader(block_tensors, disk_store=disk)
-    tiers = KVTiers(tier_config, block_size, offloader.codec.block_bytes, disk, config.kv_events.enabled)
+    corrupt_every = int(os.environ.get(FAULT_KV_CORRUPT_ENV, "0") or 0)
+    offloader = KVOffloader(block_tensors, disk_store=disk, transfer=transfer, corrupt_every=corrupt_every)
+    tiers = KVTiers(
+        tier_config, block_size, offloader.codec.block_bytes, disk, config.kv_events.enabled,
+        remote=transfer.is_consumer,
+    )  # fmt: skip
+    if offloader.transfer_address is not None:
+        logger.info("KV transfer server (--kv-role %s) at %s", transfer.kv_role, offloader.transfer_address)
     capacities = {medium.value: index.capacity_blocks for medium, index in tiers.indexes.items()}
     logger.info("KV tiers (blocks each holds): %s; fingerprint %s", capacities, fingerprint)
     return tiers, offloader

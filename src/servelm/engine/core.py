@@ -43,6 +43,18 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_housekeeping(self) -> bool:
+        """Idle, but something times out or is reported by the worker only in a step: a prefill
+        worker's exports waiting for their pull (served, or expired after the hold)."""
+        tiers = self.scheduler.kv_tiers
+        return tiers is not None and tiers.num_exports > 0
+
+    def transfer_gauges(self) -> tuple[int, int, int]:
+        """(loading, pulling, exports held): gauges that change in steps without any output, so
+        the stats go out when they move (a pull waiting seconds for its prefill shows as one)."""
+        tiers = self.scheduler.kv_tiers
+        return (tiers.num_loading, tiers.num_pulling, tiers.num_exports) if tiers is not None else (0, 0, 0)
+
     def step(self) -> list[EngineOutput]:
         scheduler_output = self.scheduler.schedule()
         try:
@@ -117,9 +129,11 @@ def tier_stats(tiers: KVTiers) -> TierStats:
     """The KV tiers' counters and gauges, keyed by medium name."""
     counters = tiers.counters
 
+    media = [*tiers.indexes, *([KVMedium.REMOTE] if tiers.remote else [])]
+
     def by_name(counter: dict[KVMedium, int]) -> dict[str, int]:
         # Every configured tier, at 0 until it counts: a counter that exists reads 0, not "absent".
-        return {medium.value: counter.get(medium, 0) for medium in tiers.indexes}
+        return {medium.value: counter.get(medium, 0) for medium in media}
 
     return TierStats(
         queries=by_name(counters.queried_tokens),
@@ -130,6 +144,8 @@ def tier_stats(tiers: KVTiers) -> TierStats:
         capacity_bytes={m.value: index.capacity_blocks * tiers.block_bytes for m, index in tiers.indexes.items()},
         failed_loads=counters.failed_loads,
         num_loading=tiers.num_loading,
+        num_pulling=tiers.num_pulling,
+        num_exports=tiers.num_exports,
     )
 
 

@@ -35,6 +35,11 @@ from servelm.engine.messages import (
 logger = logging.getLogger(__name__)
 
 
+# Idle poll interval while a prefill worker holds exports: how soon a pull served or a hold
+# expired is heard of (an empty step each time; cheap).
+HOUSEKEEPING_POLL_MS = 50
+
+
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
     """Process entry point (spawned by the client)."""
     # Ctrl-C in a terminal reaches the whole process group; the API process owns shutdown
@@ -64,6 +69,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                     block_size=config.cache.block_size,
                     vocab_size=built.arch.vocab_size,
                     source=built.source,
+                    kv_transfer_address=built.kv_transfer_address,
                 )
             )
         )
@@ -91,8 +97,9 @@ def _serve(
     parent = os.getppid()
     while True:
         rejected: list[EngineOutput] = []
-        # With work pending, only drain what is already there; otherwise wait (bounded, to notice orphaning).
-        timeout_ms = 0 if core.has_work() else 1000
+        # With work pending, only drain what is already there; otherwise wait (bounded, to notice
+        # orphaning; shorter while exports wait for their pulls, which only a step hears of).
+        timeout_ms = 0 if core.has_work() else HOUSEKEEPING_POLL_MS if core.has_housekeeping() else 1000
         while ready := dict(poller.poll(timeout_ms)):
             timeout_ms = 0
             if kv_events is not None:
@@ -112,10 +119,14 @@ def _serve(
         if os.getppid() != parent:
             logger.error("engine core: the API process is gone; exiting")
             return
-        step_outputs = rejected + (core.step() if core.has_work() else [])
+        gauges = core.transfer_gauges()
+        step_outputs = rejected
+        if core.has_work() or core.has_housekeeping():  # housekeeping: an empty step
+            step_outputs = rejected + core.step()
+        changed = core.transfer_gauges() != gauges
         if kv_events is not None:
             kv_events.publish()  # this step's stored / removed blocks, or an idle heartbeat
-        if step_outputs:
+        if step_outputs or changed:
             stats = core.stats()
             stats.recent_steps = core.take_step_records()
             batch = OutputBatch(outputs=step_outputs, stats=stats, timestamp=time.time())

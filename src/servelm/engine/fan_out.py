@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from servelm.datatypes import DEFAULT_SLO, EngineOutput, EngineRequest, PositionLogprobs, RequestSlo
+from servelm.datatypes import DEFAULT_SLO, EngineOutput, EngineRequest, KVTransferParams, PositionLogprobs, RequestSlo
 from servelm.engine.output_state import RequestState
 from servelm.sampling_params import SamplingParams
 
@@ -73,6 +73,7 @@ class FanOut:
     arrival_time: float = 0.0
     cache_salt: str | None = None
     slo: RequestSlo = DEFAULT_SLO  # tenant and SLO class, stamped on every engine request
+    kv_transfer: KVTransferParams | None = None  # disaggregation (one choice only: the API checks)
     choices: list[Choice] = field(default_factory=list)
     _by_engine_id: dict[str, Choice] = field(default_factory=dict)
     _siblings: dict[int, list[Choice]] = field(default_factory=dict)  # prompt index → choices not yet sent
@@ -187,6 +188,7 @@ class FanOut:
             arrival_time=self.arrival_time,
             cache_salt=self.cache_salt,
             slo=self.slo,
+            kv_transfer=self.kv_transfer,
         )
 
 

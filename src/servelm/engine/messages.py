@@ -30,6 +30,7 @@ class CoreReady(msgspec.Struct, tag="ready", kw_only=True):
     block_size: int
     vocab_size: int
     source: str
+    kv_transfer_address: str | None = None  # a producer's transfer server (disaggregation)
 
 
 class OutputBatch(msgspec.Struct, tag="outputs", kw_only=True):

@@ -189,6 +189,11 @@ class KVTiers:
         self._order_load(KVLoad(request_id, block_ids, block_hashes, media, peer), deadline)
 
     @property
+    def num_pulling(self) -> int:
+        """Pulls in flight."""
+        return sum(1 for load in self._loads.values() if load.request.peer is not None)
+
+    @property
     def num_pull_blocks(self) -> int:
         """Pool blocks held by pulls in flight."""
         return sum(len(load.request.block_ids) for load in self._loads.values() if load.request.peer is not None)
@@ -293,9 +298,10 @@ class KVTiers:
 
     def exports_served(self, transfer_ids: Sequence[str]) -> None:
         """The worker reports these exports pulled: let go of their blocks (they stay in the host
-        tier, evictable)."""
+        tier, evictable) and tell the worker to forget the export."""
         for transfer_id in transfer_ids:
-            self._release(transfer_id)
+            if self._release(transfer_id):
+                self._transfers.export_ends.append((transfer_id, KVExportEnd.EXPIRED))
 
     def expire_exports(self, now: float) -> list[str]:
         """Forget the exports whose hold ran out (the consumer recomputes what it did not pull)."""
@@ -313,15 +319,17 @@ class KVTiers:
         self.indexes[KVMedium.HOST].pin([block_hash])
         hold.pinned.append(block_hash)
 
-    def _release(self, transfer_id: str) -> None:
+    def _release(self, transfer_id: str) -> bool:
+        """Let go of an export's hold; False when there was none."""
         hold = self._holds.pop(transfer_id, None)
         if hold is None:
-            return
+            return False
         self.indexes[KVMedium.HOST].unpin(hold.pinned)
         for block_hash in hold.block_hashes:
             self._num_holds[block_hash] -= 1
             if not self._num_holds[block_hash]:
                 del self._num_holds[block_hash]
+        return True
 
     def record_saved(self, saved_bytes: dict[KVMedium, int]) -> None:
         for medium, num_bytes in saved_bytes.items():

@@ -6,7 +6,10 @@
               tokenize                  queue                      that redo work done before it
 
 `kv_load` is the part of the wait before the first schedule spent loading the prompt's prefix
-from a KV tier (host memory, disk: KV_LOAD_STARTED → KV_LOADED); `queue` is the rest.
+from a KV tier (host memory, disk: KV_LOAD_STARTED → KV_LOADED); `kv_transfer` the part spent
+pulling the prompt's KV from a prefill worker (disaggregation: KV_PULL_STARTED → KV_PULLED; the
+pull streams blocks as the prefill computes them, so it holds the remote prefill and the transfer
+hop after it); `queue` is the rest.
 
 The components telescope, so they sum to `end - received` exactly (in wall-clock time;
 `ttft_mono` is the same span on the API's monotonic clock, the cross-check for a clock step).
@@ -26,11 +29,12 @@ from servelm.datatypes import EventType, RequestEvent
 
 @dataclass(frozen=True)
 class TTFTBreakdown:
-    """Seconds. ingress + queue + kv_load + prefill + preemption + output == ttft."""
+    """Seconds. ingress + queue + kv_load + kv_transfer + prefill + preemption + output == ttft."""
 
     ingress: float  # HTTP received → sent to the core: validation, chat template, tokenization
     queue: float  # sent → first scheduled, less kv_load: IPC into the core and the waiting queue
     kv_load: float  # before the first schedule: its prefix's KV loading from a tier beyond the pool
+    kv_transfer: float  # before the first schedule: its prompt's KV pulled from a prefill worker
     prefill: float  # first scheduled → first token, less preemption: prompt compute (chunks, batch-mates)
     preemption: float  # waiting after preemptions + recomputing lost progress, before the first token
     output: float  # first token sampled in the core → end: core→API, detokenize, write
@@ -39,7 +43,7 @@ class TTFTBreakdown:
     core_to_api: float  # first token sampled → its output received by the API (part of `output`)
     detokenize: float  # received → detokenized (part of `output`)
 
-    COMPONENTS = ("ingress", "queue", "kv_load", "prefill", "preemption", "output")
+    COMPONENTS = ("ingress", "queue", "kv_load", "kv_transfer", "prefill", "preemption", "output")
 
     def as_ms(self) -> dict[str, float]:
         names = (*self.COMPONENTS, "ttft", "ttft_mono", "core_to_api", "detokenize")
@@ -69,10 +73,12 @@ def attribute_ttft(
     preemption = min(preemption_before(events, first_token), max(compute, 0.0))
     waited = first_scheduled - sent_to_core
     kv_load = min(kv_load_before(events, first_scheduled), max(waited, 0.0))
+    kv_transfer = min(kv_load_before(events, first_scheduled, PULL_EVENTS), max(waited - kv_load, 0.0))
     return TTFTBreakdown(
         ingress=sent_to_core - received,
-        queue=waited - kv_load,
+        queue=waited - kv_load - kv_transfer,
         kv_load=kv_load,
+        kv_transfer=kv_transfer,
         prefill=compute - preemption,
         preemption=preemption,
         output=end - first_token,
@@ -83,21 +89,28 @@ def attribute_ttft(
     )
 
 
-def kv_load_spans(events: list[RequestEvent]) -> list[tuple[float, float]]:
-    """(start, end) of each KV load from a tier (KV_LOAD_STARTED → KV_LOADED) in a request's events."""
+LOAD_EVENTS = (EventType.KV_LOAD_STARTED, EventType.KV_LOADED)  # from a tier
+PULL_EVENTS = (EventType.KV_PULL_STARTED, EventType.KV_PULLED)  # from a prefill worker
+
+
+def kv_load_spans(
+    events: list[RequestEvent], kind: tuple[EventType, EventType] = LOAD_EVENTS
+) -> list[tuple[float, float]]:
+    """(start, end) of each KV load of `kind` (a tier's by default, or PULL_EVENTS) in a request's events."""
     spans, started = [], None
+    begin, end = kind
     for event in events:
-        if event.type is EventType.KV_LOAD_STARTED:
+        if event.type is begin:
             started = event.timestamp
-        elif event.type is EventType.KV_LOADED and started is not None:
+        elif event.type is end and started is not None:
             spans.append((started, event.timestamp))
             started = None
     return spans
 
 
-def kv_load_before(events: list[RequestEvent], until: float) -> float:
-    """Seconds spent in KV loads that ended by `until`."""
-    return sum(end - start for start, end in kv_load_spans(events) if end <= until)
+def kv_load_before(events: list[RequestEvent], until: float, kind: tuple[EventType, EventType] = LOAD_EVENTS) -> float:
+    """Seconds spent in KV loads of `kind` that ended by `until`."""
+    return sum(end - start for start, end in kv_load_spans(events, kind) if end <= until)
 
 
 def preemption_before(events: list[RequestEvent], until: float) -> float:

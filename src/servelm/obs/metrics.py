@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from servelm.datatypes import EventType, RequestEvent, RequestSlo
-from servelm.obs.attribution import TTFTBreakdown, kv_load_spans
+from servelm.obs.attribution import PULL_EVENTS, TTFTBreakdown, kv_load_spans
 from servelm.schemas.core_stats import CoreStats, TierStats
 
 PREFIX = "servelm:"
@@ -131,6 +131,12 @@ class ServerMetrics:
         self.kv_load = histogram(
             "kv_load_seconds", "Core: one load of a prompt prefix's KV from a tier into the pool.", _LATENCY_BUCKETS
         )
+        self.kv_pull = histogram(
+            "kv_pull_seconds",
+            "Core (decode worker): one pull of a prompt's KV from a prefill worker, its prefill included "
+            "(blocks stream as they are computed).",
+            _LATENCY_BUCKETS,
+        )
         self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per request.", lengths)
         self.generation_len = histogram("request_generation_tokens", "Generated tokens per request.", lengths)
         self.ttft_component = histogram(
@@ -209,6 +215,8 @@ class ServerMetrics:
             self.prefill.labels(*labels).observe(max(first_token - scheduled, 0.0))
         for start, end in kv_load_spans(request.events):
             self.kv_load.labels(*labels).observe(max(end - start, 0.0))
+        for start, end in kv_load_spans(request.events, PULL_EVENTS):
+            self.kv_pull.labels(*labels).observe(max(end - start, 0.0))
         if first_token is not None and finished is not None:
             decode = max(finished - first_token, 0.0)
             self.decode.labels(*labels).observe(decode)
@@ -336,3 +344,11 @@ class _CoreCollector(Collector):
                                     "load from a tier.", labels=["model_name"])  # fmt: skip
         loading.add_metric([self.model_name], float(tiers.num_loading))
         yield loading
+        pulling = GaugeMetricFamily(PREFIX + "num_kv_pulls_in_flight", "Disaggregation, decode worker: requests "
+                                    "pulling their prompt's KV from a prefill worker.", labels=["model_name"])  # fmt: skip
+        pulling.add_metric([self.model_name], float(tiers.num_pulling))
+        yield pulling
+        exports = GaugeMetricFamily(PREFIX + "num_kv_exports_held", "Disaggregation, prefill worker: prompts whose "
+                                    "KV is held for a decode worker's pull.", labels=["model_name"])  # fmt: skip
+        exports.add_metric([self.model_name], float(tiers.num_exports))
+        yield exports

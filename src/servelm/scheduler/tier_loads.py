@@ -162,6 +162,8 @@ class TierLoads:
         if params is None or params.role is not KVTransferRole.PRODUCER:
             return
         num_blocks = (request.num_prompt_tokens - 1) // self._kv.block_size
+        if num_blocks == 0:
+            return  # a prompt shorter than a block: the consumer computes it all, nothing to hold
         hashes = hash_block_tokens(request.prompt_token_ids, self._kv.block_size, request.extra_key)[:num_blocks]
         self.tiers.export(params.transfer_id, hashes)
 

@@ -17,7 +17,9 @@ class TierStats(msgspec.Struct, kw_only=True):
     used_bytes: dict[str, int] = {}
     capacity_bytes: dict[str, int] = {}
     failed_loads: int = 0  # loads that stopped short: timed out, or a block missing or corrupt
-    num_loading: int = 0  # requests waiting for their prefix's KV to load
+    num_loading: int = 0  # requests waiting for their prefix's KV to load (tier loads and pulls)
+    num_pulling: int = 0  # ... of them pulling it from a prefill worker (disaggregation, decode side)
+    num_exports: int = 0  # prompts whose KV a prefill worker holds for a pull (disaggregation, prefill side)
 
 
 class CoreStats(msgspec.Struct, kw_only=True):

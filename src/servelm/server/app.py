@@ -59,6 +59,7 @@ from servelm.server.errors import (
     install_error_handlers,
     unavailable,
 )
+from servelm.server.kv_transfer_api import KVTransferInfo
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
 from servelm.server.tenant_limits import TenantLimitsMiddleware
@@ -136,13 +137,16 @@ async def _start_context(engine_config: EngineConfig, options: ServerOptions) ->
         num_core_waiting=lambda: client.stats.num_waiting,
         engine_error=lambda: client.dead_error,
     )
-    logger.info("serving %s (%s): context %d tokens, %d KV blocks", name, ready.source, ready.max_model_len, ready.num_blocks)
+    logger.info(
+        "serving %s (%s): context %d tokens, %d KV blocks", name, ready.source, ready.max_model_len, ready.num_blocks
+    )
     return ServerContext(
         engine=engine,
         metrics=metrics,
         admission=admission,
         request_logger=RequestLogger(options.log_requests),
         model_name=name,
+        kv_transfer=KVTransferInfo(engine_config.kv_transfer.kv_role, ready.kv_transfer_address, ready.block_size),
     )
 
 
@@ -243,6 +247,13 @@ def _add_routes(app: FastAPI) -> None:
         card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "servelm",
                 "root": ctx.model_name, "max_model_len": ctx.max_model_len}  # fmt: skip
         return json_response({"object": "list", "data": [card]})
+
+    @app.get("/v1/kv_transfer")
+    async def kv_transfer(request: Request) -> Response:
+        info = _ctx(request).kv_transfer
+        if info.kv_role is None:
+            return APIError(404, "this server has no --kv-role (no prefill/decode disaggregation)").response()
+        return json_response(info.describe())
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -14,6 +14,7 @@ from servelm.engine.async_llm import GenerationRequest, GenerationStream
 from servelm.engine.fan_out import ChoiceDelta
 from servelm.obs.timeline import ApiStamp
 from servelm.server.context import ServerContext
+from servelm.server.kv_transfer_api import kv_transfer_for
 from servelm.server.logprobs import chat_logprobs_content, ids_to_decode
 from servelm.server.protocol import ChatCompletionRequest
 from servelm.server.serving import (
@@ -35,12 +36,15 @@ from servelm.server.serving import (
 
 async def create_chat_completion(ctx: ServerContext, http_request: Request, body: ChatCompletionRequest) -> Response:
     request_id, timeline, params = begin_request(ctx, http_request, "chatcmpl", body)
+    kv_transfer = kv_transfer_for(ctx.kv_transfer, body.kv_transfer_params, body.n)
     ctx.admission.admit(body.n)
     prompt = await render_chat(ctx, body.chat_messages(), body.add_generation_prompt)
     check_prompts(ctx, [prompt], params, "messages")
     timeline.stamp(ApiStamp.TOKENIZED)
     priority, slo = tenant_priority(http_request, body.priority, body.kv_retention)
-    request = GenerationRequest(request_id, [prompt], params, timeline, priority, body.cache_salt, slo)
+    request = GenerationRequest(
+        request_id, [prompt], params, timeline, priority, body.cache_salt, slo, kv_transfer=kv_transfer
+    )
     gen = ctx.engine.generate(request, observer=ctx.metrics)
     reserve_tokens(http_request, gen, ctx.max_model_len)
     return await respond(http_request, gen, _ChatView(ctx, body, gen), body.stream)
@@ -61,7 +65,10 @@ class _ChatView:
             return None
         ids = ids_to_decode(token_ids, entries)
         strings = dict(zip(ids, self.ctx.tokenizer.decoder.token_strings(ids)))
-        return {"content": chat_logprobs_content(token_ids, entries, strings, self.body.top_logprobs or 0), "refusal": None}
+        return {
+            "content": chat_logprobs_content(token_ids, entries, strings, self.body.top_logprobs or 0),
+            "refusal": None,
+        }
 
     async def collect(self) -> Response:
         texts: dict[int, list[str]] = {c.index: [] for c in self.gen.choices}
@@ -88,7 +95,11 @@ class _ChatView:
             )
         prompt_tokens, completion_tokens = len(self.gen.prompts[0]), sum(len(t) for t in tokens.values())
         done = finish_request(self.ctx, self.gen, prompt_tokens, completion_tokens, self.body.wants_timeline)
-        payload = {**self._header("chat.completion"), "choices": choices, "usage": usage(prompt_tokens, completion_tokens, self.gen.num_cached_prompt_tokens)}
+        payload = {
+            **self._header("chat.completion"),
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, self.gen.num_cached_prompt_tokens),
+        }
         if done.timeline_dict is not None:
             payload["servelm"] = {"timeline": done.timeline_dict}
         return json_response(payload, headers=done.ttft_header)

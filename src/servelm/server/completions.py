@@ -20,6 +20,7 @@ from servelm.engine.fan_out import Choice, ChoiceDelta
 from servelm.obs.timeline import ApiStamp
 from servelm.server.context import ServerContext
 from servelm.server.errors import bad_request
+from servelm.server.kv_transfer_api import kv_transfer_for
 from servelm.server.logprobs import empty_completion_logprobs, extend_completion_logprobs, ids_to_decode
 from servelm.server.protocol import CompletionRequest
 from servelm.server.serving import (
@@ -41,12 +42,15 @@ from servelm.server.serving import (
 async def create_completion(ctx: ServerContext, http_request: Request, body: CompletionRequest) -> Response:
     request_id, timeline, params = begin_request(ctx, http_request, "cmpl", body)
     prompts = _prompt_list(body.prompt)
+    kv_transfer = kv_transfer_for(ctx.kv_transfer, body.kv_transfer_params, len(prompts) * body.n)
     ctx.admission.admit(len(prompts) * body.n)
     token_ids = await ctx.engine.encode_prompts(prompts)
     check_prompts(ctx, token_ids, params, "prompt", client_ids=not all(isinstance(p, str) for p in prompts))
     timeline.stamp(ApiStamp.TOKENIZED)
     priority, slo = tenant_priority(http_request, body.priority, body.kv_retention)
-    request = GenerationRequest(request_id, token_ids, params, timeline, priority, body.cache_salt, slo)
+    request = GenerationRequest(
+        request_id, token_ids, params, timeline, priority, body.cache_salt, slo, kv_transfer=kv_transfer
+    )
     gen = ctx.engine.generate(request, observer=ctx.metrics)
     reserve_tokens(http_request, gen, ctx.max_model_len)
     return await respond(http_request, gen, _CompletionView(ctx, body, gen, prompts), body.stream)
@@ -89,7 +93,12 @@ class _CompletionView:
         return self.body.max_tokens == 0  # prompt scoring only
 
     def _header(self) -> dict[str, Any]:
-        return {"id": self.gen.request_id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name}
+        return {
+            "id": self.gen.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.model_name,
+        }
 
     async def _echo(self, choice: Choice, acc: _Accumulated) -> tuple[str, dict[str, list[Any]] | None]:
         """The prompt's text (and its logprobs) that precede this choice's completion."""
@@ -111,7 +120,9 @@ class _CompletionView:
 
     async def _strings(self, token_ids: list[int], entries: list, in_pool: bool) -> dict[int, str]:
         ids = ids_to_decode(token_ids, entries)
-        decoded = await self.ctx.tokenizer.token_strings(ids) if in_pool else self.ctx.tokenizer.decoder.token_strings(ids)
+        decoded = (
+            await self.ctx.tokenizer.token_strings(ids) if in_pool else self.ctx.tokenizer.decoder.token_strings(ids)
+        )
         return dict(zip(ids, decoded))
 
     async def collect(self) -> Response:
@@ -127,7 +138,11 @@ class _CompletionView:
         choices = [await self._final_choice(c, accumulated[c.index]) for c in self.gen.choices]
         completion_tokens = sum(len(a.token_ids) for a in accumulated.values()) if not self.drop_generated else 0
         done = finish_request(self.ctx, self.gen, self._prompt_tokens(), completion_tokens, self.body.wants_timeline)
-        payload = {**self._header(), "choices": choices, "usage": usage(self._prompt_tokens(), completion_tokens, self.gen.num_cached_prompt_tokens)}
+        payload = {
+            **self._header(),
+            "choices": choices,
+            "usage": usage(self._prompt_tokens(), completion_tokens, self.gen.num_cached_prompt_tokens),
+        }
         if done.timeline_dict is not None:
             payload["servelm"] = {"timeline": done.timeline_dict}
         return json_response(payload, headers=done.ttft_header)
@@ -187,7 +202,9 @@ class _CompletionView:
             if self.body.logprobs is not None and delta.token_ids:
                 logprobs = logprobs or empty_completion_logprobs()
                 strings = await self._strings(delta.token_ids, delta.logprobs or [], in_pool=False)
-                acc.text_offset = extend_completion_logprobs(logprobs, delta.token_ids, delta.logprobs or [], strings, acc.text_offset)
+                acc.text_offset = extend_completion_logprobs(
+                    logprobs, delta.token_ids, delta.logprobs or [], strings, acc.text_offset
+                )
         if not text and logprobs is None and delta.finish_reason is None:
             return None
         return _entry(delta, text, logprobs)

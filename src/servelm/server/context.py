@@ -8,6 +8,7 @@ from servelm.engine.async_llm import AsyncLLM
 from servelm.obs.metrics import ServerMetrics
 from servelm.obs.request_log import RequestLogger
 from servelm.server.admission import Admission
+from servelm.server.kv_transfer_api import KVTransferInfo
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 
@@ -18,6 +19,7 @@ class ServerContext:
     admission: Admission
     request_logger: RequestLogger
     model_name: str
+    kv_transfer: KVTransferInfo  # this server's disaggregation role (kv_role None: none)
 
     @property
     def tokenizer(self) -> PromptTokenizer:

@@ -56,6 +56,16 @@ class ServelmOptions(_Strict):
     timeline: bool = False  # return the request's timeline and TTFT split in the response
 
 
+class KVTransferParamsBody(_Strict):
+    """`kv_transfer_params` (vLLM's field): one side of a prefill/decode hand-off, sent by the
+    router (server/kv_transfer_api.py checks it against the server's --kv-role)."""
+
+    do_remote_decode: bool = False  # prefill here; a decode server pulls the KV
+    do_remote_prefill: bool = False  # pull the prompt's KV from remote_address, then decode here
+    transfer_id: Identifier
+    remote_address: Identifier | None = None
+
+
 class _GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -89,6 +99,7 @@ class _GenerationRequest(_Strict):
     # How long this request's KV stays in the host/disk tiers (ours): "high" for a system prompt or
     # a document many requests will share, "low" for a one-off; absent: its SLO class's (normal).
     kv_retention: Literal["low", "normal", "high"] | None = None
+    kv_transfer_params: KVTransferParamsBody | None = None
     servelm: ServelmOptions | None = None
 
     @property

@@ -14,6 +14,14 @@ Threads, so transfers overlap the model's forward:
 - loads run on the loader thread, block by block, into pool blocks no scheduled request reads
   (they belong to a request that waits for them); a cancel waits for the block being copied, so
   after `apply` returns a cancelled load writes nothing more: the scheduler may reuse its blocks.
+
+Disaggregation (servelm.disagg), with a KVTransferConfig role:
+- producer: the host store is what the transfer server serves; exports announced and ended by the
+  scheduler go to the export registry, every host save wakes the pulls waiting for it, and the
+  exports whose pull ended are reported back (`take_served`);
+- consumer: a load from the REMOTE medium is a pull on the transfer client's I/O thread (many at
+  once: one waits for its prefill while another completes); each verified block is copied into
+  its pool block under the same lock and cancel rules as a tier load.
 """
 
 from __future__ import annotations
@@ -27,7 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from servelm.config import KVTransferConfig
 from servelm.datatypes import KVLoad, KVLoadResult, KVMedium, KVTransfers
+from servelm.disagg.exports import ExportRegistry
+from servelm.disagg.transport_client import KVTransferClient
+from servelm.disagg.transport_server import KVTransferServer
 from servelm.kv.disk_store import CorruptBlockFile, DiskBlockStore
 
 logger = logging.getLogger(__name__)
@@ -80,9 +92,16 @@ class KVOffloader:
     """Host store, disk writer and background loader of one runner. `apply` and `take_results` are
     called by the runner's thread only; `close` stops the threads (pending disk writes first)."""
 
-    def __init__(self, block_tensors: Sequence[torch.Tensor], disk_store: DiskBlockStore | None) -> None:
+    def __init__(
+        self,
+        block_tensors: Sequence[torch.Tensor],
+        disk_store: DiskBlockStore | None,
+        transfer: KVTransferConfig | None = None,  # a disaggregation role; None or no role: none
+        corrupt_every: int = 0,  # fault injection (tests): the transfer server corrupts every Nth block sent
+    ) -> None:
         """Host copies are kept for the saves ordered to the host tier (the scheduler orders them
-        only when there is one); `disk_store` is the disk tier, None without one."""
+        only when there is one); `disk_store` is the disk tier, None without one. A producer's
+        transfer server and a consumer's connections to `kv_transfer_peers` start here."""
         self.codec = BlockCodec(block_tensors)
         self._disk = disk_store
         self._pin = block_tensors[0].device.type == "cuda"  # page-locked host copies for fast DMA
@@ -103,6 +122,26 @@ class KVOffloader:
         if disk_store is not None:
             self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
             self._writer.start()
+        self._exports: ExportRegistry | None = None
+        self._server: KVTransferServer | None = None
+        self._client: KVTransferClient | None = None
+        if transfer is not None and transfer.is_producer:
+            self._exports = ExportRegistry(self._host_payload, transfer.kv_transfer_wait_s)
+            self._server = KVTransferServer(
+                self._exports, transfer.kv_transfer_host, transfer.kv_transfer_port, corrupt_every=corrupt_every
+            )
+        if transfer is not None and transfer.is_consumer:
+            self._pull_timeout_s = transfer.kv_transfer_timeout_s
+            self._client = KVTransferClient(
+                self.codec.block_bytes, transfer.kv_transfer_wait_s, self._on_pulled_block, self._on_pull_end
+            )
+            for address in transfer.kv_transfer_peers:
+                self._client.connect(address)
+
+    @property
+    def transfer_address(self) -> str | None:
+        """Where consumers pull this producer's exports ("tcp://host:port"); None if not a producer."""
+        return self._server.address if self._server is not None else None
 
     def host_hashes(self) -> set[bytes]:
         with self._host_lock:
@@ -122,10 +161,24 @@ class KVOffloader:
                     self._host.pop(drop.block_hash, None)
             elif self._disk is not None:
                 self._enqueue_write("delete", drop.block_hash, None)
+        if self._exports is not None:
+            if transfers.saves:
+                self._exports.notify_saved()
+            for export in transfers.exports:
+                self._exports.announce(export.transfer_id, export.block_hashes)
+            for transfer_id, why in transfers.export_ends:
+                self._exports.end(transfer_id, why)
         for load in transfers.loads:
             job = _LoadJob(load, started=time.perf_counter())
             self._jobs[load.request_id] = job
-            self._load_queue.put(job)
+            if load.peer is not None:
+                self._start_pull(job)
+            else:
+                self._load_queue.put(job)
+
+    def take_served(self) -> list[str]:
+        """Producer: exports whose pull ended since the last call (the scheduler lets go of them)."""
+        return self._exports.take_served() if self._exports is not None else []
 
     def take_results(self, wait_s: float = 0.0) -> list[KVLoadResult]:
         """Loads that ended since the last call; waits up to `wait_s` for one when none has (the
@@ -151,6 +204,10 @@ class KVOffloader:
     def close(self) -> None:
         for request_id in list(self._jobs):
             self._cancel(request_id)
+        if self._client is not None:
+            self._client.close()
+        if self._server is not None:
+            self._server.close()
         self._load_queue.put(None)
         self._loader.join(timeout=10)
         if self._writer is not None:
@@ -207,6 +264,8 @@ class KVOffloader:
         with self._busy_lock:  # the block being copied, if any, is finished; no further one starts
             job.cancelled = True
             self._report(job, "cancelled")
+        if job.load.peer is not None and self._client is not None:
+            self._client.cancel(request_id)  # its later callbacks find it reported and do nothing
 
     def _load_loop(self) -> None:
         while (job := self._load_queue.get()) is not None:
@@ -257,6 +316,43 @@ class KVOffloader:
                 self.codec.unpack(payload, block_id)
                 job.num_loaded += 1
         return None
+
+    # -- pulls (disaggregation, consumer side) ---------------------------------------------
+
+    def _start_pull(self, job: _LoadJob) -> None:
+        load, peer = job.load, job.load.peer
+        assert peer is not None
+        if self._client is None:  # the scheduler orders pulls only on a consumer
+            with self._busy_lock:
+                self._report(job, "not a consumer")
+            return
+        # The scheduler cancels at its own deadline; this one only stops a pull it lost track of.
+        deadline = time.monotonic() + self._pull_timeout_s + 1.0
+        self._client.start(load.request_id, peer.address, peer.transfer_id, load.block_hashes, deadline)
+
+    @torch.no_grad()
+    def _on_pulled_block(self, request_id: str, index: int, payload: memoryview) -> None:
+        """The client's I/O thread: block `index` of a pull arrived, verified. Blocks come in order."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return
+        with self._busy_lock:
+            if job.reported or index != job.num_loaded:
+                return
+            self.codec.unpack(torch.frombuffer(payload, dtype=torch.uint8), job.load.block_ids[index])
+            job.num_loaded += 1
+
+    def _on_pull_end(self, request_id: str, failure: str | None) -> None:
+        job = self._jobs.get(request_id)
+        if job is not None:
+            with self._busy_lock:
+                self._report(job, failure)
+
+    def _host_payload(self, block_hash: bytes) -> memoryview | None:
+        """Producer: the host copy of a block, for the transfer server (None: not saved yet)."""
+        with self._host_lock:
+            payload = self._host.get(block_hash)
+        return payload.numpy().data if payload is not None else None  # a memoryview that keeps the tensor alive
 
     def _read(self, block_hash: bytes, medium: KVMedium) -> torch.Tensor:
         # The host copy, when there is one, is nearer than the file the index may have named.

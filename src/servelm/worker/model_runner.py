@@ -35,6 +35,7 @@ def attention_backend_of(model: LlamaForCausalLM) -> AttentionBackend:
     """The backend the model's attention layers call (one instance, shared by every layer)."""
     return model.decoder_layers[0].self_attn.backend
 
+
 # A step with nothing to compute waits this long for a KV load to end (the engine would spin otherwise).
 EMPTY_STEP_LOAD_WAIT_S = 0.005
 
@@ -145,6 +146,7 @@ class ModelRunner:
             wait_s = EMPTY_STEP_LOAD_WAIT_S if scheduler_output.total_num_scheduled_tokens == 0 else 0.0
             output.kv_load_results = offloader.take_results(wait_s)
             output.kv_saved_bytes = offloader.take_saved_bytes()
+            output.kv_exports_served = offloader.take_served()
         output.execute_seconds = time.perf_counter() - started
         return output
 
