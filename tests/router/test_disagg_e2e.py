@@ -137,6 +137,7 @@ def test_greedy_output_through_the_split_equals_a_plain_replica(pd_fleet: PDFlee
     assert metric(pd_fleet.router, "servelm:router_prefill_calls_total", 'outcome="ok"') >= 5
     assert metric(pd_fleet.router, "servelm:router_prefill_calls_total", 'outcome="error"') == 0
     assert metric(pd_fleet.router, "servelm:router_prefill_in_flight") == 0
+    assert metric(pd_fleet.router, "servelm:router_disagg_handoff_seconds_count") >= 1
 
 
 def test_a_prompt_the_decode_worker_holds_stays_whole(pd_fleet: PDFleet) -> None:

@@ -13,6 +13,8 @@ PREFIX = "servelm:router_"
 # Matched prefix length in tokens: from nothing to a long shared context.
 MATCH_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
+HANDOFF_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
 
 class _ReplicaGauges:
     """In-flight, outstanding tokens and health per replica, read at scrape time."""
@@ -74,6 +76,11 @@ class RouterMetrics:
             PREFIX + "prefill_calls", "Disaggregated prefill calls by outcome: ok, error (the decode worker computed "
             "the prompt itself), cancelled (the client or the decode attempt went first).", ["outcome"],
             registry=self.registry,
+        )  # fmt: skip
+        self.disagg_handoff = Histogram(
+            PREFIX + "disagg_handoff_seconds", "Disaggregated requests: the prefill worker's answer (its prefill "
+            "done) → the decode worker's first byte (the KV landed and the first token sampled there).",
+            buckets=HANDOFF_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.registry.register(_ReplicaGauges(replicas))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,11 +58,14 @@ class PrefillCalls:
     def __init__(self, router: Router, client: httpx.AsyncClient) -> None:
         self.router = router
         self.client = client
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[float | None]] = set()
 
-    def start(self, replica: Replica, path: str, content: bytes, headers: Mapping[str, str]) -> asyncio.Task[None]:
+    def start(
+        self, replica: Replica, path: str, content: bytes, headers: Mapping[str, str]
+    ) -> asyncio.Task[float | None]:
         """Send the prefill now, in the background; the replica's in-flight count rises at once.
-        Cancelling the returned task aborts the call (the replica sees the connection close)."""
+        The task's result: time.monotonic() when the prefill worker answered OK (its prefill done),
+        else None. Cancelling the task aborts the call (the replica sees the connection close)."""
         replica.prefills_in_flight += 1
         task = asyncio.create_task(self._call(replica, path, content, dict(headers)), name=f"prefill {replica.url}")
         self._tasks.add(task)
@@ -77,12 +81,13 @@ class PrefillCalls:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _call(self, replica: Replica, path: str, content: bytes, headers: dict[str, str]) -> None:
+    async def _call(self, replica: Replica, path: str, content: bytes, headers: dict[str, str]) -> float | None:
         outcome = "error"
         try:
             response = await self.client.post(replica.url + path, content=content, headers=headers)
             if response.status_code < 400:
                 outcome = "ok"
+                return time.monotonic()
             else:
                 logger.warning("prefill on %s answered %d: %s", replica.url, response.status_code, response.text[:300])
         except httpx.HTTPError as exc:
@@ -96,3 +101,4 @@ class PrefillCalls:
         finally:
             replica.prefills_in_flight -= 1
             self.router.metrics.prefill_calls.labels(outcome).inc()
+        return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -107,7 +108,7 @@ class Proxy:
 
     async def _dispatch(
         self, plan: DisaggPlan, view: RequestView, path: str, raw: bytes, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[_Attempt | _Failure, asyncio.Task[None] | None]:
+    ) -> tuple[_Attempt | _Failure, asyncio.Task[float | None] | None]:
         """One attempt: the request whole (its bytes untouched), or split into the prefill call
         (background) and the decode request (awaited to its first byte, as `_try`). The prefill
         is cancelled when the decode attempt fails or this coroutine is cancelled."""
@@ -125,6 +126,9 @@ class Proxy:
         if isinstance(result, _Failure):
             prefill.cancel()
             return result, None
+        if prefill.done() and not prefill.cancelled() and (prefill_done := prefill.result()) is not None:
+            # The hop the split adds after the prefill: the pull's last blocks and the first step there.
+            self.router.metrics.disagg_handoff.observe(max(0.0, time.monotonic() - prefill_done))
         return result, prefill
 
     def _record_decision(self, decision: Decision, view: RequestView, retry: bool) -> None:
@@ -171,7 +175,7 @@ class Proxy:
         return failure
 
     def _stream(
-        self, attempt: _Attempt, view: RequestView, plan: DisaggPlan, prefill: asyncio.Task[None] | None
+        self, attempt: _Attempt, view: RequestView, plan: DisaggPlan, prefill: asyncio.Task[float | None] | None
     ) -> StreamingResponse:
         replica, response = attempt.replica, attempt.response
         tokens = view.num_prompt_tokens + view.num_output_tokens
