@@ -336,19 +336,17 @@ class _CoreCollector(Collector):
             for medium, value in sorted(values.items()):
                 moved.add_metric([self.model_name, direction, medium], float(value))
         yield moved
-        failed = CounterMetricFamily(PREFIX + "kv_load_failures", "KV loads that stopped short (timed out, or a "
-                                     "block missing or corrupt); the rest of the prompt was computed.", labels=["model_name"])  # fmt: skip
-        failed.add_metric([self.model_name], float(tiers.failed_loads))
-        yield failed
-        loading = GaugeMetricFamily(PREFIX + "num_requests_loading_kv", "Requests waiting for their prefix's KV to "
-                                    "load from a tier.", labels=["model_name"])  # fmt: skip
-        loading.add_metric([self.model_name], float(tiers.num_loading))
-        yield loading
-        pulling = GaugeMetricFamily(PREFIX + "num_kv_pulls_in_flight", "Disaggregation, decode worker: requests "
-                                    "pulling their prompt's KV from a prefill worker.", labels=["model_name"])  # fmt: skip
-        pulling.add_metric([self.model_name], float(tiers.num_pulling))
-        yield pulling
-        exports = GaugeMetricFamily(PREFIX + "num_kv_exports_held", "Disaggregation, prefill worker: prompts whose "
-                                    "KV is held for a decode worker's pull.", labels=["model_name"])  # fmt: skip
-        exports.add_metric([self.model_name], float(tiers.num_exports))
-        yield exports
+        single: tuple[tuple[str, str, float, type[CounterMetricFamily | GaugeMetricFamily]], ...] = (
+            ("kv_load_failures", "KV loads that stopped short (timed out, or a block missing or corrupt); the rest "
+             "of the prompt was computed.", tiers.failed_loads, CounterMetricFamily),
+            ("num_requests_loading_kv", "Requests waiting for their prefix's KV to load from a tier.",
+             tiers.num_loading, GaugeMetricFamily),
+            ("num_kv_pulls_in_flight", "Disaggregation, decode worker: requests pulling their prompt's KV from a "
+             "prefill worker.", tiers.num_pulling, GaugeMetricFamily),
+            ("num_kv_exports_held", "Disaggregation, prefill worker: prompts whose KV is held for a decode "
+             "worker's pull.", tiers.num_exports, GaugeMetricFamily),
+        )  # fmt: skip
+        for name, doc, amount, family_type in single:
+            family = family_type(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(amount))
+            yield family
