@@ -9,13 +9,16 @@ import threading
 import time
 
 import httpx
+import pytest
 
+from servelm.bench.cli import _config as bench_config
 from servelm.bench.client import ClientConfig, request_body
 from servelm.bench.profiles import TEMPLATE_TOKENS_PER_MESSAGE, build_workload
 from servelm.bench.runner import RunLimits, run_workload
 from servelm.bench.slow_reader import SlowReading, mark_slow_readers
 from servelm.bench.tokens import TokenSource
 from servelm.bench.workload import LengthLimits, WorkloadRequest
+from servelm.cli import build_parser, main
 
 LIMITS = LengthLimits(max_context=8192)
 
@@ -90,3 +93,29 @@ def test_slow_readers_back_up_the_servers_output_path(bench_server):
     slow_peak, slow = _peak_backlog(bench_server.base_url, SlowReading(read_delay_s=0.2, read_bytes=1024))
     assert slow_peak >= 100, f"slow readers left only {slow_peak:.0f} outputs queued in the API"
     assert all(r.slow_reader and r.first_token_s is not None for r in slow)
+
+
+def test_long_voice_answers_override_the_voice_output_lengths(tokens: TokenSource):
+    mix = {"voice": 0.7, "analytics": 0.3}
+    normal = build_workload("mixed", 40, tokens, LIMITS, seed=0, weights=mix)
+    long = build_workload("mixed", 40, tokens, LIMITS, seed=0, weights=mix, voice_output_tokens=(200, 300))
+    assert [r.traffic_class for r in long] == [r.traffic_class for r in normal]  # the same interleaving
+    assert all(20 <= r.max_tokens <= 80 for r in normal if r.traffic_class == "voice")
+    assert all(200 <= r.max_tokens <= 300 for r in long if r.traffic_class == "voice")
+    # Analytics keeps its own outputs; a voice turn's history grows by the longer replies.
+    assert [r.max_tokens for r in long if r.traffic_class == "analytics"] == [
+        r.max_tokens for r in normal if r.traffic_class == "analytics"
+    ]
+    later = [r for r in long if r.traffic_class == "voice" and r.after is not None]
+    assert later and all(r.shared_prefix_tokens >= 200 for r in later)
+    with pytest.raises(ValueError, match="voice_output_tokens"):
+        build_workload("voice", 4, tokens, LIMITS, voice_output_tokens=(300, 200))
+
+
+def test_voice_output_tokens_is_a_bench_flag(capsys):
+    args = build_parser().parse_args(["bench", "run", "--voice-output-tokens", "200-300"])
+    assert bench_config(args).voice_output_tokens == (200, 300)
+    assert bench_config(build_parser().parse_args(["bench", "run"])).voice_output_tokens is None
+    # A bad range is one line naming the flag, before any server is asked.
+    assert main(["bench", "run", "--voice-output-tokens", "300-200", "--base-url", "http://127.0.0.1:9"]) == 2
+    assert "--voice-output-tokens wants 1 <= LOW <= HIGH, got 300-200" in capsys.readouterr().err

@@ -70,6 +70,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, < 1 burstier")
     work.add_argument("--document-tokens", default=None, metavar="LOW-HIGH",
                       help="analytics documents' prompt lengths (default 500-2000)")  # fmt: skip
+    work.add_argument("--voice-output-tokens", default=None, metavar="LOW-HIGH",
+                      help="voice turns' output lengths (default 20-80)")  # fmt: skip
     work.add_argument("--slow-readers", type=float, default=0.0, metavar="FRACTION",
                       help="that fraction of clients reads its stream slowly (small window, see --read-delay-ms)")  # fmt: skip
     work.add_argument("--read-delay-ms", type=float, default=200.0, help="slow readers: busy this long after each read")
@@ -142,9 +144,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, launch_server=None)
     proxy.set_defaults(handler=_proxy)
 
 
+def _range(spec: str | None, flag: str) -> tuple[int, int] | None:
+    from servelm.bench.profiles import parse_range
+
+    return parse_range(spec, flag) if spec else None
+
+
 def _config(args: argparse.Namespace):
     from servelm.bench.execute import BenchConfig
-    from servelm.bench.profiles import parse_api_keys, parse_range, parse_weights
+    from servelm.bench.profiles import parse_api_keys, parse_weights
     from servelm.bench.workload import DEFAULT_SLOS, parse_slo
 
     slos = dict(DEFAULT_SLOS)
@@ -162,9 +170,9 @@ def _config(args: argparse.Namespace):
         model=args.model, tokenizer=args.tokenizer, endpoint=args.endpoint, temperature=args.temperature,
         ignore_eos=args.ignore_eos, priority=args.priority, timeline=args.timeline,
         request_timeout_s=args.request_timeout_s, chat_dataset=args.chat_dataset, progress=args.progress,
-        plots=args.plots, document_tokens=parse_range(args.document_tokens, "--document-tokens")
-        if args.document_tokens else None, slow_readers=args.slow_readers, read_delay_ms=args.read_delay_ms,
-        read_bytes=args.read_bytes, slow_reader_logprobs=args.slow_reader_logprobs,
+        plots=args.plots, document_tokens=_range(args.document_tokens, "--document-tokens"),
+        voice_output_tokens=_range(args.voice_output_tokens, "--voice-output-tokens"), slow_readers=args.slow_readers,
+        read_delay_ms=args.read_delay_ms, read_bytes=args.read_bytes, slow_reader_logprobs=args.slow_reader_logprobs,
     )  # fmt: skip
 
 

@@ -72,6 +72,7 @@ class BenchConfig:
     progress: bool = True
     plots: bool = True
     document_tokens: tuple[int, int] | None = None  # analytics documents' length range (default 500-2000)
+    voice_output_tokens: tuple[int, int] | None = None  # voice turns' output length range (default 20-80)
     slow_readers: float = 0.0  # fraction of requests whose client reads the stream slowly
     read_delay_ms: float = 200.0  # ... busy this long after each read of at most read_bytes
     read_bytes: int = 1024
@@ -155,7 +156,8 @@ def build_requests(target: Target, config: BenchConfig, load: Load, salt: int = 
                              config.trace_time_unit_s, salt)  # fmt: skip
         return replay.workload(entries)
     requests = build_workload(config.profile, config.num_requests, target.tokens, target.limits, config.seed,
-                              config.weights, target.chat_lengths, salt, config.document_tokens)  # fmt: skip
+                              config.weights, target.chat_lengths, salt, config.document_tokens,
+                              config.voice_output_tokens)  # fmt: skip
     mark_slow_readers(requests, config.slow_readers, config.seed)
     if load.kind == "concurrency":
         return assign_arrivals(requests, None)

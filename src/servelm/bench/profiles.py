@@ -1,6 +1,6 @@
 """Workload profiles: seeded generators of requests, one per traffic class, and their mix.
 
-    voice      short turns (prompt 30-200, output 20-80) in multi-turn sessions that resend the
+    voice      short turns (prompt 30-200, output 20-80 or `voice_output_tokens`) in multi-turn sessions that resend the
                whole conversation so far: each turn's prompt starts with the previous turn's prompt
                and reply, token for token (the reply is generated here, as if the model had said it)
     code       a few repositories, each a long context (1-4k tokens) resent with a small edit (5-30
@@ -109,6 +109,7 @@ class VoiceProfile(_Base):
     max_active: int = 4  # sessions open at once
     continue_probability: float = 0.75  # next voice request continues an open session (vs starts one)
     turns: tuple[int, int] = (2, 6)  # a session's number of turns, drawn in this range
+    output: tuple[int, int] = (20, 80)  # what each turn asks the server to generate, drawn in this range
     sessions: list[_Session] = field(default_factory=list)
 
     def _pick_session(self) -> _Session:
@@ -125,7 +126,7 @@ class VoiceProfile(_Base):
     def next(self, index: int) -> WorkloadRequest:
         session = self._pick_session()
         user_ids = self.tokens.sample(self.text_rng, self.limits.prompt(self.rng.randint(30, 200)))
-        max_tokens = self.output_tokens(20, 80)
+        max_tokens = self.output_tokens(*self.output)
         if session.history and len(session.history) + len(user_ids) > self.prompt_budget(max_tokens):
             session.turns_left = 0  # the conversation outgrew the context: the user starts over
             session = self._new_session()
@@ -354,12 +355,14 @@ def build_workload(
     chat_lengths: list[tuple[int, int]] | None = None,
     salt: int = 0,
     document_tokens: tuple[int, int] | None = None,
+    voice_output_tokens: tuple[int, int] | None = None,
 ) -> list[WorkloadRequest]:
     """`num_requests` requests of one profile, or of `mixed` with `weights` (arrival times unset).
 
     Another `salt` gives the same lengths, sessions and sharing structure with other tokens: the
     steps of a sweep use it so that one step's prompts are not in the prefix cache of the next.
-    `document_tokens` replaces the analytics documents' length range (a tenant sending long ones).
+    `document_tokens` replaces the analytics documents' length range (a tenant sending long ones);
+    `voice_output_tokens` the voice turns' output range (long spoken answers).
     """
     if profile == "mixed":
         weights = {k: v for k, v in (weights or {}).items() if v > 0}
@@ -376,6 +379,8 @@ def build_workload(
             generator.length_pairs = chat_lengths
         if isinstance(generator, AnalyticsProfile) and document_tokens is not None:
             generator.document_tokens = parse_range(document_tokens, "document_tokens")
+        if name == "voice" and isinstance(generator, VoiceProfile) and voice_output_tokens is not None:
+            generator.output = parse_range(voice_output_tokens, "voice_output_tokens")
         generators[name] = generator
     mix = random.Random(f"{seed}:mix")
     names, values = list(weights), list(weights.values())
