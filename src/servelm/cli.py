@@ -57,7 +57,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--kv-transfer-wait-s", type=float, default=None,
-        help="decode: seconds a pull waits for an unannounced transfer or a silent peer before computing itself (default 5)",
+        help="decode: seconds a pull waits for a silent peer before computing itself (default 5)",
     )  # fmt: skip
     group.add_argument(
         "--kv-transfer-timeout-s", type=float, default=None,

@@ -101,9 +101,10 @@ class KVTransferConfig:
     kv_transfer_host: str = "127.0.0.1"  # the transfer server binds here (producer roles)
     kv_transfer_port: int = 0  # 0: any free port (GET /v1/kv_transfer reports the bound address)
     kv_transfer_hold_s: float = 30.0  # a prefill's KV waits this long for its pull, then is dropped
-    # A consumer's pull: how long it waits for a producer to announce a transfer it has not seen yet
-    # (the prefill request may still be on its way), and for the next block or heartbeat before it
-    # gives the peer up; the whole pull (prefill compute included) ends at kv_transfer_timeout_s.
+    # A consumer's pull: how long it waits for the producer's answer or its next heartbeat before
+    # it gives the peer up; the whole pull (prefill compute included) ends at kv_transfer_timeout_s.
+    # (A producer lets a pull wait kv_transfer_hold_s for a transfer it has not heard of yet: the
+    # prefill request may still be queued or on its way.)
     kv_transfer_wait_s: float = 5.0
     kv_transfer_timeout_s: float = 120.0
     # Consumer: most pool blocks held by pulls in flight (None: half the pool), so running streams

@@ -126,7 +126,11 @@ class KVOffloader:
         self._server: KVTransferServer | None = None
         self._client: KVTransferClient | None = None
         if transfer is not None and transfer.is_producer:
-            self._exports = ExportRegistry(self._host_payload, transfer.kv_transfer_wait_s)
+            # A pull may arrive long before its producer request is announced: the engine core takes
+            # new requests between steps, and a prefill worker's step or queue can take longer than
+            # a heartbeat timeout (measured: a pull failing "unknown" after 5 s while the prefill
+            # sat in the queue). A pull for an unannounced transfer waits as long as an export is held.
+            self._exports = ExportRegistry(self._host_payload, transfer.kv_transfer_hold_s)
             self._server = KVTransferServer(
                 self._exports, transfer.kv_transfer_host, transfer.kv_transfer_port, corrupt_every=corrupt_every
             )
