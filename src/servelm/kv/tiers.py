@@ -78,6 +78,7 @@ class _Hold:
 
     block_hashes: list[BlockHash]
     pinned: list[BlockHash] = field(default_factory=list)  # those pinned so far (saved to the host tier)
+    unsaved: set[BlockHash] = field(default_factory=set)  # the rest: pinned as each is saved
     expires: float | None = None  # set when its prefill ends
 
 
@@ -279,7 +280,7 @@ class KVTiers:
             raise ValueError("exports need the host tier (KVTierConfig.host_bytes > 0)")
         if transfer_id in self._holds:
             return
-        hold = _Hold(list(block_hashes))
+        hold = _Hold(list(block_hashes), unsaved=set(block_hashes))
         self._holds[transfer_id] = hold
         for block_hash in hold.block_hashes:
             self._num_holds[block_hash] = self._num_holds.get(block_hash, 0) + 1
@@ -318,6 +319,7 @@ class KVTiers:
     def _pin_held(self, hold: _Hold, block_hash: BlockHash) -> None:
         self.indexes[KVMedium.HOST].pin([block_hash])
         hold.pinned.append(block_hash)
+        hold.unsaved.discard(block_hash)
 
     def _release(self, transfer_id: str) -> bool:
         """Let go of an export's hold; False when there was none."""
@@ -370,7 +372,7 @@ class KVTiers:
             self._emit(KVEventType.STORED, block_hash, medium)
             if medium is KVMedium.HOST and block_hash in self._num_holds:
                 for hold in self._holds.values():  # few at a time: one per prefill in flight
-                    if block_hash in hold.block_hashes and block_hash not in hold.pinned:
+                    if block_hash in hold.unsaved:
                         self._pin_held(hold, block_hash)
         return added
 
