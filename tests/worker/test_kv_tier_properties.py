@@ -82,11 +82,14 @@ class TierMachine(RuleBasedStateMachine):
         self.tiers.start_load(request_id, blocks, hashes[: len(media)], media, self.now)
         self.loading[request_id] = (blocks, contents[: len(media)])
 
-    @rule(data=st.data())
-    def abort_one(self, data: st.DataObject) -> None:
+    @rule(pick=st.integers(0, NUM_POOL_BLOCKS - 1))
+    def abort_one(self, pick: int) -> None:
+        # Which loads are still running depends on the offloader thread's timing, so the choice is
+        # drawn unconditionally and mapped onto them: a draw that depends on that state makes
+        # hypothesis's replay inconsistent (FlakyStrategyDefinition), not a bug of ours.
         if not self.loading:
             return
-        request_id = data.draw(st.sampled_from(sorted(self.loading)))
+        request_id = sorted(self.loading)[pick % len(self.loading)]
         self.tiers.cancel(request_id)
         blocks, _ = self.loading.pop(request_id)
         self._step()  # the cancel is applied before the blocks may be reused
