@@ -259,3 +259,38 @@ def test_a_costly_proposer_probes_less_often() -> None:
     assert 400 // PROBE_EVERY - 1 <= probes["lookup"] <= 400 // PROBE_EVERY + 1
     assert probes["draft model"] * 0.015 <= PROBE_TIME_SHARE * 0.0305 * 400 + 0.015
     assert probes["draft model"] >= 1
+
+
+def test_a_new_request_is_judged_by_the_global_acceptance_before_its_first_drafts() -> None:
+    """A prompt's first drafts are made before the controller has seen the request: as many as the
+    global acceptance pays at the last step's size, none when that pays nothing (then it waits for
+    its first probe like a request held at k = 0); all of them before any step has chosen."""
+    fresh = SpecController(MAX_K)
+    assert fresh.drafts_wanted("new") == MAX_K
+    good = SpecController(MAX_K)
+    teach(good, "old", 10)  # acceptance 0.9
+    good.choose(offers(["old"]), 1, CPU_COST)
+    assert good.drafts_wanted("new") > 0
+    poor = SpecController(MAX_K)
+    for _ in range(60):
+        poor.observe("old", 5, 0)
+    poor.choose(offers(["old"]), 1, CPU_COST)
+    assert poor.drafts_wanted("new") == 0
+    for _ in range(PROBE_EVERY):
+        poor.decoded_without_drafts("new")
+    assert poor.drafts_wanted("new") == 1  # its first probe
+
+
+def test_no_probe_drafts_are_made_while_no_probe_would_pay_and_a_due_probe_is_verified() -> None:
+    controller = SpecController(MAX_K)
+    for _ in range(60):
+        controller.observe("r", 5, 0)
+    controller.choose(offers(["r"]), 64, CPU_COST)  # a batch where not even a sure draft pays
+    for _ in range(3 * PROBE_EVERY):
+        controller.decoded_without_drafts("r")
+        assert controller.drafts_wanted("r") == 0
+    controller.choose([], 1, CPU_COST)  # the batch shrank (a step with no drafts on offer still counts)
+    assert controller.drafts_wanted("r") == 1
+    # its probe's drafts were made: they are verified though the interval grew meanwhile
+    dearer = StepCost(CPU_COST.fixed_s, CPU_COST.per_token_s, draft_token_s=0.005)  # probes every ~27 steps
+    assert controller.choose(offers(["r"], 1), 1, dearer) == {"r": 1}

@@ -24,6 +24,7 @@ from servelm.sampling_params import SamplingParams
 from servelm.testing.engine_run import run_requests
 from servelm.testing.reference_decode import greedy_decode
 from servelm.testing.tiny_model import write_first_layers_checkpoint, write_tiny_checkpoint
+from servelm.worker.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,31 @@ def test_a_draft_that_is_the_target_has_every_draft_accepted(tiny_dir, draft_dir
     counters = _run_speculative(tiny_dir, workload, settings).core.scheduler.spec_counters
     assert counters is not None and counters.num_draft_tokens > 100
     assert counters.num_accepted_tokens == counters.num_draft_tokens
+
+
+def test_the_controller_is_charged_what_proposing_cost_not_steps_that_proposed_nothing(
+    tiny_dir, draft_dirs, workload
+):
+    """An unrelated draft is turned off by the controller, so most steps propose nothing: those
+    steps report no propose time (they once reported microseconds with no drafts, which drove the
+    cost per draft to thousands of seconds and stopped probes for good)."""
+    outputs = []
+    original = ModelRunner.execute
+
+    def recording(runner, scheduler_output):
+        output = original(runner, scheduler_output)
+        outputs.append(output)
+        return output
+
+    settings = {"model": str(draft_dirs["unrelated"]), "adaptive": True}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelRunner, "execute", recording)
+        built = _run_speculative(tiny_dir, workload, settings)
+    proposing = [o for o in outputs if o.propose_seconds > 0]
+    assert len(proposing) < len([o for o in outputs if o.sampled_token_ids]) / 2, "the controller turned it off"
+    drafts = built.core.scheduler._drafts
+    assert drafts is not None
+    assert 0 < drafts.propose_cost.per_draft_s <= max(o.execute_seconds for o in outputs)
 
 
 def test_a_draft_must_share_the_targets_vocabulary(tmp_path, tiny_dir):

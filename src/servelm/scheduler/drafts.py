@@ -82,8 +82,10 @@ class DraftScheduling:
         schedule one token each, in schedule order: the step's size without drafts. `step_cost`:
         the scheduler's (fixed seconds, seconds per token) fit, None before it has one."""
         offers = [DraftOffer(r.request_id, n) for r in decodes if (n := self.usable_drafts(r)) > 0]
-        if not offers:
+        if not decodes:
             return {}
+        # Called with no offers too: the controller's view of the step (its break-even, whether a
+        # probe would pay) decides which drafts the proposer makes after it.
         cost = None
         if step_cost is not None:
             cost = StepCost(step_cost[0], step_cost[1], draft_token_s=self.propose_cost.per_draft_s)

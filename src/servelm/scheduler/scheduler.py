@@ -330,6 +330,7 @@ class Scheduler:
         return self._output(plan)
 
     def _output(self, plan: StepPlan) -> SchedulerOutput:
+        self._want_drafts_after_prompts(plan)
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             new_requests=plan.new_requests,
@@ -362,6 +363,19 @@ class Scheduler:
                     plan.draft_token_ids[request.request_id] = request.draft_token_ids[:k]
                 if self._drafts is not None:
                     plan.num_drafts_wanted[request.request_id] = self._drafts.drafts_wanted(request, k)
+
+    def _want_drafts_after_prompts(self, plan: StepPlan) -> None:
+        """A prompt its chunk finishes samples its first token this step, and the runner proposes
+        after it: as many drafts as the controller could use next step (a draft model's guesses
+        cost a forward each; decodes were asked in _schedule_decodes)."""
+        if self._drafts is None:
+            return
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self._requests.get(request_id)
+            if request_id in plan.num_drafts_wanted or request is None:
+                continue
+            if request.num_computed_tokens + num_tokens >= request.num_tokens:
+                plan.num_drafts_wanted[request_id] = self._drafts.drafts_wanted(request, 0)
 
     def _lookahead(self, request: Request, num_drafts: int) -> int:
         """Slots past this step's tokens a draft model writes its next guesses into (0 for token-only

@@ -7,7 +7,8 @@ Contract (implemented in this module; the scheduler is the one caller):
     controller.observe(request_id, num_drafted, num_accepted)  # in update(), per verified request
     controller.forget(request_id)                           # request finished / preempted
 
-- `offers`: requests that hold drafts this step, each with how many it may verify
+- `offers`: requests that hold drafts this step (maybe none: the call still tells the controller
+  the step's size, which decides the drafts worth making after it), each with how many it may verify
   (`DraftOffer.num_available`, already capped by max_tokens, the context window, the API's
   per-request override and max_k).
 - `num_step_tokens`: tokens the step carries without any draft (its decodes, plus prefill chunks
@@ -66,9 +67,13 @@ HYSTERESIS_Z = 2.5
 # within tens of steps; only while a draft accepted with PROBE_ACCEPTANCE would pay at this step.
 PROBE_EVERY = 16
 PROBE_ACCEPTANCE = 0.8
-# A proposer that costs time (a draft model's forward) probes less often: its probes take at most
-# this share of the step time of a request held at k = 0.
-PROBE_TIME_SHARE = 0.02
+# A proposer that costs time (a draft model's forward) probes less often: its probes (making the
+# draft and verifying it) take at most this share of the step time of a request held at k = 0, as
+# the cost model prices them. It prices them low: a 1-draft probe of the default model's first 8
+# layers measured 7.5 ms to propose, ~1.5 ms of bookkeeping around it and +3 ms to verify on a
+# 22 ms decode step, where the fit's per-token cost says ~1 ms for the verification (the fit
+# is dominated by prefill tokens, which are cheaper per token than a decode's second position).
+PROBE_TIME_SHARE = 0.01
 _PROBE_DUE = 1 << 30  # steps_at_zero that makes the next probe due whatever the interval
 
 
@@ -175,6 +180,8 @@ class SpecController:
         self._global = _Acceptance(GLOBAL_MEMORY)
         self._requests: dict[str, _RequestState] = {}
         self._probe_every = PROBE_EVERY  # steps between probes at the last step's costs
+        self._break_even: float | None = None  # the last step's, once a step has chosen
+        self._may_probe = True  # the last step's break-even let a probe pay
 
     def choose(self, offers: Sequence[DraftOffer], num_step_tokens: int, cost: StepCost | None) -> dict[str, int]:
         """k per offer (0 <= k <= num_available) for this step; see the module docstring."""
@@ -187,15 +194,19 @@ class SpecController:
             (cost.fixed_s, cost.per_token_s, cost.draft_token_s) if cost else (PRIOR_FIXED_TOKENS, 1.0, 0.0)
         )
         step_s = fixed_s + per_token_s * num_step_tokens
-        self._probe_every = max(PROBE_EVERY, math.ceil(draft_s / (PROBE_TIME_SHARE * step_s)))
+        # A probe makes a draft (draft_s) and verifies it (per_token_s): for a lookup the interval's
+        # floor holds; a draft model's forward spaces them out.
+        probe_s = draft_s + per_token_s
+        self._probe_every = max(PROBE_EVERY, math.ceil(probe_s / (PROBE_TIME_SHARE * step_s)))
         states = [self._requests.setdefault(offer.request_id, _RequestState()) for offer in offers]
-        prior = self._global.mean(PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE_TRIALS)
+        prior = self._global_mean()
         bands = [state.acceptance.band(prior, REQUEST_PRIOR_TRIALS) for state in states]
-        break_even = _break_even(
+        self._break_even = break_even = _break_even(
             [band.mean for band in bands],
             [min(self.max_k, offer.num_available) for offer in offers],
             _Step(float(num_step_tokens), step_s, per_token_s + draft_s),
         )
+        self._may_probe = may_probe = break_even < PROBE_ACCEPTANCE
         ks: dict[str, int] = {}
         for offer, state, band in zip(offers, states, bands):
             # Hysteresis: last step's k stands while it is the best k for some acceptance in the band.
@@ -203,7 +214,6 @@ class SpecController:
             highest = _num_paying(band.keep, break_even, self.max_k)
             state.wanted_k = min(max(state.wanted_k, lowest), highest)
             k = min(state.wanted_k, offer.num_available)
-            may_probe = break_even < PROBE_ACCEPTANCE
             ks[offer.request_id] = state.with_probe(k, offer.num_available, may_probe, self._probe_every)
         return ks
 
@@ -227,13 +237,29 @@ class SpecController:
     def drafts_wanted(self, request_id: str) -> int:
         """How many drafts the request's next step could use: the proposer need not make more (a
         draft model pays a forward for every guess). Its k plus one (room to grow), a probe when
-        one is due, else 0; max_k for a request not seen yet."""
-        state = self._requests.get(request_id)
-        if not self.adaptive or state is None:
+        one is due, else 0. A request not seen yet (its prompt just finished) is judged by the
+        global acceptance at the last step's break-even, as choose() would judge it: when that
+        pays nothing it waits for its first probe like a request held at k = 0 (a draft model's
+        first guesses for every new request were most of its cost on text it cannot guess);
+        max_k before any step has chosen."""
+        if not self.adaptive:
             return self.max_k
+        state = self._requests.get(request_id)
+        if state is None:
+            if self._break_even is None:
+                return self.max_k
+            k = _num_paying(self._global_mean(), self._break_even, self.max_k)
+            if k > 0:
+                return min(self.max_k, k + 1)
+            state = self._requests[request_id] = _RequestState()  # counts its steps towards a probe
         if state.wanted_k > 0:
             return min(self.max_k, state.wanted_k + 1)
-        return state.probe_k if state.steps_at_zero + 1 >= self._probe_every else 0
+        if not self._may_probe or state.steps_at_zero + 1 < self._probe_every:
+            return 0  # no probe is due, or none would pay at the last step's size: no drafts to make
+        # Its probe's drafts are made now: the next choose() verifies them even if the interval it
+        # computes has grown meanwhile (the proposer's cost moves with every call).
+        state.steps_at_zero = _PROBE_DUE
+        return state.probe_k
 
     def decoded_without_drafts(self, request_id: str) -> None:
         """The request decoded a step with no drafts on hand (none were wanted): it counts towards
@@ -241,6 +267,9 @@ class SpecController:
         state = self._requests.get(request_id)
         if state is not None and state.wanted_k == 0:
             state.steps_at_zero += 1
+
+    def _global_mean(self) -> float:
+        return self._global.mean(PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE_TRIALS)
 
     def forget(self, request_id: str) -> None:
         """Drop the request's acceptance and k (it finished, or was preempted: its next

@@ -161,9 +161,7 @@ class ModelRunner:
         if inputs.samples:
             self._sample(inputs, hidden, output)
             if self.proposer is not None:
-                proposing = time.perf_counter()
-                output.draft_token_ids = self._propose(inputs.samples, output, scheduler_output.num_drafts_wanted)
-                output.propose_seconds = time.perf_counter() - proposing
+                self._propose(inputs.samples, output, scheduler_output.num_drafts_wanted)
         return output
 
     # -- mirrors -----------------------------------------------------------------------
@@ -258,11 +256,11 @@ class ModelRunner:
                 output.logprobs[request_id] = [e for e in entries if e is not None]
             first_row = end_row
 
-    def _propose(
-        self, samples: list[VerificationRows], output: ModelOutput, wanted: dict[str, int]
-    ) -> dict[str, list[int]]:
-        """Drafts for the next step, for the requests that sampled and may speculate, as many as
-        the scheduler's controller can use and the request's max_tokens leaves room for."""
+    def _propose(self, samples: list[VerificationRows], output: ModelOutput, wanted: dict[str, int]) -> None:
+        """Drafts for the next step (`output.draft_token_ids`), for the requests that sampled and may
+        speculate, as many as the scheduler's controller can use and the request's max_tokens
+        leaves room for. `output.propose_seconds` times the proposer only when it had work: a
+        step that asked for nothing must not dilute the cost per draft the controller charges."""
         assert self.proposer is not None
         requests = []
         for verification in samples:
@@ -277,7 +275,10 @@ class ModelRunner:
             if limit > 0:
                 token_ids = state.all_token_ids() + emitted
                 requests.append(DraftRequest(state.request_id, token_ids, len(state.prompt_token_ids), limit))
-        return self.proposer.propose(requests) if requests else {}
+        if requests:
+            proposing = time.perf_counter()
+            output.draft_token_ids = self.proposer.propose(requests)
+            output.propose_seconds = time.perf_counter() - proposing
 
     def _banned_ids(self, state: RunnerRequestState, num_output_tokens: int) -> list[int]:
         """Under min_tokens a request may not stop: its EOS and stop ids are masked out. A draft
