@@ -249,6 +249,42 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Multi-rank workers over torch.distributed (servelm.parallel): tensor parallelism splits the
+    weights (heads, MLP columns, vocabulary) across `tensor_parallel_size` ranks; context
+    parallelism splits each request's tokens and KV across `context_parallel_size` ranks. The
+    engine core is rank 0 and drives the others from its one schedule."""
+
+    tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+    # gloo on CPU, nccl on CUDA ("auto"); collectives (and a rank's start-up) fail after this long
+    # instead of hanging when a rank dies.
+    distributed_backend: str = "auto"
+    distributed_timeout_s: float = 60.0
+    # torch threads per rank; None: the machine's cores split evenly over the ranks.
+    threads_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _require(
+            self.context_parallel_size >= 1, f"context_parallel_size must be >= 1, got {self.context_parallel_size}"
+        )
+        _require(
+            self.distributed_backend in ("auto", "gloo", "nccl"),
+            f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}",
+        )
+        _require(self.distributed_timeout_s > 0, f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        _require(
+            self.threads_per_rank is None or self.threads_per_rank > 0,
+            f"threads_per_rank must be positive, got {self.threads_per_rank}",
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.context_parallel_size
+
+
+@dataclass(frozen=True)
 class KVEventsConfig:
     """KV-cache events for a router: whether the cache records them and where the core publishes them.
 
@@ -391,6 +427,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_tiers: KVTierConfig = KVTierConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     def scheduler_for(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler slice with the context window the engine builder resolved from
@@ -419,7 +456,7 @@ class EngineConfig:
             overrides["disk_path"] = overrides.pop("kv_disk_path")
         slices: dict[type, dict[str, Any]] = {
             ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}, KVEventsConfig: {}, KVTierConfig: {},
-            KVTransferConfig: {},
+            KVTransferConfig: {}, ParallelConfig: {},
         }  # fmt: skip
         settable = {c: {f.name for f in fields(c)} - _RESOLVED_BY_BUILDER.get(c, set()) for c in slices}
         for key, value in overrides.items():
@@ -436,4 +473,5 @@ class EngineConfig:
             speculative=speculative,
             kv_tiers=KVTierConfig(**slices[KVTierConfig]),
             kv_transfer=KVTransferConfig(**slices[KVTransferConfig]),
+            parallel=ParallelConfig(**slices[ParallelConfig]),
         )
