@@ -13,6 +13,7 @@ from servelm.models.linear_methods import DENSE, LinearMethod, choose_linear_met
 from servelm.models.llama import LlamaForCausalLM
 from servelm.models.rotary import RotaryEmbedding, inverse_frequencies
 from servelm.models.weights import CheckpointWeights, Weight, select_model_weights
+from servelm.parallel.groups import SINGLE_RANK, GroupMember
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,6 +44,7 @@ def build_model(
     device: torch.device | str = "cpu",
     attention_backend: str = "torch",
     int8_linears: bool = True,
+    tp: GroupMember = SINGLE_RANK,
 ) -> LlamaForCausalLM:
     """The model with `weights` loaded, its parameters allocated once, in `dtype` on `device`.
 
@@ -55,15 +57,17 @@ def build_model(
     device = torch.device(device)
     source = select_model_weights(CheckpointWeights.from_tensors(weights), arch)
 
-    def linear_method(parts: Sequence[str]) -> LinearMethod:
+    def linear_method(parts: Sequence[str], columns: range | None) -> LinearMethod:
         if not int8_linears:
             return DENSE
-        return choose_linear_method([source.info(f"{part}.weight") for part in parts], dtype, device)
+        # What this rank's shard is stored as: int8 blocks cut inside a block come out dense.
+        infos = [source.info(f"{part}.weight").sharded(columns=columns) for part in parts]
+        return choose_linear_method(infos, dtype, device)
 
     # Built on the meta device and given its dtype there, so the one allocation is `to_empty`'s:
     # no random init, no float32 copy first.
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, get_backend(attention_backend), linear_method)
+        model = LlamaForCausalLM(arch, get_backend(attention_backend), linear_method, tp)
     model.to(dtype)
     model.to_empty(device=device)
     if arch.tie_word_embeddings:  # to_empty breaks the tie; restore it before loading

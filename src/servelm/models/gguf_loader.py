@@ -26,7 +26,7 @@ from gguf.quants import dequantize
 
 from servelm.models.arch import ModelArchConfig, UnsupportedModelError
 from servelm.models.int8_blocks import BLOCK, Int8BlockWeight
-from servelm.models.weights import CheckpointWeights, Storage, TensorInfo, Weight, select_model_weights
+from servelm.models.weights import CheckpointWeights, Storage, TensorInfo, Weight, select_model_weights, slice_weight
 from servelm.tokenization.loading import load_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -163,17 +163,26 @@ def load_gguf_weights(reader: GGUFReader, arch: ModelArchConfig, source: str) ->
         for name, t in tensors.items()
     }
 
-    def read(name: str) -> Weight:
+    def read_shard(name: str, rows: range | None, columns: range | None) -> Weight:
+        # Only `rows` of the file's blocks are decoded (a tensor-parallel rank's part); columns
+        # are cut after (int8 codes stay codes when the cut falls on a block).
         tensor = tensors[name]
         rope_heads = None
         if arch.architecture == "LlamaForCausalLM" and (".q_proj." in name or ".k_proj." in name):
             rope_heads = arch.num_attention_heads if ".q_proj." in name else arch.num_key_value_heads
         if tensor.tensor_type in INT8_BLOCK_TYPES:
-            return int8_block_weight(tensor, rope_heads)
-        values = dequantize_tensor(tensor, source)
-        return torch.from_numpy(values if rope_heads is None else unpermute_rope_rows(values, rope_heads))
+            return slice_weight(int8_block_weight(tensor, rope_heads, rows), None, columns)
+        values = dequantize_tensor(tensor, source, rows)
+        if rope_heads is not None:
+            values = unpermute_rope_rows(values, _heads_in_rows(rope_heads, _torch_shape(tensor)[0], rows))
+        if columns is not None:
+            values = np.ascontiguousarray(values[:, columns.start : columns.stop])
+        return torch.from_numpy(values)
 
-    return select_model_weights(CheckpointWeights(infos, read, source), arch)
+    def read(name: str) -> Weight:
+        return read_shard(name, None, None)
+
+    return select_model_weights(CheckpointWeights(infos, read, source, read_shard), arch)
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -187,28 +196,40 @@ def gguf_to_hf_name(name: str) -> str | None:
     return f"model.layers.{layer}.{_LAYER_TENSORS[leaf]}.{kind}"
 
 
-def dequantize_tensor(tensor: ReaderTensor, source: str) -> np.ndarray:
-    """Writable, in torch dimension order (`[out, in]`): F32 / F16 as stored, other types as float32."""
+def dequantize_tensor(tensor: ReaderTensor, source: str, rows: range | None = None) -> np.ndarray:
+    """Writable, in torch dimension order (`[out, in]`): F32 / F16 as stored, other types as float32.
+    `rows`: only those rows (of dim 0) are read and decoded."""
     _check_supported(tensor, source)
     shape = _torch_shape(tensor)
+    # np.asarray drops the np.memmap subclass, whose per-slice overhead doubles dequantisation time.
+    # Its rows are the tensor's (a quantised one's as bytes), so a row slice is a slice of the blocks.
+    data = np.asarray(tensor.data)
+    if rows is not None:
+        data, shape = data[rows.start : rows.stop], (len(rows), *shape[1:])
     if tensor.tensor_type in (_Q.F32, _Q.F16):
         # A copy out of the read-only memory map, so torch may own it.
-        return np.array(tensor.data, order="C").reshape(shape)
-    # np.asarray drops the np.memmap subclass, whose per-slice overhead doubles dequantisation time.
-    values = dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
+        return np.array(data, order="C").reshape(shape)
+    values = dequantize(data, tensor.tensor_type).reshape(shape)
     return np.require(values, dtype=np.float32, requirements=["C", "W"])
 
 
-def int8_block_weight(tensor: ReaderTensor, rope_heads: int | None = None) -> Int8BlockWeight:
+def int8_block_weight(
+    tensor: ReaderTensor, rope_heads: int | None = None, row_range: range | None = None
+) -> Int8BlockWeight:
     """Codes, scales and mins of a Q4_1 / Q8_0 tensor, read from its block bytes (no float32 weight made).
 
     Block layouts (ggml): Q8_0 = d:f16, q[32]:int8.  Q4_1 = d:f16, m:f16, 16 bytes whose low
     nibbles are q[0..15] and high nibbles q[16..31].  `rope_heads`: undo llama.cpp's q/k row
     permutation over that many heads, on the raw block rows (codes, scales and mins move together).
+    `row_range`: only those rows (whole heads when `rope_heads` is given) are read.
     """
     rows, cols = _torch_shape(tensor)
     _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
     raw = np.asarray(tensor.data).reshape(rows, cols // BLOCK, type_size)  # [N, K/32, bytes per block], a view
+    if row_range is not None:
+        if rope_heads is not None:
+            rope_heads = _heads_in_rows(rope_heads, rows, row_range)
+        raw, rows = raw[row_range.start : row_range.stop], len(row_range)
     if rope_heads is not None:
         raw = unpermute_rope_rows(raw, rope_heads)
 
@@ -221,6 +242,17 @@ def int8_block_weight(tensor: ReaderTensor, rope_heads: int | None = None) -> In
     packed = raw[:, :, 4:]  # [N, K/32, 16]
     codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).view(np.int8)  # [N, K/32, 32], q in 0..15
     return Int8BlockWeight(torch.from_numpy(codes.reshape(rows, cols)), halves(0), halves(2))
+
+
+def _heads_in_rows(num_heads: int, total_rows: int, rows: range | None) -> int:
+    """How many of a q/k tensor's `num_heads` heads `rows` spans; they must be whole heads (llama.cpp's
+    rope permutation moves rows within a head only, so a whole-head slice is unpermuted on its own)."""
+    if rows is None:
+        return num_heads
+    head_rows = total_rows // num_heads
+    if rows.start % head_rows or rows.stop % head_rows:
+        raise ValueError(f"rows {rows.start}..{rows.stop} cut a head of {head_rows} rows of a rope-permuted tensor")
+    return len(rows) // head_rows
 
 
 def _check_supported(tensor: ReaderTensor, source: str) -> None:

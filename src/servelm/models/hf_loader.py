@@ -102,8 +102,16 @@ def _safetensors_source(shards: dict[Path, dict[str, TensorInfo]], source: str) 
         with safe_open(str(file_of[name]), framework="pt", device="cpu") as f:
             return f.get_tensor(name)
 
+    def read_shard(name: str, rows: range | None, columns: range | None) -> torch.Tensor:
+        # A tensor-parallel rank's part: safetensors reads only those bytes.
+        index: tuple[slice, ...] = (slice(None) if rows is None else slice(rows.start, rows.stop),)
+        if columns is not None:
+            index += (slice(columns.start, columns.stop),)
+        with safe_open(str(file_of[name]), framework="pt", device="cpu") as f:
+            return f.get_slice(name)[index]
+
     infos = {name: info for shard in shards.values() for name, info in shard.items()}
-    return CheckpointWeights(infos, read, source)
+    return CheckpointWeights(infos, read, source, read_shard)
 
 
 def _listing(path: Path, limit: int = 12) -> str:

@@ -57,3 +57,20 @@ class Int8BlockWeight:
         if self.mins is not None:
             blocks.add_(self.mins.unsqueeze(-1))
         return w
+
+    def sliced(self, rows: range | None = None, columns: range | None = None) -> Int8BlockWeight:
+        """The rows and columns of a tensor-parallel shard, as codes still (a contiguous copy of that
+        part only). Columns must start and end on a block (ValueError otherwise: dequantize first)."""
+        codes, scales, mins = self.codes, self.scales, self.mins
+        if rows is not None:
+            codes, scales = codes[rows.start : rows.stop], scales[rows.start : rows.stop]
+            mins = None if mins is None else mins[rows.start : rows.stop]
+        if columns is not None:
+            if columns.start % BLOCK or columns.stop % BLOCK:
+                raise ValueError(f"columns {columns.start}..{columns.stop} cut blocks of {BLOCK}: not representable as codes")
+            blocks = slice(columns.start // BLOCK, columns.stop // BLOCK)
+            codes, scales = codes[:, columns.start : columns.stop], scales[:, blocks]
+            mins = None if mins is None else mins[:, blocks]
+        return Int8BlockWeight(
+            codes.contiguous(), scales.contiguous(), None if mins is None else mins.contiguous()
+        )

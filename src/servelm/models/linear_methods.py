@@ -139,11 +139,12 @@ class Int8BlockLinearMethod(DenseLinearMethod):
 DENSE = DenseLinearMethod()
 
 # Given the checkpoint prefixes a linear layer's weight is made of (one, or the fused parts
-# such as q/k/v), the method to build it with. The model calls it once per linear layer.
-LinearMethodChooser = Callable[[Sequence[str]], LinearMethod]
+# such as q/k/v) and the input columns this rank keeps of them (None: all; a row-parallel
+# layer's shard), the method to build it with. The model calls it once per linear layer.
+LinearMethodChooser = Callable[[Sequence[str], range | None], LinearMethod]
 
 
-def all_dense(parts: Sequence[str]) -> LinearMethod:
+def all_dense(parts: Sequence[str], columns: range | None = None) -> LinearMethod:
     return DENSE
 
 

@@ -7,7 +7,17 @@ is the attention metadata's business. The model never sees a padded [batch, seq]
 q/k/v and gate/up are each one fused matmul (one weight read instead of three or two);
 `load_weights` copies the checkpoint's separate tensors into their rows, one tensor at a time.
 How each linear layer stores its weight is its `LinearMethod`, chosen by the model factory
-(`linear_method(parts)`, called once per layer with the checkpoint prefixes it is made of).
+(`linear_method(parts, columns)`, called once per layer with the checkpoint prefixes it is made of).
+
+Tensor parallelism (`tp`, a `GroupMember`; see models/sharding.py for who holds what): every
+layer is built with this rank's sizes and reads only its rows / columns of each tensor. Per layer
+
+    hidden ─▶ qkv_proj (my q heads | my k heads | my v heads) ─▶ attention over my heads
+           ─▶ o_proj (my columns) ─▶ all-reduce ─▶ gate_up_proj (my gate | my up) ─▶ down_proj
+           (my columns) ─▶ all-reduce
+
+and the embedding and LM head split the vocabulary (compute_logits all-gathers the full logits on
+every rank). One rank issues no collective: each helper is the identity there.
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ from servelm.attention.kv_storage import LayerKVCache
 from servelm.models.arch import ModelArchConfig
 from servelm.models.linear_methods import DENSE, LinearMethod, LinearMethodChooser, all_dense
 from servelm.models.rotary import RotaryEmbedding, apply_rotary
-from servelm.models.weights import Weight, dense_tensor
+from servelm.models.sharding import ModelShard, whole
+from servelm.models.weights import CheckpointWeights, Weight, dense_tensor
+from servelm.parallel.groups import SINGLE_RANK, GroupMember, all_gather_last_dim, all_reduce_sum
 
 
 class Linear(nn.Module):
@@ -31,6 +43,10 @@ class Linear(nn.Module):
 
     `parts` are checkpoint prefixes ("model.layers.0.self_attn.q_proj"): `load` reads
     `<part>.weight` (and `<part>.bias`) for each, in order, into consecutive rows.
+    Tensor-parallel shards (None: the whole tensor): `rows[i]`, the rows of part i this rank keeps
+    (column-parallel); `columns`, the input columns it keeps (row-parallel: its output is summed over
+    `reduce`, and only the group's rank 0 keeps a bias, so that it is added once).
+    `in_features` / `out_features` are this rank's.
     """
 
     # Registered by the method's create_weights (which ones depends on the method).
@@ -41,25 +57,34 @@ class Linear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parts: tuple[str, ...],
-                 method: LinearMethod = DENSE) -> None:  # fmt: skip
+                 method: LinearMethod = DENSE, *, rows: tuple[range | None, ...] | None = None,
+                 columns: range | None = None, reduce: GroupMember | None = None) -> None:  # fmt: skip
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.parts = parts
+        self.part_rows = rows if rows is not None else (None,) * len(parts)
+        self.columns = columns
+        # None alone: one rank runs exactly the unsharded layer, no collective.
+        self.reduce = reduce if reduce is not None and reduce.is_parallel else None
         self.method = method
         method.create_weights(self)
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        keeps_bias = bias and (self.reduce is None or self.reduce.rank == 0)
+        self.bias = nn.Parameter(torch.empty(out_features)) if keeps_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        out = self.method.apply(self, x)
+        return out if self.reduce is None else all_reduce_sum(out, self.reduce)
 
-    def load(self, weights: Mapping[str, Weight]) -> None:
-        """Copy each part's tensor into its rows (one tensor read at a time, no concatenation)."""
+    def load(self, weights: CheckpointWeights) -> None:
+        """Copy each part's tensor (this rank's rows and columns of it) into its rows: one tensor
+        read at a time, no concatenation."""
         row = 0
-        for part in self.parts:
-            weight = weights[f"{part}.weight"]  # [rows of this part, in_features]
+        for part, rows in zip(self.parts, self.part_rows, strict=True):
+            weight = weights.read_shard(f"{part}.weight", rows, self.columns)  # [rows kept, in_features]
             self.method.load_rows(self, weight, row)
             if self.bias is not None:
-                self.bias[row : row + weight.shape[0]].copy_(dense_tensor(weights[f"{part}.bias"]))
+                bias = dense_tensor(weights.read_shard(f"{part}.bias", rows))
+                self.bias[row : row + weight.shape[0]].copy_(bias)
             row += weight.shape[0]
         if row != self.out_features:
             raise ValueError(f"parts {self.parts} have {row} rows in all, the layer {self.out_features}")
@@ -82,20 +107,43 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows `shard.vocab` of [vocab, hidden]. Alone, exactly nn.Embedding's lookup; in a
+    group each rank looks up the ids it holds (zeros for the others) and the sum is every row."""
+
+    def __init__(self, hidden_size: int, shard: ModelShard) -> None:
+        super().__init__()
+        self.vocab = shard.vocab
+        self.tp = shard.tp
+        self.weight = nn.Parameter(torch.empty(len(shard.vocab), hidden_size))  # [vocab shard, hidden]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if not self.tp.is_parallel:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab.start
+        outside = (local < 0) | (local >= len(self.vocab))
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce_sum(hidden.masked_fill_(outside.unsqueeze(-1), 0.0), self.tp)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, prefix: str,
-                 linear_method: LinearMethodChooser) -> None:  # fmt: skip
+                 linear_method: LinearMethodChooser, shard: ModelShard) -> None:  # fmt: skip
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
+        # This rank's heads (all of them alone); its q heads are the groups of its KV heads.
+        self.num_heads = shard.attention.num_heads
+        self.num_kv_heads = shard.attention.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        q_rows = whole(shard.q_rows(arch.head_dim), arch.num_attention_heads * arch.head_dim)
+        kv_rows = whole(shard.kv_rows(arch.head_dim), arch.num_key_value_heads * arch.head_dim)
         qkv_parts = tuple(f"{prefix}.{name}_proj" for name in "qkv")
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, qkv_parts,
-                               linear_method(qkv_parts))  # fmt: skip
+                               linear_method(qkv_parts, None), rows=(q_rows, kv_rows, kv_rows))  # fmt: skip
         o_parts = (f"{prefix}.o_proj",)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, False, o_parts, linear_method(o_parts))
+        self.o_proj = Linear(self.q_size, arch.hidden_size, False, o_parts, linear_method(o_parts, q_rows),
+                             columns=q_rows, reduce=shard.tp)  # fmt: skip
         self.rotary = RotaryEmbedding(self.head_dim, arch.rope_theta, arch.rope_scaling)
         self.backend = backend
         self.scale = self.head_dim**-0.5
@@ -119,14 +167,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, prefix: str, linear_method: LinearMethodChooser) -> None:
+    def __init__(self, arch: ModelArchConfig, prefix: str, linear_method: LinearMethodChooser,
+                 shard: ModelShard) -> None:  # fmt: skip
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
+        self.intermediate_size = len(shard.mlp)  # this rank's columns
+        columns = whole(shard.mlp, arch.intermediate_size)
         gate_up_parts = (f"{prefix}.gate_proj", f"{prefix}.up_proj")
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, gate_up_parts,
-                                   linear_method(gate_up_parts))  # fmt: skip
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, False, gate_up_parts,
+                                   linear_method(gate_up_parts, None), rows=(columns, columns))  # fmt: skip
         down_parts = (f"{prefix}.down_proj",)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, down_parts, linear_method(down_parts))
+        self.down_proj = Linear(self.intermediate_size, arch.hidden_size, False, down_parts,
+                                linear_method(down_parts, columns), columns=columns, reduce=shard.tp)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -135,13 +186,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, prefix: str,
-                 linear_method: LinearMethodChooser) -> None:  # fmt: skip
+                 linear_method: LinearMethodChooser, shard: ModelShard) -> None:  # fmt: skip
         super().__init__()
         self.prefix = prefix  # "model.layers.{i}": where its tensors sit in the checkpoint
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, backend, f"{prefix}.self_attn", linear_method)
+        self.self_attn = LlamaAttention(arch, backend, f"{prefix}.self_attn", linear_method, shard)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, f"{prefix}.mlp", linear_method)
+        self.mlp = LlamaMLP(arch, f"{prefix}.mlp", linear_method, shard)
 
     def forward(self, rope, hidden, kv_cache, metadata) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
@@ -150,12 +201,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend,
-                 linear_method: LinearMethodChooser = all_dense) -> None:  # fmt: skip
+                 linear_method: LinearMethodChooser = all_dense, tp: GroupMember = SINGLE_RANK) -> None:  # fmt: skip
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.shard = ModelShard.of(arch, tp)  # what this rank holds (everything alone)
+        self.embed_tokens = VocabParallelEmbedding(arch.hidden_size, self.shard)
         layers = [
-            LlamaDecoderLayer(arch, backend, f"model.layers.{i}", linear_method) for i in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, backend, f"model.layers.{i}", linear_method, self.shard)
+            for i in range(arch.num_hidden_layers)
         ]
         self.layers = nn.ModuleList(layers)
         # The same modules, typed (a tuple is not registered again as a submodule).
@@ -163,7 +216,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # A tied head is the embedding matrix: its part is the embedding's tensor.
         head_parts = ("model.embed_tokens",) if arch.tie_word_embeddings else ("lm_head",)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, head_parts, linear_method(head_parts))
+        vocab = whole(self.shard.vocab, arch.vocab_size)
+        self.lm_head = Linear(arch.hidden_size, len(self.shard.vocab), False, head_parts,
+                              linear_method(head_parts, None), rows=(vocab,))  # fmt: skip
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -185,16 +240,21 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] → logits [N, vocab] in float32 (sampling wants full precision)."""
-        return self.lm_head(hidden).float()
+        """hidden: [N, hidden] → logits [N, vocab] in float32 (sampling wants full precision), the
+        full vocabulary on every tensor-parallel rank (each computes its rows, then all gather)."""
+        logits = self.lm_head(hidden).float()  # [N, vocab shard]
+        return all_gather_last_dim(logits, self.shard.tp, list(self.shard.vocab_sizes))
 
     def load_weights(self, weights: Mapping[str, Weight]) -> None:
         """Copy Hugging Face-named tensors in, one at a time, each converted to its parameter's dtype
         and device; fused q/k/v and gate/up are written part by part into their rows. Shapes were
-        validated by the caller. Reads every tensor once (a lazy source is read tensor by tensor)."""
+        validated by the caller. Reads every tensor once (a lazy source is read tensor by tensor),
+        and of each only this rank's shard (the loaders read a shard without the rest)."""
+        weights = CheckpointWeights.from_tensors(weights)
+        vocab = whole(self.shard.vocab, self.arch.vocab_size)
         with torch.no_grad():
             if not self.arch.tie_word_embeddings:  # tied, the head's load below fills the shared matrix
-                self.embed_tokens.weight.copy_(dense_tensor(weights["model.embed_tokens.weight"]))
+                self.embed_tokens.weight.copy_(dense_tensor(weights.read_shard("model.embed_tokens.weight", vocab)))
             self.norm.weight.copy_(dense_tensor(weights["model.norm.weight"]))
             self.lm_head.load(weights)
             for layer in self.decoder_layers:

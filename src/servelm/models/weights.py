@@ -17,13 +17,15 @@ from typing import Any
 import torch
 
 from servelm.models.arch import ModelArchConfig
-from servelm.models.int8_blocks import Int8BlockWeight
+from servelm.models.int8_blocks import BLOCK, Int8BlockWeight
 
 # How many problems one error message lists before summarising the rest.
 _MAX_REPORTED = 5
 
 # What a weight source hands out for one name.
 Weight = torch.Tensor | Int8BlockWeight
+# Reads the part of a tensor a tensor-parallel rank keeps: (name, rows, columns), None meaning all.
+ShardReader = Callable[[str, range | None, range | None], Weight]
 
 
 class WeightShapeError(ValueError):
@@ -52,6 +54,42 @@ class TensorInfo:
             return cls(tuple(weight.shape), storage)
         return cls(tuple(weight.shape), Storage.DENSE)
 
+    def sharded(self, rows: range | None = None, columns: range | None = None) -> TensorInfo:
+        """What `read_shard(name, rows, columns)` hands out: the shard's shape, and its storage
+        (int8 blocks whose columns are cut inside a block come out dequantised, DENSE)."""
+        shape = list(self.shape)
+        if rows is not None:
+            shape[0] = len(rows)
+        storage = self.storage
+        if columns is not None:
+            shape[1] = len(columns)
+            if not blocks_aligned(columns):
+                storage = Storage.DENSE
+        return TensorInfo(tuple(shape), storage)
+
+
+def blocks_aligned(columns: range) -> bool:
+    """Whether a column shard starts and ends on an int8 block (its codes can be kept as they are)."""
+    return columns.start % BLOCK == 0 and columns.stop % BLOCK == 0
+
+
+def slice_weight(weight: Weight, rows: range | None = None, columns: range | None = None) -> Weight:
+    """The part of a tensor a tensor-parallel rank keeps: rows of dim 0, columns of dim 1 (None: all).
+
+    Dense tensors come back as views; int8 blocks as codes when the columns fall on block
+    boundaries, else (only the kept rows) dequantised to float32 and cut.
+    """
+    if isinstance(weight, Int8BlockWeight):
+        if columns is None or blocks_aligned(columns):
+            return weight.sliced(rows, columns)
+        weight = weight.sliced(rows).dequantize()
+        rows = None
+    if rows is not None:
+        weight = weight[rows.start : rows.stop]
+    if columns is not None:
+        weight = weight[:, columns.start : columns.stop]
+    return weight
+
 
 class CheckpointWeights(Mapping[str, Weight]):
     """A checkpoint's tensors by Hugging Face name, each read from its file when it is accessed.
@@ -63,9 +101,14 @@ class CheckpointWeights(Mapping[str, Weight]):
     (hf_loader, gguf_loader) or, for tensors already in memory, by `from_tensors`.
     """
 
-    def __init__(self, infos: dict[str, TensorInfo], read: Callable[[str], Weight], source: str) -> None:
+    def __init__(
+        self, infos: dict[str, TensorInfo], read: Callable[[str], Weight], source: str, read_shard: ShardReader | None = None
+    ) -> None:
         self._infos = infos
         self._read = read
+        # A loader that can read part of a tensor without the rest (safetensors slices, GGUF rows);
+        # None: the whole tensor is read, then cut.
+        self._read_shard = read_shard
         self.source = source  # the path the tensors come from, for messages
 
     @classmethod
@@ -92,13 +135,29 @@ class CheckpointWeights(Mapping[str, Weight]):
     def info(self, name: str) -> TensorInfo:
         return self._infos[name]
 
+    def read_shard(self, name: str, rows: range | None = None, columns: range | None = None) -> Weight:
+        """Rows `rows` and columns `columns` of the tensor (None: all), read anew like `weights[name]`;
+        what comes out is described by `info(name).sharded(rows, columns)`. Loaders that can read
+        a part alone do (the rest of the tensor is neither read nor converted)."""
+        if rows is None and columns is None:
+            return self[name]
+        if name not in self._infos:
+            raise KeyError(f"no tensor {name!r} in {self.source}")
+        shape = self._infos[name].shape
+        for dim, kept in ((0, rows), (1, columns)):
+            if kept is not None and not (dim < len(shape) and 0 <= kept.start <= kept.stop <= shape[dim]):
+                raise ValueError(f"shard {kept.start}..{kept.stop} of dim {dim} is outside tensor {name!r} {shape}")
+        if self._read_shard is not None:
+            return self._read_shard(name, rows, columns)
+        return slice_weight(self._read(name), rows, columns)
+
     def dense(self, name: str) -> torch.Tensor:
         """The tensor as a torch.Tensor: int8 blocks dequantised to float32, dense ones as stored."""
         return dense_tensor(self[name])
 
     def restricted_to(self, names: list[str]) -> CheckpointWeights:
         """The same source showing only `names` (which must all be present)."""
-        return CheckpointWeights({name: self._infos[name] for name in names}, self._read, self.source)
+        return CheckpointWeights({name: self._infos[name] for name in names}, self._read, self.source, self._read_shard)
 
 
 def dense_tensor(weight: Weight) -> torch.Tensor:

@@ -65,6 +65,10 @@ class GroupMember:
         return self.size > 1
 
 
+# A dimension of one rank (every default of a `tp` / `cp` argument): no group, no collective.
+SINGLE_RANK = GroupMember()
+
+
 @dataclass(frozen=True)
 class ParallelGroups:
     layout: ParallelLayout
@@ -125,10 +129,17 @@ def all_reduce_sum(tensor: torch.Tensor, member: GroupMember) -> torch.Tensor:
 
 def all_gather_last_dim(tensor: torch.Tensor, member: GroupMember, sizes: list[int]) -> torch.Tensor:
     """Concatenate every rank's `tensor` along its last dimension, rank order; rank i's last
-    dimension is sizes[i] (shards may be uneven). The identity alone."""
+    dimension is sizes[i] (shards may be uneven). The identity alone.
+
+    gloo's all_gather refuses tensors of different sizes: uneven shards are padded to the largest
+    and cut again after the gather (even ones travel as they are).
+    """
     if not member.is_parallel:
         return tensor
-    shape = tensor.shape[:-1]
-    parts = [torch.empty(*shape, size, dtype=tensor.dtype, device=tensor.device) for size in sizes]
-    dist.all_gather(parts, tensor.contiguous(), group=member.group)
-    return torch.cat(parts, dim=-1)
+    width = max(sizes)
+    local = tensor.contiguous()
+    if local.shape[-1] != width:
+        local = torch.nn.functional.pad(local, (0, width - local.shape[-1]))
+    gathered = torch.empty(member.size, *tensor.shape[:-1], width, dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather(list(gathered.unbind(0)), local, group=member.group)
+    return torch.cat([part[..., :size] for part, size in zip(gathered.unbind(0), sizes, strict=True)], dim=-1)

@@ -56,11 +56,14 @@ def _check_fp8_storage(device: torch.device) -> None:
         )
 
 
-def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block id takes in a pool of `dtype` (a quantized one counts its float32 scales)."""
+def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes one block id takes in a pool of `dtype` (a quantized one counts its float32 scales).
+    `num_kv_heads`: the KV heads this rank stores (models.sharding.local_num_kv_heads under tensor
+    parallelism); None: all of the model's."""
     element_size = torch.empty((), dtype=dtype).element_size()
     per_head = arch.head_dim * element_size + (4 if dtype in QUANTIZED_MAX else 0)  # codes + a scale
-    per_token = 2 * arch.num_key_value_heads * per_head  # K and V
+    kv_heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    per_token = 2 * kv_heads * per_head  # K and V
     return per_token * block_size * arch.num_hidden_layers
 
 
@@ -88,10 +91,17 @@ def free_device_memory(device: torch.device) -> int | None:
 
 
 def allocate_kv_caches(
-    arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    arch: ModelArchConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_kv_heads: int | None = None,
 ) -> list[LayerKVCache]:
-    """One zeroed pool per layer storing `dtype`: a plain tensor, or a QuantizedKV for int8 / fp8."""
-    shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    """One zeroed pool per layer storing `dtype`: a plain tensor, or a QuantizedKV for int8 / fp8.
+    `num_kv_heads`: the KV heads this rank stores (local_num_kv_heads); None: all of the model's."""
+    kv_heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    shape = (2, num_blocks, block_size, kv_heads, arch.head_dim)
     if dtype not in QUANTIZED_MAX:
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
     return [
