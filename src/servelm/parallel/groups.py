@@ -125,10 +125,17 @@ def all_reduce_sum(tensor: torch.Tensor, member: GroupMember) -> torch.Tensor:
 
 def all_gather_last_dim(tensor: torch.Tensor, member: GroupMember, sizes: list[int]) -> torch.Tensor:
     """Concatenate every rank's `tensor` along its last dimension, rank order; rank i's last
-    dimension is sizes[i] (shards may be uneven). The identity alone."""
+    dimension is sizes[i] (shards may be uneven). The identity alone.
+
+    gloo's all_gather rejects tensors of different sizes, so uneven shards are padded to the widest
+    and cut back after."""
     if not member.is_parallel:
         return tensor
-    shape = tensor.shape[:-1]
-    parts = [torch.empty(*shape, size, dtype=tensor.dtype, device=tensor.device) for size in sizes]
-    dist.all_gather(parts, tensor.contiguous(), group=member.group)
-    return torch.cat(parts, dim=-1)
+    widest = max(sizes)
+    padded = tensor.contiguous()
+    if tensor.shape[-1] != widest:
+        padded = tensor.new_zeros(*tensor.shape[:-1], widest)
+        padded[..., : tensor.shape[-1]] = tensor
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=member.group)
+    return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
