@@ -2,7 +2,7 @@
 
 - partial_attention + merge_partials over keys cut into parts at random points, each query
   seeing a random prefix of the keys (some none at all), GQA; the reference is an explicit
-  float64 masked softmax.
+  float64 masked softmax. Both paths: torch's CPU flash kernel and the plain math.
 - ring_attention on 2 and 3 real ranks (gloo), positions dealt to ranks at random (uneven
   shards, a rank with no keys, a rank with no queries) against dense causal attention.
 - The row exchanges under it (uneven counts, zero counts, bf16 and fp8 as bytes).
@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from servelm.parallel import partial_attention as partial_attention_module
 from servelm.parallel.exchange import all_gather_rows, all_to_all_rows
 from servelm.parallel.groups import ParallelGroups, ParallelLayout, all_gather_last_dim
 from servelm.parallel.partial_attention import (
@@ -48,9 +49,17 @@ def _qkv(num_queries: int, num_keys: int, seed: int, heads: int = HEADS, kv_head
     return q, k, v, gen
 
 
+@pytest.fixture(params=["flash_cpu", "math"])
+def kernel(request, monkeypatch):
+    """Each test of the math runs on both paths: torch's CPU flash kernel and the plain float32 math."""
+    if request.param == "math":
+        monkeypatch.setattr(partial_attention_module, "_FLASH_CPU_DTYPES", ())
+    return request.param
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (3, 1)])
 @pytest.mark.parametrize("num_parts", [1, 2, 5])
-def test_partials_merge_to_dense_softmax(heads, kv_heads, num_parts):
+def test_partials_merge_to_dense_softmax(kernel, heads, kv_heads, num_parts):
     q, k, v, gen = _qkv(23, 40, seed=num_parts * 10 + heads, heads=heads, kv_heads=kv_heads)
     limits = torch.randint(0, 41, (23,), generator=gen)
     limits[:3] = 0  # fully masked queries
@@ -69,7 +78,7 @@ def test_partials_merge_to_dense_softmax(heads, kv_heads, num_parts):
     assert bool(torch.isneginf(merged_lse[:3]).all()) and not bool(merged.isnan().any())
 
 
-def test_one_part_is_the_dense_softmax_with_its_lse():
+def test_one_part_is_the_dense_softmax_with_its_lse(kernel):
     q, k, v, gen = _qkv(9, 17, seed=3)
     limits = torch.randint(0, 18, (9,), generator=gen)
     out, lse = partial_attention(q, k, v, limits, SCALE)
@@ -78,7 +87,7 @@ def test_one_part_is_the_dense_softmax_with_its_lse():
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_padded_batch_equals_each_request_alone():
+def test_padded_batch_equals_each_request_alone(kernel):
     q, k, v, gen = _qkv(3 * 4, 3 * 11, seed=5)
     q, k, v = q.view(3, 4, HEADS, HEAD_DIM), k.view(3, 11, KV_HEADS, HEAD_DIM), v.view(3, 11, KV_HEADS, HEAD_DIM)
     limits = torch.randint(0, 12, (3, 4), generator=gen)
@@ -89,19 +98,18 @@ def test_padded_batch_equals_each_request_alone():
         torch.testing.assert_close(lse[b], alone_lse)
 
 
-def test_long_queries_are_tiled_like_one_band(monkeypatch):
-    from servelm.parallel import partial_attention as module
-
+def test_long_queries_are_tiled_like_one_band(kernel, monkeypatch):
     q, k, v, gen = _qkv(37, 29, seed=8)
     limits = torch.randint(0, 30, (37,), generator=gen)
+    limits[10:15] = 0  # a band that sees nothing
     whole = partial_attention(q, k, v, limits, SCALE)
-    monkeypatch.setattr(module, "SCORE_TILE_BYTES", 4 * HEADS * 29 * 5)  # bands of 5 queries
+    monkeypatch.setattr(partial_attention_module, "SCORE_TILE_BYTES", 4 * HEADS * 29 * 5)  # bands of 5 queries
     banded = partial_attention(q, k, v, limits, SCALE)
     torch.testing.assert_close(banded[0], whole[0])
     torch.testing.assert_close(banded[1], whole[1])
 
 
-def test_merge_of_empty_parts_is_zero_not_nan():
+def test_merge_of_empty_parts_is_zero_not_nan(kernel):
     out = torch.randn(4, HEADS, HEAD_DIM)
     empty = torch.full((4, HEADS), float("-inf"))
     merged, lse = merge_partials_with_lse([out, out * 2], [empty, empty])

@@ -11,8 +11,11 @@ weighs nothing; a query that sees no key anywhere gets out = 0.
 
 Keys are a contiguous run per request and query i sees the first key_limits[i] of them: every
 causal pattern of the context-parallel layout has that shape (servelm.parallel.context_layout).
-The math is plain torch in float32 (any device); GQA is computed by grouping the G = H / KVH
-query heads that share a KV head into one matrix, so K/V are never repeated.
+On CPU the parts are computed by torch's flash-attention kernel for CPU (the op SDPA dispatches
+to there, which also returns the log-sum-exp; ~3.5x faster than the math at 2048 x 4096, 9 heads,
+one thread); elsewhere by plain torch math in float32, GQA as one matrix per KV head (its G = H / KVH
+query heads as rows), so K/V are never repeated. Queries go a band at a time, and each band reads
+only the keys its queries can see (a causal prompt's early queries skip most of them).
 """
 
 from __future__ import annotations
@@ -55,28 +58,72 @@ def padded_partial_attention(
     lse = torch.full((batch, num_queries, num_heads), float("-inf"), device=q.device)
     if length == 0 or num_queries == 0 or batch == 0:
         return out, lse
-    group = num_heads // num_kv_heads
-    k32 = k.float().transpose(1, 2)  # [B, KVH, L, D]
-    v32 = v.float().transpose(1, 2)
-    columns = torch.arange(length, device=q.device)
+    flash = q.device.type == "cpu" and q.dtype in _FLASH_CPU_DTYPES
+    if flash:  # [B, H, L, D]: the kernel wants as many K/V heads as query heads
+        group = num_heads // num_kv_heads
+        k = k.transpose(1, 2).repeat_interleave(group, dim=1)
+        v = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    else:  # [B, KVH, L, D] float32
+        k, v = k.float().transpose(1, 2), v.float().transpose(1, 2)
     tile = max(1, SCORE_TILE_BYTES // (4 * batch * num_heads * length))
     for a in range(0, num_queries, tile):
         b = min(a + tile, num_queries)
-        n = b - a
-        # [B, n, KVH, G, D] → [B, KVH, n*G, D]: the G heads of a KV head are rows of one matrix.
-        qt = q[:, a:b].float().view(batch, n, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-        scores = torch.matmul(qt.reshape(batch, num_kv_heads, n * group, head_dim), k32.transpose(-1, -2))
-        scores = scores.mul_(scale).view(batch, num_kv_heads, n, group, length)
-        hidden = columns >= key_limits[:, a:b, None]  # [B, n, L]: True = not seen
-        scores.masked_fill_(hidden[:, None, :, None, :], float("-inf"))
-        tile_lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, n, G]; -inf where nothing is seen
-        # exp(s - lse) is the softmax; a row that sees nothing subtracts 0 and stays all zeros.
-        probs = scores.sub_(torch.nan_to_num(tile_lse, neginf=0.0)[..., None]).exp_()
-        tile_out = torch.matmul(probs.view(batch, num_kv_heads, n * group, length), v32)  # [B, KVH, n*G, D]
-        tile_out = tile_out.view(batch, num_kv_heads, n, group, head_dim).permute(0, 2, 1, 3, 4)
-        out[:, a:b] = tile_out.reshape(batch, n, num_heads, head_dim)  # head h = kv_head * G + g
-        lse[:, a:b] = tile_lse.permute(0, 2, 1, 3).reshape(batch, n, num_heads)
+        limits = key_limits[:, a:b]
+        seen = min(int(limits.max()), length)  # no query of the band sees a key past this one
+        if seen == 0:
+            continue
+        attend = _flash_band if flash else _math_band
+        out[:, a:b], lse[:, a:b] = attend(q[:, a:b], k[:, :, :seen], v[:, :, :seen], limits, scale)
     return out, lse
+
+
+# What torch's CPU flash-attention kernel computes in (it returns the log-sum-exp in float32).
+_FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _hidden_keys(limits: torch.Tensor, length: int) -> torch.Tensor:  # [B, n, L] bool, True = not seen
+    return torch.arange(length, device=limits.device) >= limits[..., None]
+
+
+def _flash_band(
+    q: torch.Tensor,  # [B, n, H, D]
+    k: torch.Tensor,  # [B, H, L, D]
+    v: torch.Tensor,  # [B, H, L, D]
+    limits: torch.Tensor,  # [B, n] long
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, n, H, D], [B, n, H] float32
+    hidden = _hidden_keys(limits, k.shape[2])
+    mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k, v, 0.0, False, attn_mask=mask[:, None], scale=scale
+    )  # [B, H, n, D], [B, H, n]
+    # The kernel gives a query that sees no key out = 0 but lse = 0; the merge needs -inf.
+    lse = lse.float().transpose(1, 2).masked_fill((limits == 0)[..., None], float("-inf"))
+    return out.transpose(1, 2), lse
+
+
+def _math_band(
+    q: torch.Tensor,  # [B, n, H, D]
+    k: torch.Tensor,  # [B, KVH, L, D] float32
+    v: torch.Tensor,  # [B, KVH, L, D] float32
+    limits: torch.Tensor,  # [B, n] long
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, n, H, D], [B, n, H] float32
+    batch, n, num_heads, head_dim = q.shape
+    num_kv_heads, length = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    # [B, n, KVH, G, D] → [B, KVH, n*G, D]: the G heads of a KV head are rows of one matrix.
+    qt = q.float().view(batch, n, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    scores = torch.matmul(qt.reshape(batch, num_kv_heads, n * group, head_dim), k.transpose(-1, -2))
+    scores = scores.mul_(scale).view(batch, num_kv_heads, n, group, length)
+    scores.masked_fill_(_hidden_keys(limits, length)[:, None, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, n, G]; -inf where nothing is seen
+    # exp(s - lse) is the softmax; a row that sees nothing subtracts 0 and stays all zeros.
+    probs = scores.sub_(torch.nan_to_num(lse, neginf=0.0)[..., None]).exp_()
+    out = torch.matmul(probs.view(batch, num_kv_heads, n * group, length), v)  # [B, KVH, n*G, D]
+    out = out.view(batch, num_kv_heads, n, group, head_dim).permute(0, 2, 1, 3, 4)
+    # head h = kv_head * G + g, as in Hugging Face's repeat_kv
+    return out.reshape(batch, n, num_heads, head_dim), lse.permute(0, 2, 1, 3).reshape(batch, n, num_heads)
 
 
 def merge_partials_with_lse(
