@@ -9,7 +9,8 @@ in chunks of 10, 12, 4 and 1 tokens (the last gives one rank no token), a fresh 
 mid-way, decodes, a lone decode at the end — runs on one rank with the plain torch backend
 (logical blocks of 8) and on 2 CP ranks (physical blocks of 4, same block ids). Every step's
 logits agree within float32 tolerance and the greedy tokens are identical, with each strategy
-forced and chosen per request, and with an int8 KV pool.
+forced and chosen per request, with an int8 KV pool, and with every part through torch's CPU
+flash kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from servelm.attention.backend import CommonAttentionInputs
 from servelm.models.factory import build_model
 from servelm.models.loader import load_checkpoint
+from servelm.parallel import partial_attention
 from servelm.parallel.context_backend import ContextParallelBackend, ContextParallelMetadata
 from servelm.parallel.context_layout import AttentionHeads, Strategy, plan_step
 from servelm.parallel.groups import GroupMember, ParallelGroups, ParallelLayout
@@ -186,12 +188,20 @@ def _cp_run(cp: GroupMember, tiny_dir, strategy: Strategy, kv_dtype: torch.dtype
     return run
 
 
-CASES = [(Strategy.AUTO, torch.float32), (Strategy.RING, torch.float32), (Strategy.GATHER, torch.float32),
-         (Strategy.AUTO, torch.int8)]  # fmt: skip
+# (strategy, KV pool dtype, whether every part goes through torch's CPU flash kernel: the script's
+# chunks are too short for it otherwise)
+CASES = [(Strategy.AUTO, torch.float32, False), (Strategy.RING, torch.float32, False),
+         (Strategy.GATHER, torch.float32, False), (Strategy.AUTO, torch.int8, False),
+         (Strategy.AUTO, torch.float32, True)]  # fmt: skip
 
 
 def _cp_rank(groups: ParallelGroups, tiny_dir) -> list[ScriptRun]:
-    return [_cp_run(groups.cp, tiny_dir, strategy, kv_dtype) for strategy, kv_dtype in CASES]
+    runs = []
+    default = partial_attention.FLASH_MIN_QUERIES
+    for strategy, kv_dtype, flash in CASES:
+        partial_attention.FLASH_MIN_QUERIES = 1 if flash else default  # this rank process's own module
+        runs.append(_cp_run(groups.cp, tiny_dir, strategy, kv_dtype))
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +209,11 @@ def cp_runs(tiny_dir):
     return run_ranks(_cp_rank, ParallelLayout(context_parallel_size=CP_SIZE), args=(tiny_dir,), timeout_s=180)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{s.value}-{str(d)[6:]}" for s, d in CASES])
+@pytest.mark.parametrize(
+    "case", range(len(CASES)), ids=[f"{s.value}-{str(d)[6:]}{'-flash' if f else ''}" for s, d, f in CASES]
+)
 def test_two_ranks_equal_one_rank(tiny_dir, cp_runs, case):
-    strategy, kv_dtype = CASES[case]
+    strategy, kv_dtype, _ = CASES[case]
     reference = _single_rank_run(tiny_dir, kv_dtype)
     for rank_runs in cp_runs:
         run = rank_runs[case]

@@ -17,6 +17,7 @@ from servelm.parallel import partial_attention as partial_attention_module
 from servelm.parallel.exchange import all_gather_rows, all_to_all_rows
 from servelm.parallel.groups import ParallelGroups, ParallelLayout, all_gather_last_dim
 from servelm.parallel.partial_attention import (
+    causal_partial_attention,
     merge_partials,
     merge_partials_with_lse,
     padded_partial_attention,
@@ -54,6 +55,8 @@ def kernel(request, monkeypatch):
     """Each test of the math runs on both paths: torch's CPU flash kernel and the plain float32 math."""
     if request.param == "math":
         monkeypatch.setattr(partial_attention_module, "_FLASH_CPU_DTYPES", ())
+    else:  # the kernel for every part, however few its queries
+        monkeypatch.setattr(partial_attention_module, "FLASH_MIN_QUERIES", 1)
     return request.param
 
 
@@ -82,6 +85,20 @@ def test_one_part_is_the_dense_softmax_with_its_lse(kernel):
     q, k, v, gen = _qkv(9, 17, seed=3)
     limits = torch.randint(0, 18, (9,), generator=gen)
     out, lse = partial_attention(q, k, v, limits, SCALE)
+    expected, expected_lse = _dense(q, k, v, limits)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "num_queries,num_keys,first_limit",
+    [(20, 20, 1), (20, 21, 0), (20, 30, 11), (20, 25, 7), (5, 9, 9), (1, 4, 0), (6, 3, 2)],
+)
+def test_causal_partials_equal_their_key_limits(kernel, num_queries, num_keys, first_limit):
+    """Limits that grow by one per query (the ring's shape): the kernel's two maskless calls, merged."""
+    q, k, v, _ = _qkv(num_queries, num_keys, seed=num_keys + first_limit)
+    limits = (torch.arange(num_queries) + first_limit).clamp(max=num_keys)
+    out, lse = causal_partial_attention(q, k, v, first_limit, SCALE)
     expected, expected_lse = _dense(q, k, v, limits)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)

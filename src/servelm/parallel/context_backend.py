@@ -33,7 +33,7 @@ from servelm.parallel.context_layout import (
 )
 from servelm.parallel.exchange import all_gather_rows, all_to_all_rows, as_byte_rows, from_byte_rows
 from servelm.parallel.groups import GroupMember
-from servelm.parallel.partial_attention import merge_partials, padded_partial_attention, partial_attention
+from servelm.parallel.partial_attention import causal_partial_attention, merge_partials, padded_partial_attention
 from servelm.parallel.ring import ring_shards
 
 
@@ -166,7 +166,8 @@ class ContextParallelBackend:
                     continue
                 offset, length = request.segments[source]
                 kv = held[offset : offset + length]
-                out, lse = partial_attention(queries[a:b], kv[:, 0], kv[:, 1], request.key_limits[source], scale)
+                limit = request.first_limits[source]
+                out, lse = causal_partial_attention(queries[a:b], kv[:, 0], kv[:, 1], limit, scale)
                 outs[j].append(out)
                 lses[j].append(lse)
         merged = [merge_partials(o, s) for o, s in zip(outs, lses) if o]

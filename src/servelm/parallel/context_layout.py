@@ -90,7 +90,9 @@ class GatherPlan:
 @dataclass(frozen=True)
 class RingRequest:
     queries: tuple[int, int]  # this rank's queries of the request: rows [a, b) of the ring's queries
-    key_limits: torch.Tensor  # [C, b - a] long, device: keys of rank s's segment each query sees
+    # [C]: keys of rank s's segment the first query sees; query i sees first_limits[s] + i of them
+    # (this rank's queries are every C-th position, rank s holds every C-th key).
+    first_limits: list[int]
     segments: list[tuple[int, int]]  # [C]: (offset, length) of the request's keys in rank s's shard
 
 
@@ -267,9 +269,10 @@ def _plan_ring(
             torch.arange(cached_offsets[j], cached_offsets[j] + c),
             torch.arange(num_cached + a, num_cached + a + n),
         ]
-        limits = torch.stack([rank_count(ring_positions[a : a + n] + 1, s, cp_size) for s in range(cp_size)])
         segments = [(int(key_offsets[s, j]), int(keys[s, j])) for s in range(cp_size)]
-        requests.append(RingRequest((a, a + n), limits.to(common.device, non_blocking=True), segments))
+        first = ring_positions[a : a + 1] + 1  # the first query's position + 1 (none: no queries here)
+        first_limits = [int(rank_count(first, s, cp_size).sum()) for s in range(cp_size)]
+        requests.append(RingRequest((a, a + n), first_limits, segments))
     device = common.device
     return RingPlan(
         rows=torch.nonzero(local_on_ring).flatten().to(device, non_blocking=True),

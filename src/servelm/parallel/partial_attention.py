@@ -11,10 +11,12 @@ weighs nothing; a query that sees no key anywhere gets out = 0.
 
 Keys are a contiguous run per request and query i sees the first key_limits[i] of them: every
 causal pattern of the context-parallel layout has that shape (servelm.parallel.context_layout).
-On CPU the parts are computed by torch's flash-attention kernel for CPU (the op SDPA dispatches
-to there, which also returns the log-sum-exp; ~3.5x faster than the math at 2048 x 4096, 9 heads,
-one thread); elsewhere by plain torch math in float32, GQA as one matrix per KV head (its G = H / KVH
-query heads as rows), so K/V are never repeated. Queries go a band at a time, and each band reads
+Prefill-sized parts on CPU are computed by torch's flash-attention kernel for CPU (the op SDPA
+dispatches to there, which also returns the log-sum-exp; ~3.5x faster than the math at 2048 x 4096,
+9 heads, one thread). Everything else, and every part on other devices, is plain torch math in
+float32, GQA as one matrix per KV head (its G = H / KVH query heads as rows), so K/V are never
+repeated: for a few queries the kernel's K/V repeat per head costs more than the attention
+(1 query over 4096 keys: 7.5 ms vs 0.8 ms; 64 queries: 10 vs 12 ms). Queries go a band at a time, and each band reads
 only the keys its queries can see (a causal prompt's early queries skip most of them).
 """
 
@@ -41,6 +43,69 @@ def partial_attention(
     return out[0], lse[0]
 
 
+def causal_partial_attention(
+    q: torch.Tensor,  # [Tq, H, D]
+    k: torch.Tensor,  # [Tk, KVH, D]
+    v: torch.Tensor,  # [Tk, KVH, D]
+    first_limit: int,  # query i sees keys [0, min(first_limit + i, Tk))
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [Tq, H, D] in q's dtype, lse [Tq, H] float32
+    """`partial_attention` for key limits that grow by one per query: every (request, rank) pair of
+    context parallelism's ring has that shape, since a rank's queries are every C-th position.
+
+    On CPU (prefill-sized) it is maskless kernel calls, so the kernel skips the causal triangle
+    instead of reading a mask; with first_limit = L >= 1:
+
+        keys [0, L - 1)       every query sees them                          (dense)
+        keys [L - 1, ...)     query i sees the first i + 1 of them           (causal, top-left)
+
+    one call when L = 1 (a fresh prompt's shards of ranks at or before this one), two merged
+    otherwise; with L = 0 (the shards of later ranks) query 0 sees nothing and q[1:] is causal.
+    """
+    num_queries, num_keys = q.shape[0], k.shape[0]
+    if not _use_flash(q, num_queries):
+        limits = (torch.arange(num_queries, device=q.device) + first_limit).clamp_(max=num_keys)
+        return partial_attention(q, k, v, limits, scale)
+    skip = 0 if first_limit >= 1 else 1  # leading queries that see no key
+    prefix = min(max(first_limit - 1, 0), num_keys)
+    rest = min(num_queries - skip, num_keys - prefix)  # keys the last query sees past the prefix
+    outs, lses = [], []
+    if prefix:
+        out, lse = _flash(q, k[:prefix], v[:prefix], scale, causal=False)
+        outs.append(out)
+        lses.append(lse)
+    if rest > 0:
+        out, lse = _flash(q[skip:], k[prefix : prefix + rest], v[prefix : prefix + rest], scale, causal=True)
+        if skip:  # query 0 sees none of these keys
+            out = torch.cat([out.new_zeros(skip, *out.shape[1:]), out])
+            lse = torch.cat([lse.new_full((skip, lse.shape[1]), float("-inf")), lse])
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return q.new_zeros(q.shape), torch.full(q.shape[:2], float("-inf"), device=q.device)
+    return merge_partials_with_lse(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [Tq, H, D], lse [Tq, H] float32
+    """q [Tq, H, D] over every key of k/v [Tk, KVH, D] (or top-left causal) with torch's CPU kernel."""
+    group = q.shape[1] // k.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1)[None],  # [1, H, Tq, D]
+        k.transpose(0, 1).repeat_interleave(group, dim=0)[None],  # [1, H, Tk, D]
+        v.transpose(0, 1).repeat_interleave(group, dim=0)[None],
+        0.0,
+        causal,
+        scale=scale,
+    )
+    return out[0].transpose(0, 1), lse[0].float().transpose(0, 1)
+
+
+def _use_flash(q: torch.Tensor, num_queries: int) -> bool:
+    return q.device.type == "cpu" and q.dtype in _FLASH_CPU_DTYPES and num_queries >= FLASH_MIN_QUERIES
+
+
 def padded_partial_attention(
     q: torch.Tensor,  # [B, Q, H, D]: B requests' queries, padded to Q
     k: torch.Tensor,  # [B, L, KVH, D]: their keys, padded to L
@@ -58,7 +123,7 @@ def padded_partial_attention(
     lse = torch.full((batch, num_queries, num_heads), float("-inf"), device=q.device)
     if length == 0 or num_queries == 0 or batch == 0:
         return out, lse
-    flash = q.device.type == "cpu" and q.dtype in _FLASH_CPU_DTYPES
+    flash = _use_flash(q, num_queries)
     if flash:  # [B, H, L, D]: the kernel wants as many K/V heads as query heads
         group = num_heads // num_kv_heads
         k = k.transpose(1, 2).repeat_interleave(group, dim=1)
@@ -77,8 +142,10 @@ def padded_partial_attention(
     return out, lse
 
 
-# What torch's CPU flash-attention kernel computes in (it returns the log-sum-exp in float32).
+# What torch's CPU flash-attention kernel computes in (it returns the log-sum-exp in float32), and
+# the fewest queries per request it is used for (measured above: the math wins up to ~16).
 _FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLASH_MIN_QUERIES = 32
 
 
 def _hidden_keys(limits: torch.Tensor, length: int) -> torch.Tensor:  # [B, n, L] bool, True = not seen
