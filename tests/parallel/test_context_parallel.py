@@ -5,7 +5,7 @@ token-interleaved layout written out by hand, and the per-request choice between
 queries and the ring follows the bytes.
 
 The model: the same script of steps — a prefix cached by an earlier request, a prompt after it
-in chunks of 10, 12, 4 and 1 tokens (the last gives one rank no token), a fresh prompt joining
+in chunks of 10, 18, 4 and 1 tokens (the last gives one rank no token), a fresh prompt joining
 mid-way, decodes, a lone decode at the end — runs on one rank with the plain torch backend
 (logical blocks of 8) and on 2 CP ranks (physical blocks of 4, same block ids). Every step's
 logits agree within float32 tolerance and the greedy tokens are identical, with each strategy
@@ -73,13 +73,20 @@ def test_plan_partitions_the_batch_and_follows_the_layout(cp_size, physical_bloc
 
 
 def test_the_choice_follows_the_bytes():
-    # A fresh long prompt, a decode, a short chunk after long context, a long chunk after short context.
-    common = _common([(512, 512), (1, 900), (8, 1000), (500, 600)], 8)
+    # A fresh long prompt, a decode, a short chunk after long context, a long chunk after short
+    # context, a longer chunk after long context.
+    common = _common([(512, 512), (1, 900), (8, 1000), (500, 600), (40, 2000)], 8)
     plan = plan_step(common, 0, 2, HEADS, Strategy.AUTO)
     assert plan.ring is not None and plan.gather is not None
     assert len(plan.ring.requests) == 2  # requests 0 and 3
     assert plan.ring.shard_lens == [256 + 300, 256 + 300]
-    assert sum(plan.gather.counts) == 1 + 8  # the decode and the short chunk
+    assert sum(plan.gather.counts) == 1 + 8 + 40  # the decode, the short chunk and the longer one
+    # The decode and the short chunk side by side; the longer chunk alone, its queries from each rank
+    # one run of rows (rank 0's block: the short chunk's 4, then its 20; rank 1's: the decode, 4, 20):
+    # positions 1960, 1962, ... and 1961, 1963, ... see 981, 982, ... of rank 0's 1000 keys.
+    assert [g.queries.shape for g in plan.gather.groups] == [(2, 8)]
+    (chunk,) = plan.gather.chunks
+    assert chunk.slots.numel() == 1000 and chunk.parts == ((4, 24, 981), (29, 49, 981))
     forced = plan_step(common, 0, 2, HEADS, Strategy.GATHER)
     assert forced.ring is None and sum(forced.gather.counts) == common.num_tokens
 
@@ -107,7 +114,7 @@ A, B, C = 0, 1, 2
 SCRIPT: list[dict[int, int]] = [
     {A: 16},
     {B: 10, A: 1},
-    {B: 12, A: 1, C: 9},  # C: a fresh prompt among a chunk and a decode
+    {B: 18, A: 1, C: 9},  # C: a fresh prompt among a chunk (long enough to be gathered alone) and a decode
     {B: 4, A: 1, C: 1},
     {B: 1},  # the prompt's last token alone: one rank computes no token
     *[{A: 1, B: 1, C: 1}] * 5,
@@ -120,7 +127,7 @@ def _prompts() -> dict[int, list[int]]:
     prefix = torch.randint(0, 49152, (16,), generator=gen).tolist()
     return {
         A: prefix,
-        B: prefix + torch.randint(0, 49152, (27,), generator=gen).tolist(),
+        B: prefix + torch.randint(0, 49152, (33,), generator=gen).tolist(),
         C: torch.randint(0, 49152, (9,), generator=gen).tolist(),
     }
 

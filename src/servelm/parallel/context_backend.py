@@ -123,6 +123,12 @@ class ContextParallelBackend:
             out, lse = padded_partial_attention(queries[group.queries], k, v, group.key_limits, scale)
             outs[group.outputs] = out.flatten(0, 1)[group.real]
             lses[group.outputs] = lse.flatten(0, 1)[group.real]
+        for chunk in plan.chunks:
+            k, v = (gather_kv(kv_cache, which, chunk.slots, query.dtype) for which in (0, 1))  # [K, KVH, D]
+            for first, end, first_limit in chunk.parts:
+                outs[first:end], lses[first:end] = causal_partial_attention(
+                    queries[first:end], k, v, first_limit, scale
+                )
         # One message per destination: each partial row's output bytes, then its lse bytes.
         packed = torch.cat([as_byte_rows(outs), as_byte_rows(lses)], dim=1)
         mine = plan.counts[self.cp.rank]

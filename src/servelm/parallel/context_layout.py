@@ -81,10 +81,21 @@ class QueryGroup:
 
 
 @dataclass(frozen=True)
+class GatheredChunk:
+    """A gathered request with more queries than BATCHED_QUERY_MAX, attended alone. Its queries from
+    rank s are consecutive gathered rows at every C-th position, so over this rank's keys their key
+    limits grow by one per query (servelm.parallel.partial_attention.causal_partial_attention)."""
+
+    slots: torch.Tensor  # [K] long, device: pool slots of this rank's keys of the request (local 0..K-1)
+    parts: tuple[tuple[int, int, int], ...]  # per rank with queries: (first row, end row, first query's key limit)
+
+
+@dataclass(frozen=True)
 class GatherPlan:
     rows: torch.Tensor  # [n_r] long, device: this rank's local rows whose queries are gathered
     counts: list[int]  # [C]: gathered queries from each rank (rank s's block of the gathered rows)
-    groups: tuple[QueryGroup, ...]
+    groups: tuple[QueryGroup, ...]  # short requests (decodes, speculative verification) side by side
+    chunks: tuple[GatheredChunk, ...]  # the others
 
 
 @dataclass(frozen=True)
@@ -213,15 +224,14 @@ def _plan_gather(
 
     indices = torch.nonzero(gathered).flatten().tolist()
     short = [i for i in indices if int(common.query_lens[i]) <= BATCHED_QUERY_MAX]
-    batches = ([short] if short else []) + [[i] for i in indices if i not in short]
     groups = []
-    for batch in batches:
-        entries = [torch.nonzero(requests == i).flatten() for i in batch]  # gathered rows of each request
+    if short:
+        entries = [torch.nonzero(requests == i).flatten() for i in short]  # gathered rows of each request
         width = max(e.numel() for e in entries)
         padded = torch.stack([torch.cat([e, e[-1:].expand(width - e.numel())]) for e in entries])  # [B, Q]
-        length = max(int(num_keys[i]) for i in batch)
-        slots = torch.zeros(len(batch), length, dtype=torch.long)
-        for row, i in enumerate(batch):
+        length = max(int(num_keys[i]) for i in short)
+        slots = torch.zeros(len(short), length, dtype=torch.long)
+        for row, i in enumerate(short):
             slots[row, : int(num_keys[i])] = _local_key_slots(common, i, int(num_keys[i]), block_size)
         real = (torch.arange(width) < torch.tensor([e.numel() for e in entries]).unsqueeze(1)).flatten()
         groups.append(
@@ -233,10 +243,24 @@ def _plan_gather(
                 outputs=padded.flatten()[real].to(common.device, non_blocking=True),
             )
         )
+    chunks = []
+    for i in indices:
+        if i in short:
+            continue
+        parts = []
+        for s in range(cp_size):
+            rows = torch.nonzero((requests == i) & (on_rank[tokens] == s)).flatten()  # consecutive
+            if rows.numel():
+                first, end = int(rows[0]), int(rows[-1]) + 1
+                assert end - first == rows.numel()
+                parts.append((first, end, int(key_limits[first])))
+        slots = _local_key_slots(common, i, int(num_keys[i]), block_size)
+        chunks.append(GatheredChunk(slots.to(common.device, non_blocking=True), tuple(parts)))
     return GatherPlan(
         rows=torch.nonzero(~local_on_ring).flatten().to(common.device, non_blocking=True),
         counts=counts,
         groups=tuple(groups),
+        chunks=tuple(chunks),
     )
 
 
