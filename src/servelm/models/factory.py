@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 import servelm.attention.torch_backend  # noqa: F401  (registers "torch")
-from servelm.attention.backend import get_backend
+from servelm.attention.backend import AttentionBackend, get_backend
 from servelm.models.arch import ModelArchConfig
 from servelm.models.linear_methods import DENSE, LinearMethod, choose_linear_method
 from servelm.models.llama import LlamaForCausalLM
@@ -42,7 +42,7 @@ def build_model(
     weights: Mapping[str, Weight],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    attention_backend: str = "torch",
+    attention_backend: str | AttentionBackend = "torch",  # a registered name, or an instance (context parallelism)
     int8_linears: bool = True,
     tp: GroupMember = SINGLE_RANK,
 ) -> LlamaForCausalLM:
@@ -67,7 +67,8 @@ def build_model(
     # Built on the meta device and given its dtype there, so the one allocation is `to_empty`'s:
     # no random init, no float32 copy first.
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, get_backend(attention_backend), linear_method, tp)
+        backend = get_backend(attention_backend) if isinstance(attention_backend, str) else attention_backend
+        model = LlamaForCausalLM(arch, backend, linear_method, tp)
     model.to(dtype)
     model.to_empty(device=device)
     if arch.tie_word_embeddings:  # to_empty breaks the tie; restore it before loading
