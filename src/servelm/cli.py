@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import sys
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine core")
+    group.add_argument(
+        "--hf-overrides", type=json.loads, default=None,
+        help='JSON of Hugging Face config keys replacing the checkpoint\'s, e.g. \'{"rope_scaling": {"rope_type": '
+        '"linear", "factor": 2.0}, "max_position_embeddings": 16384}\'',
+    )  # fmt: skip
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=float, default=None, dest="kv_cache_memory_gib", help="GiB for KV")
     group.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
@@ -71,6 +77,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-transfer-peers", default=None, type=_comma_list,
         help="decode: prefill servers' transfer addresses (tcp://HOST:PORT,...) to connect at start-up",
     )  # fmt: skip
+    group.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=None,
+        help="ranks the weights are split over (heads, MLP columns, vocabulary); torch.distributed",
+    )  # fmt: skip
+    group.add_argument(
+        "--context-parallel-size", "-cp", type=int, default=None,
+        help="ranks each request's tokens and KV are split over (long prompts; ring attention)",
+    )  # fmt: skip
+    group.add_argument(
+        "--distributed-timeout-s", type=float, default=None,
+        help="seconds a collective may take before a silent rank counts as dead (default 60)",
+    )  # fmt: skip
+    group.add_argument(
+        "--threads-per-rank", type=int, default=None,
+        help="torch threads of each rank with -tp/-cp (default: the cores split over the ranks)",
+    )  # fmt: skip
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=None, help="requests per step at most")
     group.add_argument(
@@ -112,6 +134,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "device",
             "max_model_len",
             "num_threads",
+            "hf_overrides",
             "block_size",
             "kv_cache_memory_gib",
             "num_blocks",
@@ -128,6 +151,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "kv_transfer_timeout_s",
             "kv_transfer_max_reserved_blocks",
             "kv_transfer_peers",
+            "tensor_parallel_size",
+            "context_parallel_size",
+            "distributed_timeout_s",
+            "threads_per_rank",
             "max_num_batched_tokens",
             "max_num_seqs",
             "max_num_partial_prefills",

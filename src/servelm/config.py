@@ -236,6 +236,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "torch"
     num_threads: int | None = None  # torch CPU threads in the engine core; None: torch's default
+    # Hugging Face config keys replacing the checkpoint's (vLLM's --hf-overrides), e.g. RoPE scaling
+    # with a larger max_position_embeddings to run past the trained context.
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")

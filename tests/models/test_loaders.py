@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from servelm import default_model
 from servelm.default_model import default_model_path
 from servelm.models.arch import ModelArchConfig, UnsupportedModelError
+from servelm.models.factory import build_model
 from servelm.models.gguf_loader import (
     UnsupportedQuantizationError,
     gguf_hf_config,
@@ -169,6 +170,18 @@ def test_hf_directory_round_trip(arch_name: str, tiny_llama: Path, tiny_qwen2: P
     assert checkpoint.arch.attention_bias == (arch_name == "qwen2")
     _assert_same_weights(checkpoint.weights, load_file(str(directory / "model.safetensors")))
     assert checkpoint.tokenizer.chat_template and len(checkpoint.tokenizer) == checkpoint.arch.vocab_size
+
+
+def test_hf_overrides_replace_config_keys_and_a_shape_change_is_refused(tiny_llama: Path):
+    scaled = {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "max_position_embeddings": 4096}
+    checkpoint = load_checkpoint(tiny_llama, hf_overrides=scaled)
+    plain = load_checkpoint(tiny_llama)
+    assert checkpoint.arch.max_position_embeddings == 4096 and plain.arch.max_position_embeddings == 1024
+    assert checkpoint.arch.rope_scaling is not None and checkpoint.arch.rope_scaling.factor == 4.0
+    assert checkpoint.arch.hidden_size == plain.arch.hidden_size
+    wider = load_checkpoint(tiny_llama, hf_overrides={"hidden_size": 128})
+    with pytest.raises(WeightShapeError):
+        build_model(wider.arch, wider.weights)
 
 
 def test_sharded_directory_loads(tmp_path: Path, tiny_llama: Path):

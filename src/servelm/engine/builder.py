@@ -25,14 +25,30 @@ from servelm.models.arch import ModelArchConfig
 from servelm.models.factory import build_model, resolve_device, resolve_dtype
 from servelm.models.llama import LlamaForCausalLM
 from servelm.models.loader import load_checkpoint
+from servelm.models.sharding import local_num_kv_heads
+from servelm.parallel.groups import GroupMember
 from servelm.scheduler.scheduler import Scheduler
 from servelm.spec.proposer import Proposer, build_proposer
 from servelm.worker.block_table import BlockTable
 from servelm.worker.draft_model import DraftModel, load_draft_model
 from servelm.worker.draft_proposer import DraftModelProposer
-from servelm.worker.kv_cache import allocate_kv_caches, free_device_memory, num_blocks_for_budget, resolve_kv_dtype
+from servelm.worker.kv_cache import (
+    allocate_kv_caches,
+    bytes_per_block,
+    free_device_memory,
+    num_blocks_for_budget,
+    resolve_kv_dtype,
+)
 from servelm.worker.kv_offload import KVOffloader
 from servelm.worker.model_runner import ModelRunner
+from servelm.worker.multi_rank import (
+    StepBroadcaster,
+    build_shard,
+    check_supported,
+    join_world,
+    layout_of,
+    rank_device,
+)
 
 logger = logging.getLogger(__name__)
 # A producer's host tier when --kv-offloading-size is not given: exports wait for their pull there.
@@ -63,9 +79,11 @@ def eos_token_ids(arch: ModelArchConfig, tokenizer: Any) -> tuple[int, ...]:
 def build_engine(config: EngineConfig, proposer: Proposer | None = None) -> BuiltEngine:
     """`proposer`: with config.speculative set, one to use in place of the one its method names
     (a custom proposer; the tests' scripted ones)."""
+    if config.parallel.world_size > 1:
+        return _build_multi_rank_engine(config)
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
-    checkpoint = load_checkpoint(config.model.model)
+    checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend)
@@ -141,6 +159,59 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     )
 
 
+def _build_multi_rank_engine(config: EngineConfig) -> BuiltEngine:
+    """Rank 0 of a multi-rank worker (worker/multi_rank.py): it sizes the KV pool, starts the
+    other ranks, joins them, and builds its own shard; the scheduler is the one single one.
+
+    Under context parallelism the scheduler's blocks are logical blocks of block_size x cp
+    tokens, each rank storing block_size of them (every cp-th position) in its physical block
+    of the same id: the same number of blocks holds cp times the tokens."""
+    check_supported(config)
+    checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)  # arch and tokenizer; each rank reads its own shard
+    arch, tokenizer, source = checkpoint.arch, checkpoint.tokenizer, checkpoint.source
+    del checkpoint
+    device = rank_device(config, 0)
+    dtype = resolve_dtype(config.model.dtype, device)
+    layout = layout_of(config)
+    logical_block_size = config.cache.block_size * layout.context_parallel_size
+    # Every rank allocates the same number of blocks: as many as the budget holds on the rank with the
+    # most KV heads (the budget is per rank: each has its own memory, or its share of this machine's).
+    tp_size = layout.tensor_parallel_size
+    widest = max(local_num_kv_heads(arch, GroupMember(rank, tp_size)) for rank in range(tp_size))
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
+    block_bytes = bytes_per_block(arch, config.cache.block_size, kv_dtype, num_kv_heads=widest)
+    num_blocks = config.cache.num_blocks or _kv_budget_bytes(config, device) // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget holds no block of {block_bytes / 2**20:.2f} MiB per rank; raise --kv-cache-memory")
+    max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings,
+                        num_blocks * logical_block_size)  # fmt: skip
+    followers = StepBroadcaster(config, num_blocks, max_model_len)
+    try:
+        groups = join_world(config, 0, followers.init_method, device)
+        shard = build_shard(config, groups, num_blocks, device)
+    except BaseException:
+        followers.close()
+        raise
+    logger.info(
+        "multi-rank worker: tp %d x cp %d ranks (pids %s), %d blocks of %d tokens per rank",
+        layout.tensor_parallel_size, layout.context_parallel_size, followers.pids, num_blocks, config.cache.block_size,
+    )  # fmt: skip
+    eos_ids = eos_token_ids(arch, tokenizer)
+    speculative = config.speculative
+    proposer = build_proposer(speculative) if speculative is not None else None
+    runner = ModelRunner(
+        shard.model, shard.kv_caches, logical_block_size, eos_ids, device,
+        max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, proposer=proposer,
+        max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0, followers=followers,
+    )  # fmt: skip
+    kv_manager = KVCacheManager(num_blocks, logical_block_size, config.cache.enable_prefix_caching,
+                                config.kv_events.enabled)  # fmt: skip
+    scheduler = Scheduler(config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids,
+                          speculative=speculative)  # fmt: skip
+    core = EngineCore(scheduler, runner, kv_manager)
+    return BuiltEngine(core, tokenizer, arch, max_model_len, num_blocks, source)
+
+
 def _kv_tiers(
     config: EngineConfig, arch: ModelArchConfig, source: str, block_tensors: list[torch.Tensor]
 ) -> tuple[KVTiers, KVOffloader]:
@@ -207,10 +278,13 @@ def _num_kv_blocks(config: EngineConfig, archs: list[ModelArchConfig], kv_dtype:
     cache = config.cache
     if cache.num_blocks:
         return cache.num_blocks
-    if cache.kv_cache_memory_bytes is not None:
-        budget = cache.kv_cache_memory_bytes
-    else:
-        free = free_device_memory(device)
-        # On an accelerator take a fraction of what is free after the weights; on CPU a fixed default.
-        budget = int(free * DEFAULT_GPU_MEMORY_FRACTION) if free is not None else DEFAULT_CPU_KV_CACHE_BYTES
-    return num_blocks_for_budget(archs, cache.block_size, kv_dtype, budget)
+    return num_blocks_for_budget(archs, cache.block_size, kv_dtype, _kv_budget_bytes(config, device))
+
+
+def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    """Bytes for KV: --kv-cache-memory, else on an accelerator a fraction of what is free after the
+    weights, on CPU a fixed default."""
+    if config.cache.kv_cache_memory_bytes is not None:
+        return config.cache.kv_cache_memory_bytes
+    free = free_device_memory(device)
+    return int(free * DEFAULT_GPU_MEMORY_FRACTION) if free is not None else DEFAULT_CPU_KV_CACHE_BYTES

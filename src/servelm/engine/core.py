@@ -20,6 +20,7 @@ from servelm.kv.tiers import KVTiers
 from servelm.scheduler.scheduler import Scheduler
 from servelm.schemas.core_stats import CoreStats, TierStats
 from servelm.worker.model_runner import ModelRunner
+from servelm.worker.multi_rank import RankFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         try:
             model_output = self.runner.execute(scheduler_output)
+        except RankFailedError:
+            raise  # the ranks of a multi-rank worker are out of step: nothing to retry (multi_rank.py)
         except Exception as exc:  # noqa: BLE001 - contained: logged and isolated in _isolate_failure
             return self._isolate_failure(scheduler_output, exc)
         return self.scheduler.update(scheduler_output, model_output)
@@ -84,9 +87,16 @@ class EngineCore:
         return outputs
 
     def close(self) -> None:
-        """At shutdown, with no request left: carry out the KV saves still ordered (a finished
-        request's last blocks) and write them to disk, so a restarted replica finds them. Bounded:
-        requests still running are not waited for."""
+        """At shutdown: the KV tiers' last saves, then the other ranks of a multi-rank worker stop."""
+        try:
+            self._finish_saves()
+        finally:
+            self.runner.close()
+
+    def _finish_saves(self) -> None:
+        """With no request left: carry out the KV saves still ordered (a finished request's last
+        blocks) and write them to disk, so a restarted replica finds them. Bounded: requests
+        still running are not waited for."""
         offloader = self.runner.kv_offloader
         if offloader is None:
             return

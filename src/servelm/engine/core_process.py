@@ -59,14 +59,14 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             # Bound before the first step, so it sees every event the cache records.
             kv_events = KVEventPublisher(
                 context, config.kv_events.kv_events_host, config.kv_events.kv_events_port,
-                config.cache.block_size, built.core.scheduler.take_kv_events,
+                built.core.kv_manager.block_size, built.core.scheduler.take_kv_events,
             )  # fmt: skip
         outputs.send(
             from_core_encoder.encode(
                 CoreReady(
                     max_model_len=built.max_model_len,
                     num_blocks=built.num_blocks,
-                    block_size=config.cache.block_size,
+                    block_size=built.core.kv_manager.block_size,  # logical blocks under context parallelism
                     vocab_size=built.arch.vocab_size,
                     source=built.source,
                     kv_transfer_address=built.kv_transfer_address,

@@ -37,8 +37,12 @@ class LoadedCheckpoint:
     load_seconds: float = 0.0  # wall time of load_checkpoint, tokenizer included
 
 
-def load_checkpoint(path: str | Path | None = None) -> LoadedCheckpoint:
+def load_checkpoint(path: str | Path | None = None, hf_overrides: dict[str, Any] | None = None) -> LoadedCheckpoint:
     """Load weights, architecture and tokenizer; None means the embedded default model.
+
+    `hf_overrides` (vLLM's --hf-overrides): Hugging Face config keys that replace the checkpoint's,
+    e.g. {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "max_position_embeddings": 16384}
+    to run past the trained context. Keys that change a tensor's shape fail when the weights load.
 
     Raises FileNotFoundError / ValueError saying what was expected, UnsupportedModelError
     for architectures or tensor types servelm cannot run, WeightShapeError for tensors
@@ -54,6 +58,8 @@ def load_checkpoint(path: str | Path | None = None) -> LoadedCheckpoint:
         raise ValueError(f"cannot load {resolved}: expected {_EXPECTED}, found a {resolved.suffix or 'extensionless'} file")
     else:
         raise FileNotFoundError(f"model path {resolved} does not exist; expected {_EXPECTED}")
+    if hf_overrides:
+        arch = ModelArchConfig.from_hf_config({**hf_config_dict(arch), **hf_overrides})
     return LoadedCheckpoint(arch, weights, tokenizer, str(resolved), time.perf_counter() - started)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from servelm.parallel.groups import GroupMember
+from servelm.parallel.groups import COMMUNICATION, GroupMember
 
 
 def as_byte_rows(x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,8 @@ def all_gather_rows(x: torch.Tensor, member: GroupMember, counts: Sequence[int])
     padded = rows.new_zeros(widest, rows.shape[1])
     padded[: rows.shape[0]] = rows
     parts = [torch.empty_like(padded) for _ in range(member.size)]
-    dist.all_gather(parts, padded, group=member.group)
+    with COMMUNICATION.timed():
+        dist.all_gather(parts, padded, group=member.group)
     gathered = torch.cat([part[:n] for part, n in zip(parts, counts)])
     return from_byte_rows(gathered, x.dtype, x.shape[1:])
 
@@ -63,7 +64,9 @@ def all_to_all_rows(
         return x.new_empty(0, *x.shape[1:])
     rows = as_byte_rows(x)
     received = rows.new_empty(sum(recv_counts), rows.shape[1])
-    dist.all_to_all_single(
-        received, rows, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts), group=member.group
-    )
+    with COMMUNICATION.timed():
+        dist.all_to_all_single(
+            received, rows, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
+            group=member.group,
+        )  # fmt: skip
     return from_byte_rows(received, x.dtype, x.shape[1:])

@@ -15,7 +15,10 @@ helper below is then the identity, so the one-rank code path is the multi-rank o
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +126,8 @@ def default_backend(device: torch.device) -> str:
 def all_reduce_sum(tensor: torch.Tensor, member: GroupMember) -> torch.Tensor:
     """Sum over the dimension's ranks, in place; the identity alone."""
     if member.is_parallel:
-        dist.all_reduce(tensor, group=member.group)
+        with COMMUNICATION.timed():
+            dist.all_reduce(tensor, group=member.group)
     return tensor
 
 
@@ -141,5 +145,27 @@ def all_gather_last_dim(tensor: torch.Tensor, member: GroupMember, sizes: list[i
     if local.shape[-1] != width:
         local = torch.nn.functional.pad(local, (0, width - local.shape[-1]))
     gathered = torch.empty(member.size, *tensor.shape[:-1], width, dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather(list(gathered.unbind(0)), local, group=member.group)
+    with COMMUNICATION.timed():
+        dist.all_gather(list(gathered.unbind(0)), local, group=member.group)
     return torch.cat([part[..., :size] for part, size in zip(gathered.unbind(0), sizes, strict=True)], dim=-1)
+
+
+@dataclass
+class CommunicationTimer:
+    """Wall seconds this process spent inside collectives (benchmarks report it as a share of the
+    step). Process-wide: one engine per process is the multi-rank case."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
+
+
+COMMUNICATION = CommunicationTimer()

@@ -21,9 +21,11 @@ from servelm.attention.backend import AttentionBackend, AttentionMetadata, Commo
 from servelm.attention.kv_storage import LayerKVCache, block_tensors
 from servelm.datatypes import ModelOutput, PositionLogprobs, SchedulerOutput
 from servelm.models.llama import LlamaForCausalLM
+from servelm.parallel.context_backend import ContextParallelBackend, ContextParallelMetadata
 from servelm.spec.proposer import DraftRequest, Proposer
 from servelm.worker.block_table import BlockTable
 from servelm.worker.kv_offload import KVOffloader
+from servelm.worker.multi_rank import RankFailedError, StepBroadcaster
 from servelm.worker.prompt_logprobs import chunk_prompt_logprobs
 from servelm.worker.request_state import RunnerRequestState
 from servelm.worker.sampler import Sampler
@@ -112,6 +114,8 @@ class ModelRunner:
         # rows (its own KV in the same blocks). None: a table of its own.
         block_table: BlockTable | None = None,
         kv_offloader: KVOffloader | None = None,  # KV tiers: moves blocks to/from host memory and disk
+        # Multi-rank workers (rank 0 only): every step goes to the other ranks before it runs here.
+        followers: StepBroadcaster | None = None,
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend_of(model)
@@ -133,10 +137,13 @@ class ModelRunner:
         self.proposer = proposer
         self.max_draft_tokens = max_draft_tokens
         self.kv_offloader = kv_offloader
+        self.followers = followers
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Run one step; the output carries how long that took (the runner is the one that knows)."""
         started = time.perf_counter()
+        if self.followers is not None:
+            return self._execute_with_followers(scheduler_output, started)
         offloader = self.kv_offloader
         if offloader is not None:  # saves copy blocks out before this step's forward may overwrite them
             offloader.apply(scheduler_output.kv_transfers)
@@ -150,12 +157,31 @@ class ModelRunner:
         output.execute_seconds = time.perf_counter() - started
         return output
 
+    def _execute_with_followers(self, scheduler_output: SchedulerOutput, started: float) -> ModelOutput:
+        """Rank 0 of a multi-rank worker: the step goes to every rank, then runs here. Any failure
+        leaves the ranks out of step for good (multi_rank.py): it is fatal, not a request's."""
+        followers = self.followers
+        assert followers is not None
+        followers.send(scheduler_output)
+        try:
+            output = self._execute(scheduler_output)
+        except Exception as exc:
+            followers.failed(f"a step failed on rank 0: {exc!r}")
+            raise RankFailedError(f"a step failed on rank 0 of a multi-rank worker: {exc!r}") from exc
+        output.execute_seconds = time.perf_counter() - started
+        return output
+
+    def close(self) -> None:
+        """Stop the other ranks of a multi-rank worker (nothing to do alone)."""
+        if self.followers is not None:
+            self.followers.close()
+
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         self._update_mirrors(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches)
+        hidden = self._forward(inputs)
         output = ModelOutput(sampled_token_ids={rid: [] for rid in inputs.request_ids})
         output.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if inputs.samples:
@@ -163,6 +189,17 @@ class ModelRunner:
             if self.proposer is not None:
                 self._propose(inputs.samples, output, scheduler_output.num_drafts_wanted)
         return output
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of every row of the step, [T, hidden]. Under context parallelism this
+        rank computes only its rows (every cp-th position of each request) and the rows are
+        gathered back, so sampling and prompt logprobs see the whole batch on every rank."""
+        backend, metadata = self.attention_backend, inputs.metadata
+        if not isinstance(backend, ContextParallelBackend) or not isinstance(metadata, ContextParallelMetadata):
+            return self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+        local = metadata.local_token_index
+        hidden = self.model(inputs.input_ids[local], inputs.positions[local], metadata, self.kv_caches)
+        return backend.gather_hidden(hidden, metadata)
 
     # -- mirrors -----------------------------------------------------------------------
 

@@ -1,0 +1,121 @@
+"""Multi-rank engines end to end: rank 0 in this process drives real follower processes.
+
+Tensor parallelism (TP=2), context parallelism (CP=2) and both (TP=2 x CP=2, four ranks on this
+machine's two cores: slow but real) give the single-sequence reference's greedy tokens through
+a workload that chunks prompts, hits the prefix cache and preempts, with the scheduler's
+invariants checked every step; the default model's greedy output is unchanged at TP=2 and CP=2.
+A rank that dies makes rank 0's next step fail with RankFailedError (not a hang), and the
+followers go away with rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import psutil
+import pytest
+
+from servelm.config import EngineConfig
+from servelm.datatypes import EngineRequest, FinishReason
+from servelm.engine.builder import build_engine
+from servelm.sampling_params import SamplingParams
+from servelm.testing.engine_run import run_requests
+from servelm.testing.reference_decode import greedy_decode
+from servelm.worker.multi_rank import RankFailedError
+
+LAYOUTS = {"tp2": (2, 1), "cp2": (1, 2), "tp2-cp2": (2, 2)}
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_dir, reference_model):
+    """14 requests (every third shares a 70-token prefix), arrival steps and reference outputs."""
+    rng = random.Random(5)
+    vocab = reference_model.arch.vocab_size
+    shared = [rng.randrange(vocab) for _ in range(70)]
+    prompts = [
+        (shared if i % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randint(1, 150))] for i in range(14)
+    ]
+    max_tokens = [rng.randint(1, 24) for _ in prompts]
+    arrivals = [rng.randint(0, 12) for _ in prompts]
+    expected = [greedy_decode(reference_model, p, n) for p, n in zip(prompts, max_tokens)]
+    return prompts, max_tokens, arrivals, expected
+
+
+def multi_rank_engine(model: str | None, tp: int, cp: int, **settings):
+    config = EngineConfig.from_flat(
+        model=model, tensor_parallel_size=tp, context_parallel_size=cp, threads_per_rank=1,
+        distributed_timeout_s=30.0, **settings,
+    )  # fmt: skip
+    return build_engine(config)
+
+
+def requests_of(prompts, max_tokens) -> list[EngineRequest]:
+    return [
+        EngineRequest(request_id=str(i), prompt_token_ids=prompt,
+                      sampling_params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens))
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_greedy_tokens_are_the_references_with_chunks_prefix_hits_and_preemption(tiny_dir, workload, layout):
+    tp, cp = LAYOUTS[layout]
+    prompts, max_tokens, arrivals, expected = workload
+    # 320 tokens of KV (blocks of 8 tokens per rank, cp x 8 per scheduler block) preempt under this load.
+    built = multi_rank_engine(str(tiny_dir), tp, cp, num_blocks=40 // cp, block_size=8,
+                              max_num_batched_tokens=48, max_num_seqs=8)  # fmt: skip
+    try:
+        run = run_requests(built.core, requests_of(prompts, max_tokens), arrivals)
+        for i, want in enumerate(expected):
+            assert run.tokens[str(i)] == want, f"request {i} diverged from the reference ({layout})"
+            assert run.finish[str(i)] == FinishReason.LENGTH
+        stats = built.core.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_hits > 0, "the workload was meant to preempt and hit"
+        assert stats.num_used_blocks == 0
+    finally:
+        built.core.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_default_model_greedy_output_is_unchanged(layout):
+    tp, cp = LAYOUTS[layout]
+    prompts = ["Write a Python function that returns the n-th Fibonacci number.", "The three primary colours are"]
+    outputs = {}
+    for name, (t, c) in {"one rank": (1, 1), layout: (tp, cp)}.items():
+        built = build_engine(EngineConfig.from_flat(num_blocks=64, tensor_parallel_size=t, context_parallel_size=c,
+                                                    threads_per_rank=1))  # fmt: skip
+        try:
+            ids = [built.tokenizer.encode(p) for p in prompts]
+            run = run_requests(built.core, requests_of(ids, [24, 24]), [0, 0])
+            outputs[name] = run.tokens
+        finally:
+            built.core.close()
+    assert outputs[layout] == outputs["one rank"]
+
+
+def followers_of(pid: int) -> list[psutil.Process]:
+    return [child for child in psutil.Process(pid).children() if "servelm.worker.rank_main" in " ".join(child.cmdline())]
+
+
+def test_a_dead_rank_fails_the_next_step_and_followers_leave_with_rank_0(tiny_dir):
+    built = multi_rank_engine(str(tiny_dir), 2, 1, num_blocks=32, block_size=8)
+    core = built.core
+    [follower] = followers_of(os.getpid())
+    try:
+        run = run_requests(core, requests_of([[1, 2, 3, 4]], [4]), [0])
+        assert len(run.tokens["0"]) == 4
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.wait(timeout=10)
+        core.add_request(requests_of([[5, 6, 7]], [4])[0])
+        started = time.monotonic()
+        with pytest.raises(RankFailedError, match="rank 1"):
+            for _ in range(10):
+                core.step()
+        assert time.monotonic() - started < 30, "a dead rank must fail the step well within the collective timeout"
+    finally:
+        core.close()
+    assert not followers_of(os.getpid())
