@@ -51,6 +51,7 @@ DECODE_SYSTEMS = {
     "tp2": {"tensor_parallel_size": 2, "threads_per_rank": 1},
 }
 DECODE_PROMPT_TOKENS = 128
+WARM_UP_TOKENS = 256
 
 
 def context_settings(longest: int) -> dict[str, Any]:
@@ -82,9 +83,10 @@ def run_system(phase: str, system: str, lengths: list[int], decode_tokens: int, 
 
     settings = PREFILL_SYSTEMS[system] if phase == "prefill" else DECODE_SYSTEMS[system]
     longest = max(lengths) if phase == "prefill" else DECODE_PROMPT_TOKENS + decode_tokens
+    longest = max(longest, WARM_UP_TOKENS)
     llm = LLM(**settings, **context_settings(longest))
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    llm.generate([prompt_ids(256, seed + 1)], one)  # warm-up: kernels, allocator
+    llm.generate([prompt_ids(WARM_UP_TOKENS, seed + 1)], one)  # warm-up: kernels, allocator
     result: dict[str, Any] = {"system": system, "settings": settings}
     if phase == "prefill":
         for length in lengths:
@@ -136,7 +138,7 @@ def vllm_ttfts(lengths: list[int], seed: int, out: Path) -> dict[str, Any]:
     try:
         with vllm_server(prepare_model_dir(out), out, extra) as base_url:
             result: dict[str, Any] = {}
-            warm = {"prompt": prompt_ids(256, seed + 1), "max_tokens": 1, "temperature": 0.0}
+            warm = {"prompt": prompt_ids(WARM_UP_TOKENS, seed + 1), "max_tokens": 1, "temperature": 0.0}
             httpx.post(f"{base_url}/v1/completions", json=warm, timeout=600)
             for length in lengths:
                 body = {"prompt": prompt_ids(length, seed), "max_tokens": 1, "temperature": 0.0, "stream": True}
