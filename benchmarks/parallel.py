@@ -216,11 +216,15 @@ def main() -> int:
     report: dict[str, Any] = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "config": vars(args)}
     print("prefill:", flush=True)
     report["prefill"] = {
-        s: in_fresh_process("prefill", s, lengths, args.decode_tokens, args.seed) for s in args.prefill_systems.split(",")
+        s: in_fresh_process("prefill", s, lengths, args.decode_tokens, args.seed)
+        for s in args.prefill_systems.split(",")
+        if s
     }
     print("decode:", flush=True)
     report["decode"] = {
-        s: in_fresh_process("decode", s, lengths, args.decode_tokens, args.seed) for s in args.decode_systems.split(",")
+        s: in_fresh_process("decode", s, lengths, args.decode_tokens, args.seed)
+        for s in args.decode_systems.split(",")
+        if s
     }
     if not args.no_vllm:
         print("vllm:", flush=True)
