@@ -136,7 +136,8 @@ def vllm_ttfts(lengths: list[int], seed: int, out: Path) -> dict[str, Any]:
     if "hf_overrides" in settings:
         extra += ["--hf-overrides", json.dumps(settings["hf_overrides"])]
     try:
-        with vllm_server(prepare_model_dir(out), out, extra) as base_url:
+        model_dir, _ = prepare_model_dir(out)
+        with vllm_server(model_dir, out, extra) as base_url:
             result: dict[str, Any] = {}
             warm = {"prompt": prompt_ids(WARM_UP_TOKENS, seed + 1), "max_tokens": 1, "temperature": 0.0}
             httpx.post(f"{base_url}/v1/completions", json=warm, timeout=600)
