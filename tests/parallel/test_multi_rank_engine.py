@@ -11,7 +11,6 @@ followers go away with rank 0.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import time
 
@@ -19,29 +18,19 @@ import psutil
 import pytest
 
 from servelm.config import EngineConfig
-from servelm.datatypes import EngineRequest, FinishReason
+from servelm.datatypes import FinishReason
 from servelm.engine.builder import build_engine
-from servelm.sampling_params import SamplingParams
-from servelm.testing.engine_run import run_requests
-from servelm.testing.reference_decode import greedy_decode
+from servelm.testing.engine_run import ReferenceWorkload, greedy_requests, reference_workload, run_requests
 from servelm.worker.multi_rank import RankFailedError
 
 LAYOUTS = {"tp2": (2, 1), "cp2": (1, 2), "tp2-cp2": (2, 2)}
 
 
 @pytest.fixture(scope="module")
-def workload(tiny_dir, reference_model):
+def workload(reference_model) -> ReferenceWorkload:
     """14 requests (every third shares a 70-token prefix), arrival steps and reference outputs."""
-    rng = random.Random(5)
-    vocab = reference_model.arch.vocab_size
-    shared = [rng.randrange(vocab) for _ in range(70)]
-    prompts = [
-        (shared if i % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randint(1, 150))] for i in range(14)
-    ]
-    max_tokens = [rng.randint(1, 24) for _ in prompts]
-    arrivals = [rng.randint(0, 12) for _ in prompts]
-    expected = [greedy_decode(reference_model, p, n) for p, n in zip(prompts, max_tokens)]
-    return prompts, max_tokens, arrivals, expected
+    return reference_workload(reference_model, seed=5, count=14, shared_len=70, max_body=150, max_output=24,
+                              max_arrival=12)  # fmt: skip
 
 
 def multi_rank_engine(model: str | None, tp: int, cp: int, **settings):
@@ -52,23 +41,15 @@ def multi_rank_engine(model: str | None, tp: int, cp: int, **settings):
     return build_engine(config)
 
 
-def requests_of(prompts, max_tokens) -> list[EngineRequest]:
-    return [
-        EngineRequest(request_id=str(i), prompt_token_ids=prompt,
-                      sampling_params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        for i, (prompt, n) in enumerate(zip(prompts, max_tokens))
-    ]  # fmt: skip
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_greedy_tokens_are_the_references_with_chunks_prefix_hits_and_preemption(tiny_dir, workload, layout):
     tp, cp = LAYOUTS[layout]
-    prompts, max_tokens, arrivals, expected = workload
+    prompts, max_tokens, arrivals, expected = workload.prompts, workload.max_tokens, workload.arrivals, workload.expected
     # 320 tokens of KV (blocks of 8 tokens per rank, cp x 8 per scheduler block) preempt under this load.
     built = multi_rank_engine(str(tiny_dir), tp, cp, num_blocks=40 // cp, block_size=8,
                               max_num_batched_tokens=48, max_num_seqs=8)  # fmt: skip
     try:
-        run = run_requests(built.core, requests_of(prompts, max_tokens), arrivals)
+        run = run_requests(built.core, greedy_requests(prompts, max_tokens), arrivals)
         for i, want in enumerate(expected):
             assert run.tokens[str(i)] == want, f"request {i} diverged from the reference ({layout})"
             assert run.finish[str(i)] == FinishReason.LENGTH
@@ -90,7 +71,7 @@ def test_default_model_greedy_output_is_unchanged(layout):
                                                     threads_per_rank=1))  # fmt: skip
         try:
             ids = [built.tokenizer.encode(p) for p in prompts]
-            run = run_requests(built.core, requests_of(ids, [24, 24]), [0, 0])
+            run = run_requests(built.core, greedy_requests(ids, [24, 24]), [0, 0])
             outputs[name] = run.tokens
         finally:
             built.core.close()
@@ -106,11 +87,11 @@ def test_a_dead_rank_fails_the_next_step_and_followers_leave_with_rank_0(tiny_di
     core = built.core
     [follower] = followers_of(os.getpid())
     try:
-        run = run_requests(core, requests_of([[1, 2, 3, 4]], [4]), [0])
+        run = run_requests(core, greedy_requests([[1, 2, 3, 4]], [4]), [0])
         assert len(run.tokens["0"]) == 4
         os.kill(follower.pid, signal.SIGKILL)
         follower.wait(timeout=10)
-        core.add_request(requests_of([[5, 6, 7]], [4])[0])
+        core.add_request(greedy_requests([[5, 6, 7]], [4])[0])
         started = time.monotonic()
         with pytest.raises(RankFailedError, match="rank 1"):
             for _ in range(10):

@@ -70,10 +70,12 @@ def assert_baseline(*servers: ServerProcess) -> None:
     """No request, no used block, no export held: nothing leaked on any path."""
     for server in servers:
         metrics = wait_idle(server)
-        deadline_scrapes = 60
-        while metric_value(metrics, "servelm:num_kv_exports_held") and deadline_scrapes:
-            deadline_scrapes -= 1
-            metrics = wait_idle(server)  # an unpulled export lets go after --kv-transfer-hold-s
+        # An export nobody pulls lets go after --kv-transfer-hold-s (2 s here): wait for that by the
+        # clock (a count of scrapes was machine speed: ~60 quick scrapes can end before the hold).
+        deadline = time.monotonic() + 15
+        while metric_value(metrics, "servelm:num_kv_exports_held") and time.monotonic() < deadline:
+            time.sleep(0.1)
+            metrics = wait_idle(server)
         assert metric_value(metrics, "servelm:num_kv_exports_held") == 0
         assert metric_value(metrics, "servelm:num_kv_pulls_in_flight") == 0
 

@@ -10,8 +10,6 @@ target's blocks) are right at every position it reads.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -21,8 +19,7 @@ from servelm.engine.builder import assemble_engine, build_engine
 from servelm.models.factory import build_model
 from servelm.models.loader import load_checkpoint
 from servelm.sampling_params import SamplingParams
-from servelm.testing.engine_run import run_requests
-from servelm.testing.reference_decode import greedy_decode
+from servelm.testing.engine_run import greedy_requests, reference_workload, run_requests
 from servelm.testing.tiny_model import write_first_layers_checkpoint, write_tiny_checkpoint
 from servelm.worker.model_runner import ModelRunner
 
@@ -42,16 +39,8 @@ def workload(tiny_dir):
     """24 requests (every third shares a 150-token prefix), their arrival steps and reference outputs."""
     checkpoint = load_checkpoint(tiny_dir)
     model = build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu")
-    rng = random.Random(3)
-    vocab = checkpoint.arch.vocab_size
-    shared = [rng.randrange(vocab) for _ in range(150)]
-    prompts = [
-        (shared if i % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for i in range(24)
-    ]
-    max_tokens = [rng.randint(1, 40) for _ in prompts]
-    arrivals = [rng.randint(0, 20) for _ in prompts]
-    expected = [greedy_decode(model, p, n) for p, n in zip(prompts, max_tokens)]
-    return prompts, max_tokens, arrivals, expected
+    w = reference_workload(model, seed=3, count=24, shared_len=150, max_body=300, max_output=40, max_arrival=20)
+    return w.prompts, w.max_tokens, w.arrivals, w.expected
 
 
 def _run_speculative(tiny_dir, workload, draft: dict):
@@ -64,12 +53,7 @@ def _run_speculative(tiny_dir, workload, draft: dict):
     )  # fmt: skip
     built = build_engine(config)
     core = built.core
-    requests = [
-        EngineRequest(request_id=str(i), prompt_token_ids=prompt,
-                      sampling_params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        for i, (prompt, n) in enumerate(zip(prompts, max_tokens))
-    ]  # fmt: skip
-    run = run_requests(core, requests, arrivals)
+    run = run_requests(core, greedy_requests(prompts, max_tokens), arrivals)
     tokens, finish = run.tokens, run.finish
     for i, want in enumerate(expected):
         assert tokens[str(i)] == want, f"request {i} diverged from the reference"

@@ -15,7 +15,7 @@ from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest, EventType, FinishReason
 from servelm.engine.builder import build_engine
 from servelm.sampling_params import SamplingParams
-from servelm.testing.engine_run import run_requests
+from servelm.testing.engine_run import prefix_sharing_prompts, run_requests
 from servelm.testing.reference_decode import greedy_decode
 from servelm.testing.scripted_proposer import ScriptedProposer
 
@@ -28,12 +28,7 @@ def _run(core, requests: list[EngineRequest], arrivals: list[int]):
 
 
 def _prompts(seed: int, count: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(vocab) for _ in range(150)]
-    return [
-        (shared if i % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randint(1, 300))]
-        for i in range(count)
-    ]
+    return prefix_sharing_prompts(random.Random(seed), count, vocab, shared_len=150, max_body=300)
 
 
 def test_greedy_output_is_the_reference_whatever_is_accepted(tiny_dir, reference_model):

@@ -197,7 +197,8 @@ class SpecController:
         # A probe makes a draft (draft_s) and verifies it (per_token_s): for a lookup the interval's
         # floor holds; a draft model's forward spaces them out.
         probe_s = draft_s + per_token_s
-        self._probe_every = max(PROBE_EVERY, math.ceil(probe_s / (PROBE_TIME_SHARE * step_s)))
+        interval = probe_s / (PROBE_TIME_SHARE * step_s) if step_s > 0 else 0.0  # a step of nothing: the floor
+        self._probe_every = max(PROBE_EVERY, math.ceil(min(interval, _PROBE_DUE)))
         states = [self._requests.setdefault(offer.request_id, _RequestState()) for offer in offers]
         prior = self._global_mean()
         bands = [state.acceptance.band(prior, REQUEST_PRIOR_TRIALS) for state in states]

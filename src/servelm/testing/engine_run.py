@@ -6,11 +6,15 @@ scheduler's invariants (KV included) are checked after each step.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from servelm.datatypes import EngineRequest, FinishReason, PositionLogprobs, RequestEvent
 from servelm.engine.core import EngineCore
+from servelm.models.llama import LlamaForCausalLM
+from servelm.sampling_params import SamplingParams
+from servelm.testing.reference_decode import greedy_decode
 
 MAX_STEPS = 20_000
 
@@ -48,3 +52,48 @@ def run_requests(core: EngineCore, requests: Sequence[EngineRequest], arrivals: 
         run.num_steps += 1
         assert run.num_steps < MAX_STEPS, "engine did not finish the workload"
     return run
+
+
+def prefix_sharing_prompts(rng: random.Random, count: int, vocab: int, shared_len: int, max_body: int) -> list[list[int]]:
+    """`count` random prompts of token ids below `vocab`, 1..max_body tokens each after, for every
+    third, one shared `shared_len`-token prefix: the workload hits the prefix cache."""
+    shared = [rng.randrange(vocab) for _ in range(shared_len)]
+    return [
+        (shared if i % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randint(1, max_body))]
+        for i in range(count)
+    ]
+
+
+def greedy_requests(prompts: Sequence[list[int]], max_tokens: Sequence[int]) -> list[EngineRequest]:
+    """Request i (id "i"): prompts[i], greedy, exactly max_tokens[i] tokens (EOS ignored)."""
+    return [
+        EngineRequest(
+            request_id=str(i),
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+        )
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True))
+    ]
+
+
+@dataclass(frozen=True)
+class ReferenceWorkload:
+    """Requests for run_requests with the single-sequence reference's greedy outputs."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    arrivals: list[int]  # the step each request joins
+    expected: list[list[int]]  # greedy_decode of each prompt
+
+
+def reference_workload(
+    model: LlamaForCausalLM, seed: int, count: int, shared_len: int, max_body: int, max_output: int, max_arrival: int
+) -> ReferenceWorkload:
+    """prefix_sharing_prompts with random output lengths (1..max_output) and arrival steps
+    (0..max_arrival), and what `model` decodes greedily for each, one sequence at a time."""
+    rng = random.Random(seed)
+    prompts = prefix_sharing_prompts(rng, count, model.arch.vocab_size, shared_len, max_body)
+    max_tokens = [rng.randint(1, max_output) for _ in prompts]
+    arrivals = [rng.randint(0, max_arrival) for _ in prompts]
+    expected = [greedy_decode(model, prompt, n) for prompt, n in zip(prompts, max_tokens, strict=True)]
+    return ReferenceWorkload(prompts, max_tokens, arrivals, expected)
