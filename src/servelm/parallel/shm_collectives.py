@@ -65,8 +65,8 @@ DEFAULT_SLOT_BYTES = 4 << 20  # a [1024, 1024] float32 all-reduce; larger tensor
 COUNTER_STRIDE = 8  # int64 counters, one per 64-byte cache line: writers never share a line
 HEADER_ALIGN = 4096
 SPIN_CHECKS = 2000  # ~0.1 ms of tight polling before yielding
-YIELD_S = 1e-3  # then sched_yield for this long before sleeping
-SLEEP_MIN_S, SLEEP_MAX_S = 50e-6, 1e-3
+YIELD_S = 5e-3  # then sched_yield (the CPU goes to whoever else wants it) for this long before sleeping
+SLEEP_MIN_S, SLEEP_MAX_S = 50e-6, 200e-6  # a sleeping wait wakes at most ~0.2 ms late
 LIVENESS_EVERY_S = 0.1  # how often a long wait checks that the awaited rank's process exists
 
 
