@@ -1,6 +1,7 @@
 """Single-stream decode step time of the default model (SmolLM2-135M, GGUF int8 codes, float32 on CPU)
-under tensor parallelism (issue 15): TP=2 (two processes, one thread each) against one rank with one
-thread and one rank with two threads.
+under tensor parallelism (issue 15): TP=2 (two processes, one thread each; its small collectives
+through shared memory, and all over gloo) against one rank with one thread and one rank with two
+threads.
 
     .venv/bin/python benchmarks/tp_decode_step.py [--prompt-tokens 32] [--steps 64] [--repeats 3]
 
@@ -15,6 +16,10 @@ TP=2 70-74 ms. TP=2 loses because of gloo: a step issues 62 collectives (2 all-r
 the embedding's, the logits' all-gather) and a gloo all-reduce of one [1, 576] row costs 0.24-0.4 ms
 here (0.8 ms seen inside the step, waits for the slower rank included: at 9 heads / 3 KV heads rank 0
 holds twice rank 1's attention); the halved matmuls save ~15 ms, the collectives cost ~50 ms.
+
+With the small collectives through shared memory (servelm.parallel.shm_collectives; 12 us a [1, 576]
+all-reduce against gloo's 265 us, benchmarks/collectives_latency.py), same VM, quiet, 2 repeats:
+1 rank 1 thread 33.9 ms, 1 rank 2 threads 22.9 ms, TP=2 23.1 ms (1.47x one thread), TP=2 gloo only 77.7 ms.
 """
 
 from __future__ import annotations
@@ -52,11 +57,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     prompt = torch.randint(100, 10000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    configurations = [("1 rank, 1 thread", 1, 1), ("1 rank, 2 threads", 1, 2), ("TP=2, 1 thread each", 2, 1)]
+    configurations = [("1 rank, 1 thread", 1, 1, True), ("1 rank, 2 threads", 1, 2, True),
+                      ("TP=2, 1 thread each", 2, 1, True), ("TP=2, gloo only", 2, 1, False)]  # fmt: skip
     rows = []
-    for label, tp, threads in configurations:
+    for label, tp, threads, shared_memory in configurations:
         ranks = run_ranks(decode_steps, ParallelLayout(tp), (prompt, args.steps, args.repeats), threads=threads,
-                          timeout_s=600)  # fmt: skip
+                          timeout_s=600, shared_memory=shared_memory)  # fmt: skip
         rows.append((label, min(ranks[0]) * 1e3))
     base = rows[0][1]
     print(f"default model, single stream, prompt {args.prompt_tokens} tokens, median of {args.steps} decode steps")

@@ -43,3 +43,9 @@ def test_unset_prefill_flags_derive_the_chunk_cap_from_the_budget() -> None:
     config = engine_config_from_args(build_parser().parse_args(["serve", "--max-num-batched-tokens", "1024"]))
     assert config.scheduler.long_prefill_token_threshold is None
     assert config.scheduler.prefill_chunk_cap == 1024 // config.scheduler.max_num_partial_prefills
+
+
+def test_no_shm_collectives_sends_every_collective_over_gloo() -> None:
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).parallel.shared_memory_collectives
+    args = build_parser().parse_args(["serve", "-tp", "2", "--no-shm-collectives"])
+    assert not engine_config_from_args(args).parallel.shared_memory_collectives

@@ -93,6 +93,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads-per-rank", type=int, default=None,
         help="torch threads of each rank with -tp/-cp (default: the cores split over the ranks)",
     )  # fmt: skip
+    group.add_argument(
+        "--no-shm-collectives", action="store_false", dest="shared_memory_collectives", default=None,
+        help="with -tp/-cp on CPU, send every collective over gloo (default: small ones through shared memory)",
+    )  # fmt: skip
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=None, help="requests per step at most")
     group.add_argument(
@@ -155,6 +159,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "context_parallel_size",
             "distributed_timeout_s",
             "threads_per_rank",
+            "shared_memory_collectives",
             "max_num_batched_tokens",
             "max_num_seqs",
             "max_num_partial_prefills",

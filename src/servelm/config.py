@@ -266,6 +266,9 @@ class ParallelConfig:
     distributed_timeout_s: float = 60.0
     # torch threads per rank; None: the machine's cores split evenly over the ranks.
     threads_per_rank: int | None = None
+    # gloo groups whose ranks share this host send their small collectives through a shared-memory
+    # segment (servelm.parallel.shm_collectives); False: everything over gloo.
+    shared_memory_collectives: bool = True
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

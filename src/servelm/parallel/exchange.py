@@ -6,7 +6,8 @@ has no float8 (nor bfloat16 everywhere), and one byte buffer carries tensors of 
 together (a partial output and its float32 log-sum-exp). A collective whose every count is 0 is
 skipped on every rank alike.
 
-gloo's all_gather wants equal sizes: uneven gathers are padded to the largest count.
+gloo's all_gather wants equal sizes: uneven gathers are padded to the largest count. A group
+with a shared-memory segment (groups.py) gathers the rows that fit through it, unpadded.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def all_gather_rows(x: torch.Tensor, member: GroupMember, counts: Sequence[int])
     if widest == 0:
         return x
     rows = as_byte_rows(x)
+    shm = member.shared_memory
+    if shm is not None and shm.fits(rows, widest * rows.shape[1]):
+        with COMMUNICATION.timed():
+            parts = shm.all_gather(rows, [n * rows.shape[1] for n in counts])
+            gathered = torch.cat([part.view(n, rows.shape[1]) for part, n in zip(parts, counts)])
+        return from_byte_rows(gathered, x.dtype, x.shape[1:])
     padded = rows.new_zeros(widest, rows.shape[1])
     padded[: rows.shape[0]] = rows
     parts = [torch.empty_like(padded) for _ in range(member.size)]

@@ -11,18 +11,26 @@ configured timeout, so a dead rank turns a collective into an error, not a hang.
 
 A single rank (`ParallelGroups.single()`) needs no torch.distributed at all: every collective
 helper below is then the identity, so the one-rank code path is the multi-rank one.
+
+On CPU (gloo), a group whose ranks all live on this host also gets a shared-memory segment
+(shm_collectives.py): the helpers below send the tensors that fit through it, tens of
+microseconds a call instead of gloo's loopback TCP; gloo carries the rest (and everything on
+other hosts). Which path a call takes depends only on sizes every rank agrees on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from servelm.parallel.shm_collectives import SharedMemoryGroup
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,8 @@ class GroupMember:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    # Same-host CPU groups: the segment that carries the small collectives (None: gloo carries all).
+    shared_memory: SharedMemoryGroup | None = None
 
     @property
     def is_parallel(self) -> bool:
@@ -91,10 +101,13 @@ class ParallelGroups:
 
     @classmethod
     def initialize(
-        cls, layout: ParallelLayout, rank: int, init_method: str, backend: str, timeout_s: float
-    ) -> ParallelGroups:
+        cls, layout: ParallelLayout, rank: int, init_method: str, backend: str, timeout_s: float,
+        *, shared_memory: bool = True,
+    ) -> ParallelGroups:  # fmt: skip
         """Join the world (blocks until every rank has joined, or fails after `timeout_s`) and
-        create the groups, the same calls in the same order on every rank."""
+        create the groups, the same calls in the same order on every rank; with `shared_memory`
+        and gloo, each group whose ranks share this host gets its shared-memory segment (its
+        waits fail after `timeout_s` too)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=layout.world_size, timeout=timeout
@@ -109,13 +122,25 @@ class ParallelGroups:
             group = dist.new_group(layout.cp_ranks(t), timeout=timeout) if layout.context_parallel_size > 1 else None
             if t == tp_rank:
                 cp_group = group
+        def segment(group: dist.ProcessGroup | None) -> SharedMemoryGroup | None:
+            if group is None or not shared_memory or backend != "gloo":
+                return None
+            return SharedMemoryGroup.create(group, timeout_s)
+
         return cls(
             layout,
             rank,
-            GroupMember(tp_rank, layout.tensor_parallel_size, tp_group),
-            GroupMember(cp_rank, layout.context_parallel_size, cp_group),
+            GroupMember(tp_rank, layout.tensor_parallel_size, tp_group, segment(tp_group)),
+            GroupMember(cp_rank, layout.context_parallel_size, cp_group, segment(cp_group)),
             dist.group.WORLD,
         )
+
+    def close(self) -> None:
+        """Unmap the groups' shared-memory segments (before leaving the world; the process groups
+        themselves go with dist.destroy_process_group)."""
+        for member in (self.tp, self.cp):
+            if member.shared_memory is not None:
+                member.shared_memory.close()
 
 
 def default_backend(device: torch.device) -> str:
@@ -124,10 +149,15 @@ def default_backend(device: torch.device) -> str:
 
 
 def all_reduce_sum(tensor: torch.Tensor, member: GroupMember) -> torch.Tensor:
-    """Sum over the dimension's ranks, in place; the identity alone."""
+    """Sum over the dimension's ranks, in place; the identity alone. Through shared memory the sum
+    runs in rank order and every rank gets bitwise the same tensor (gloo's too)."""
     if member.is_parallel:
+        shm = member.shared_memory
         with COMMUNICATION.timed():
-            dist.all_reduce(tensor, group=member.group)
+            if shm is not None and shm.fits(tensor, tensor.numel()):
+                shm.all_reduce_sum_(tensor)
+            else:
+                dist.all_reduce(tensor, group=member.group)
     return tensor
 
 
@@ -136,11 +166,18 @@ def all_gather_last_dim(tensor: torch.Tensor, member: GroupMember, sizes: list[i
     dimension is sizes[i] (shards may be uneven). The identity alone.
 
     gloo's all_gather refuses tensors of different sizes: uneven shards are padded to the largest
-    and cut again after the gather (even ones travel as they are).
+    and cut again after the gather (even ones travel as they are); shared memory takes them as
+    they are.
     """
     if not member.is_parallel:
         return tensor
     width = max(sizes)
+    rows = math.prod(tensor.shape[:-1])
+    shm = member.shared_memory
+    if shm is not None and shm.fits(tensor, rows * width):
+        with COMMUNICATION.timed():
+            parts = shm.all_gather(tensor, [rows * size for size in sizes])
+            return torch.cat([part.view(*tensor.shape[:-1], size) for part, size in zip(parts, sizes)], dim=-1)
     local = tensor.contiguous()
     if local.shape[-1] != width:
         local = torch.nn.functional.pad(local, (0, width - local.shape[-1]))

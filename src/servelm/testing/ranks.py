@@ -27,10 +27,12 @@ from servelm.parallel.groups import ParallelGroups, ParallelLayout
 
 
 def _rank_main(fn: Callable[..., Any], layout: ParallelLayout, rank: int, init_file: str, args: tuple[Any, ...],
-               threads: int, timeout_s: float, results: Any) -> None:  # fmt: skip
+               threads: int, timeout_s: float, shared_memory: bool, results: Any) -> None:  # fmt: skip
     try:
         torch.set_num_threads(threads)
-        groups = ParallelGroups.initialize(layout, rank, f"file://{init_file}", "gloo", timeout_s)
+        groups = ParallelGroups.initialize(
+            layout, rank, f"file://{init_file}", "gloo", timeout_s, shared_memory=shared_memory
+        )
         buffer = io.BytesIO()
         torch.save(fn(groups, *args), buffer)
         results.put((rank, True, buffer.getvalue()))
@@ -45,14 +47,19 @@ def run_ranks(
     *,
     threads: int = 1,
     timeout_s: float = 120.0,
+    shared_memory: bool = True,
 ) -> list[Any]:
-    """fn(groups, *args) on every rank of `layout`; each rank's result, rank order."""
+    """fn(groups, *args) on every rank of `layout`; each rank's result, rank order. `shared_memory`:
+    whether the groups get their shared-memory segments (False: every collective over gloo)."""
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(Path(tmp) / "init")
         processes = [
-            context.Process(target=_rank_main, args=(fn, layout, rank, init_file, args, threads, timeout_s, results))
+            context.Process(
+                target=_rank_main,
+                args=(fn, layout, rank, init_file, args, threads, timeout_s, shared_memory, results),
+            )
             for rank in range(layout.world_size)
         ]
         for process in processes:

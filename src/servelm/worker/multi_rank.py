@@ -37,7 +37,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO
 
 import torch
@@ -56,6 +55,7 @@ from servelm.models.sharding import ModelShard, local_num_kv_heads
 from servelm.parallel.context_backend import ContextParallelBackend
 from servelm.parallel.context_layout import AttentionHeads
 from servelm.parallel.groups import ParallelGroups, ParallelLayout, default_backend
+from servelm.parallel.shm_collectives import process_alive
 from servelm.worker.kv_cache import allocate_kv_caches, resolve_kv_dtype
 
 logger = logging.getLogger(__name__)
@@ -241,6 +241,7 @@ def join_world(config: EngineConfig, rank: int, init_method: str, device: torch.
         init_method,
         default_backend(device) if backend == "auto" else backend,
         config.parallel.distributed_timeout_s,
+        shared_memory=config.parallel.shared_memory_collectives,
     )
 
 
@@ -254,26 +255,8 @@ def receive_steps(address: str) -> zmq.Socket:
 def next_step(pull: zmq.Socket, driver_pid: int) -> SchedulerOutput | None:
     """Block until rank 0 sends a step; None when it says stop or is gone."""
     while not pull.poll(PARENT_POLL_MS):
-        if not _process_exists(driver_pid):
+        if not process_alive(driver_pid):
             logger.error("rank 0 (pid %d) is gone: exiting", driver_pid)
             return None
     step: SchedulerOutput | None = pickle.loads(pull.recv())
     return step
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return Path(f"/proc/{pid}").exists() and _not_zombie(pid)
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return status != "Z"

@@ -36,6 +36,7 @@ def main() -> int:
         return 1
     finally:
         pull.close(linger=0)
+    groups.close()
     dist.destroy_process_group()
     return 0
 
