@@ -2,7 +2,7 @@
 
 The plan (no processes): every rank's tokens partition the batch, the K/V slots follow the
 token-interleaved layout written out by hand, and the per-request choice between gathering
-queries and the ring follows the bytes.
+queries and the ring follows the bytes (the ring's weighed by RING_BYTES_WEIGHT, from a measurement).
 
 The model: the same script of steps — a prefix cached by an earlier request, a prompt after it
 in chunks of 10, 18, 4 and 1 tokens (the last gives one rank no token), a fresh prompt joining
@@ -72,7 +72,7 @@ def test_plan_partitions_the_batch_and_follows_the_layout(cp_size, physical_bloc
         assert torch.equal(plan.local_slots, blocks * physical_block + (p % logical) // cp_size)
 
 
-def test_the_choice_follows_the_bytes():
+def test_the_choice_follows_the_measured_bytes():
     # A fresh long prompt, a decode, a short chunk after long context, a long chunk after short
     # context, a longer chunk after long context.
     common = _common([(512, 512), (1, 900), (8, 1000), (500, 600), (40, 2000)], 8)
