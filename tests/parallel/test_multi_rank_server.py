@@ -1,5 +1,5 @@
-"""A real `servelm serve -tp 2` over HTTP: it serves the one-rank server's greedy output; a rank
-killed mid-stream ends that stream with an error (no hang), fails what is in flight, and turns
+"""A real `servelm serve -tp 2` (and `-cp 2`) over HTTP: it serves the one-rank server's greedy
+output; a rank killed mid-stream ends that stream with an error (no hang), fails what is in flight, and turns
 /health to 503; nothing of the worker outlives the server."""
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ def complete(base_url: str, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_tp2_server_serves_the_one_rank_output_and_a_dead_rank_makes_it_unhealthy(tiny_dir):
+@pytest.mark.parametrize("layout", [["--tensor-parallel-size", "2"], ["--context-parallel-size", "2"]], ids=["tp2", "cp2"])
+def test_a_two_rank_server_serves_the_one_rank_output_and_a_dead_rank_makes_it_unhealthy(tiny_dir, layout):
     prompt = list(range(100, 140))
     with launch_server(tiny_dir, ARGS) as single:
         want = complete(single.base_url, prompt, 16)
-    server = launch_server(tiny_dir, [*ARGS, "--tensor-parallel-size", "2"])
+    server = launch_server(tiny_dir, [*ARGS, *layout])
     try:
         [follower] = rank_followers(server.process.pid)
         assert complete(server.base_url, prompt, 16) == want
