@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -210,6 +211,7 @@ class StepBroadcaster:
         for push in self._sockets:
             push.close(linger=0)
         self._context.term()
+        shutil.rmtree(self._directory, ignore_errors=True)  # the followers' ipc socket files
         if dist.is_initialized():  # rank 0 joined the world in this process: leave it (another engine may join)
             dist.destroy_process_group()
 
@@ -229,7 +231,7 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-# -- ranks 1..N-1 --------------------------------------------------------------------------
+# -- every rank ----------------------------------------------------------------------------
 
 
 def join_world(config: EngineConfig, rank: int, init_method: str, device: torch.device) -> ParallelGroups:
@@ -243,6 +245,9 @@ def join_world(config: EngineConfig, rank: int, init_method: str, device: torch.
         config.parallel.distributed_timeout_s,
         shared_memory=config.parallel.shared_memory_collectives,
     )
+
+
+# -- ranks 1..N-1 --------------------------------------------------------------------------
 
 
 def receive_steps(address: str) -> zmq.Socket:
