@@ -34,6 +34,7 @@ from servelm.worker.draft_model import DraftModel, load_draft_model
 from servelm.worker.draft_proposer import DraftModelProposer
 from servelm.worker.kv_cache import (
     allocate_kv_caches,
+    blocks_in_budget,
     bytes_per_block,
     free_device_memory,
     num_blocks_for_budget,
@@ -167,9 +168,8 @@ def _build_multi_rank_engine(config: EngineConfig) -> BuiltEngine:
     tokens, each rank storing block_size of them (every cp-th position) in its physical block
     of the same id: the same number of blocks holds cp times the tokens."""
     check_supported(config)
-    checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)  # arch and tokenizer; each rank reads its own shard
+    checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)  # lazy: rank 0 reads its shard
     arch, tokenizer, source = checkpoint.arch, checkpoint.tokenizer, checkpoint.source
-    del checkpoint
     device = rank_device(config, 0)
     dtype = resolve_dtype(config.model.dtype, device)
     layout = layout_of(config)
@@ -180,15 +180,13 @@ def _build_multi_rank_engine(config: EngineConfig) -> BuiltEngine:
     widest = max(local_num_kv_heads(arch, GroupMember(rank, tp_size)) for rank in range(tp_size))
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
     block_bytes = bytes_per_block(arch, config.cache.block_size, kv_dtype, num_kv_heads=widest)
-    num_blocks = config.cache.num_blocks or _kv_budget_bytes(config, device) // block_bytes
-    if num_blocks < 1:
-        raise ValueError(f"the KV cache budget holds no block of {block_bytes / 2**20:.2f} MiB per rank; raise --kv-cache-memory")
+    num_blocks = config.cache.num_blocks or blocks_in_budget(block_bytes, _kv_budget_bytes(config, device))
     max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings,
                         num_blocks * logical_block_size)  # fmt: skip
     followers = StepBroadcaster(config, num_blocks, max_model_len)
     try:
         groups = join_world(config, 0, followers.init_method, device)
-        shard = build_shard(config, groups, num_blocks, device)
+        shard = build_shard(config, checkpoint, groups, num_blocks, device)
     except BaseException:
         followers.close()
         raise

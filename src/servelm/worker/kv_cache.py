@@ -72,7 +72,11 @@ def num_blocks_for_budget(
 ) -> int:
     """Blocks `budget_bytes` holds when each block id holds the K/V of every model in `archs` (the
     target's, and a draft model's own pool addressed by the same block ids), stored as `dtype`."""
-    block_bytes = sum(bytes_per_block(arch, block_size, dtype) for arch in archs)
+    return blocks_in_budget(sum(bytes_per_block(arch, block_size, dtype) for arch in archs), budget_bytes)
+
+
+def blocks_in_budget(block_bytes: int, budget_bytes: int) -> int:
+    """Blocks of `block_bytes` that `budget_bytes` holds; ValueError when not even one."""
     num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:
         raise ValueError(

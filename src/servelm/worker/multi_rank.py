@@ -48,10 +48,9 @@ from servelm.attention.backend import AttentionBackend
 from servelm.attention.kv_storage import LayerKVCache
 from servelm.config import EngineConfig
 from servelm.datatypes import SchedulerOutput
-from servelm.models.arch import ModelArchConfig
 from servelm.models.factory import build_model, resolve_device, resolve_dtype
 from servelm.models.llama import LlamaForCausalLM
-from servelm.models.loader import load_checkpoint
+from servelm.models.loader import LoadedCheckpoint
 from servelm.models.sharding import ModelShard, local_num_kv_heads
 from servelm.parallel.context_backend import ContextParallelBackend
 from servelm.parallel.context_layout import AttentionHeads
@@ -90,7 +89,6 @@ class RankShard:
 
     model: LlamaForCausalLM
     kv_caches: list[LayerKVCache]
-    arch: ModelArchConfig
 
 
 def layout_of(config: EngineConfig) -> ParallelLayout:
@@ -126,11 +124,12 @@ def check_supported(config: EngineConfig) -> None:
         )
 
 
-def build_shard(config: EngineConfig, groups: ParallelGroups, num_blocks: int, device: torch.device) -> RankShard:
-    """This rank's model (its tensor-parallel shard, read from the checkpoint alone: no rank reads
-    another's) and its KV pool: `num_blocks` physical blocks of `config.cache.block_size` tokens,
-    this rank's KV heads."""
-    checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)
+def build_shard(
+    config: EngineConfig, checkpoint: LoadedCheckpoint, groups: ParallelGroups, num_blocks: int, device: torch.device
+) -> RankShard:
+    """This rank's model (its tensor-parallel shard, read from the lazily loaded `checkpoint`: no
+    rank reads another's) and its KV pool: `num_blocks` physical blocks of `config.cache.block_size`
+    tokens, this rank's KV heads. The checkpoint's weights are dropped once read."""
     dtype = resolve_dtype(config.model.dtype, device)
     arch = checkpoint.arch
     backend: str | AttentionBackend = config.model.attention_backend
@@ -143,10 +142,9 @@ def build_shard(config: EngineConfig, groups: ParallelGroups, num_blocks: int, d
     del checkpoint.weights
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
     kv_caches = allocate_kv_caches(
-        checkpoint.arch, num_blocks, config.cache.block_size, kv_dtype, device,
-        num_kv_heads=local_num_kv_heads(checkpoint.arch, groups.tp),
-    )  # fmt: skip
-    return RankShard(model, kv_caches, checkpoint.arch)
+        arch, num_blocks, config.cache.block_size, kv_dtype, device, num_kv_heads=local_num_kv_heads(arch, groups.tp)
+    )
+    return RankShard(model, kv_caches)
 
 
 # -- rank 0 --------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import sys
 
 import torch.distributed as dist
 
+from servelm.models.loader import load_checkpoint
 from servelm.worker.model_runner import ModelRunner
 from servelm.worker.multi_rank import RankLaunch, build_shard, join_world, next_step, rank_device, receive_steps
 
@@ -21,7 +22,8 @@ def main() -> int:
     config = launch.config
     device = rank_device(config, launch.rank)
     groups = join_world(config, launch.rank, launch.init_method, device)
-    shard = build_shard(config, groups, launch.num_blocks, device)
+    checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)
+    shard = build_shard(config, checkpoint, groups, launch.num_blocks, device)
     runner = ModelRunner(
         shard.model, shard.kv_caches, config.cache.block_size * groups.cp.size, eos_token_ids=(), device=device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=launch.max_model_len,
