@@ -181,7 +181,6 @@ class SpecController:
         self._requests: dict[str, _RequestState] = {}
         self._probe_every = PROBE_EVERY  # steps between probes at the last step's costs
         self._break_even: float | None = None  # the last step's, once a step has chosen
-        self._may_probe = True  # the last step's break-even let a probe pay
 
     def choose(self, offers: Sequence[DraftOffer], num_step_tokens: int, cost: StepCost | None) -> dict[str, int]:
         """k per offer (0 <= k <= num_available) for this step; see the module docstring."""
@@ -207,7 +206,7 @@ class SpecController:
             [min(self.max_k, offer.num_available) for offer in offers],
             _Step(float(num_step_tokens), step_s, per_token_s + draft_s),
         )
-        self._may_probe = may_probe = break_even < PROBE_ACCEPTANCE
+        may_probe = self._may_probe()
         ks: dict[str, int] = {}
         for offer, state, band in zip(offers, states, bands):
             # Hysteresis: last step's k stands while it is the best k for some acceptance in the band.
@@ -255,7 +254,7 @@ class SpecController:
             state = self._requests[request_id] = _RequestState()  # counts its steps towards a probe
         if state.wanted_k > 0:
             return min(self.max_k, state.wanted_k + 1)
-        if not self._may_probe or state.steps_at_zero + 1 < self._probe_every:
+        if not self._may_probe() or state.steps_at_zero + 1 < self._probe_every:
             return 0  # no probe is due, or none would pay at the last step's size: no drafts to make
         # Its probe's drafts are made now: the next choose() verifies them even if the interval it
         # computes has grown meanwhile (the proposer's cost moves with every call).
@@ -268,6 +267,10 @@ class SpecController:
         state = self._requests.get(request_id)
         if state is not None and state.wanted_k == 0:
             state.steps_at_zero += 1
+
+    def _may_probe(self) -> bool:
+        """Would a probe pay at the last step's break-even (yes before any step has chosen)?"""
+        return self._break_even is None or self._break_even < PROBE_ACCEPTANCE
 
     def _global_mean(self) -> float:
         return self._global.mean(PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE_TRIALS)
