@@ -15,6 +15,7 @@ import pytest
 from helpers_http import KEY, wait_idle
 
 COMPONENTS = ("ingress", "queue", "prefill", "preemption", "output")
+HOLD_S = 0.3  # how long two hogs keep a probe waiting for a slot
 
 
 def _streamed_breakdown(client: httpx.Client, body: dict) -> tuple[float, dict]:
@@ -80,19 +81,35 @@ def test_queued_requests_raise_queue_wait(restricted):
         with httpx.Client(base_url=restricted.base_url, timeout=60, headers=headers) as client:
             return _streamed_breakdown(client, body)[1]["queue"]
 
+    async def hog(client: httpx.AsyncClient, started: asyncio.Event, release: asyncio.Event) -> None:
+        """Holds a slot from its first token until `release` (900 tokens outlast the hold)."""
+        long = {"prompt": "Occupy a slot", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=long) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    if release.is_set():
+                        return
+        raise AssertionError("a hog finished before the probe was measured")
+
     async def with_busy_slots() -> float:
         async with httpx.AsyncClient(base_url=restricted.base_url, timeout=120, headers=headers) as client:
-            long = {"prompt": "Occupy a slot", "max_tokens": 150, "ignore_eos": True}
-            hogs = [asyncio.create_task(client.post("/v1/completions", json=long)) for _ in range(2)]
-            await asyncio.sleep(0.5)  # both running
-            queue_ms = await asyncio.get_running_loop().run_in_executor(None, probe_queue_ms)
-            assert all(r.status_code == 200 for r in await asyncio.gather(*hogs))
-            return queue_ms
+            started, release = [asyncio.Event(), asyncio.Event()], asyncio.Event()
+            hogs = [asyncio.create_task(hog(client, event, release)) for event in started]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)  # both running
+            probe = asyncio.get_running_loop().run_in_executor(None, probe_queue_ms)
+            # The probe waits for a slot until the hogs let go (a closed stream aborts its request):
+            # its queue time is at least this hold, however fast the machine generates.
+            await asyncio.sleep(HOLD_S)
+            release.set()
+            await asyncio.gather(*hogs)
+            return await probe
 
     wait_idle(restricted)
     idle = probe_queue_ms()
     busy = asyncio.run(with_busy_slots())
-    assert busy > idle + 50.0, (idle, busy)
+    assert busy > idle + 0.8 * HOLD_S * 1000, (idle, busy)
 
 
 def _approx(value: float, tolerance: float):
