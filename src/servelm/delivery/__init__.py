@@ -1,0 +1,9 @@
+"""Model delivery: a checkpoint reaches a node (or N nodes) fast, verified, resumable, and
+streams into the engine while it arrives.
+
+    manifest.py     the version: files cut into chunks, each with its sha256 (`servelm manifest DIR`)
+    source.py       where chunks come from (ChunkSource): a path, HTTP(S), S3, a running replica
+    store.py        the local directory being filled: verified writes, resume journal, waiting for bytes
+    pull.py         Puller: parallel connections fill a store from a source (`servelm pull`)
+    file_server.py  Range-capable HTTP server: the origin in tests/benchmarks, and each node's peer server
+"""
