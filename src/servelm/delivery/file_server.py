@@ -21,6 +21,7 @@ import json
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -189,7 +190,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_bytes(status, json.dumps({"error": message}).encode(), "application/json", body)
 
     def _serve(self, body: bool) -> None:
-        path = self.path.split("?", 1)[0]
+        path = urllib.parse.unquote(self.path.split("?", 1)[0])  # clients quote spaces, '#', '?' in names
         if path == STATS_PATH:
             return self._json(self.server.stats(), body)
         if path.startswith(EXTRA_PREFIX) and path[len(EXTRA_PREFIX):] in self.server.extra_routes:
