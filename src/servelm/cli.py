@@ -19,7 +19,15 @@ from servelm.config import EngineConfig
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
+    group.add_argument(
+        "--model", default=None,
+        help="HF model directory or .gguf file (default: embedded SmolLM2), or a remote one it is pulled from while "
+        "loading: http(s)://HOST/PATH/, s3://BUCKET/PREFIX/ or peer://HOST:PORT (a running servelm replica)",
+    )  # fmt: skip
+    group.add_argument(
+        "--download-dir", default=None, help="where a remote --model is pulled to (default: ~/.cache/servelm/models)"
+    )
+    group.add_argument("--pull-connections", type=int, default=None, help="parallel reads of a remote --model (default 8)")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
@@ -139,6 +147,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "max_model_len",
             "num_threads",
             "hf_overrides",
+            "download_dir",
+            "pull_connections",
             "block_size",
             "kv_cache_memory_gib",
             "num_blocks",

@@ -239,8 +239,13 @@ class ModelConfig:
     # Hugging Face config keys replacing the checkpoint's (vLLM's --hf-overrides), e.g. RoPE scaling
     # with a larger max_position_embeddings to run past the trained context.
     hf_overrides: dict[str, Any] | None = None
+    # A remote `model` (http(s)://, s3://, peer://HOST:PORT) is pulled here, into a directory named
+    # after its source and version; None: <cache dir>/models. Reused by the next start.
+    download_dir: str | None = None
+    pull_connections: int = 8  # parallel ranged reads of a remote model
 
     def __post_init__(self) -> None:
+        _require(self.pull_connections > 0, f"pull_connections must be positive, got {self.pull_connections}")
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
         _require(
             self.max_model_len is None or self.max_model_len > 1,

@@ -17,6 +17,7 @@ C_COMPILER = "CC"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 CACHE_DIR = "SERVELM_CACHE_DIR"
 API_KEY = "SERVELM_API_KEY"
+PEER_API_KEY = "SERVELM_PEER_API_KEY"
 
 
 class KernelsMode(str, enum.Enum):
@@ -58,3 +59,9 @@ def cache_dir() -> Path:
 def api_key() -> str | None:
     """SERVELM_API_KEY: the bearer token the server and the router require when no --api-key is given."""
     return os.environ.get(API_KEY) or None
+
+
+def peer_api_key() -> str | None:
+    """SERVELM_PEER_API_KEY, else SERVELM_API_KEY: the bearer token sent to a running replica that
+    `--model peer://HOST:PORT` takes its weights from (replicas of one deployment share a key)."""
+    return os.environ.get(PEER_API_KEY) or api_key()

@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from servelm.delivery.manifest import IGNORED_DIRS, MANIFEST_NAME
+from servelm.delivery.manifest import MANIFEST_NAME, resolve_model_file
 
 STATS_PATH = "/_servelm/stats"
 EXTRA_PREFIX = "/_servelm/"
@@ -57,26 +57,19 @@ class DirectoryFiles:
 
     root: Path
 
-    def _resolve(self, path: str) -> Path | None:
-        parts = path.split("/")
-        if any(part in ("", ".", "..") for part in parts) or parts[0] in IGNORED_DIRS:
-            return None
-        resolved = self.root.joinpath(*parts)
-        return resolved if resolved.is_file() else None
-
     def manifest_json(self) -> bytes | None:
         path = self.root / MANIFEST_NAME
         return path.read_bytes() if path.is_file() else None
 
     def size(self, path: str) -> int | None:
-        resolved = self._resolve(path)
+        resolved = resolve_model_file(self.root, path)
         return None if resolved is None else resolved.stat().st_size
 
     def available(self, path: str, start: int, end: int) -> bool:
         return True
 
     def open(self, path: str) -> BinaryIO:
-        resolved = self._resolve(path)
+        resolved = resolve_model_file(self.root, path)
         if resolved is None:
             raise FileNotFoundError(path)
         return resolved.open("rb")

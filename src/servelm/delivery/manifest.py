@@ -150,12 +150,28 @@ def model_files(directory: Path) -> Iterator[Path]:
                 yield Path(root) / name
 
 
-def build_manifest(directory: str | Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES, threads: int | None = None) -> Manifest:
-    """Hash every file of `directory` chunk by chunk (threads: hashlib releases the GIL)."""
+def resolve_model_file(root: Path, path: str) -> Path | None:
+    """The file `path` (relative, '/'-separated) under `root`, None for anything a server must not
+    hand out: an absolute or escaping path, a pull's bookkeeping, a directory, a missing file."""
+    parts = path.split("/")
+    if any(part in ("", ".", "..") for part in parts) or parts[0] in IGNORED_DIRS:
+        return None
+    resolved = root.joinpath(*parts)
+    return resolved if resolved.is_file() else None
+
+
+def build_manifest(
+    directory: str | Path,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    threads: int | None = None,
+    only: list[str] | None = None,
+) -> Manifest:
+    """Hash every file of `directory` (or the relative paths `only`) chunk by chunk, in threads
+    (hashlib releases the GIL)."""
     base = Path(directory)
     if not base.is_dir():
         raise FileNotFoundError(f"{base} is not a directory")
-    paths = list(model_files(base))
+    paths = list(model_files(base)) if only is None else [base / name for name in only]
 
     def hashes(path: Path) -> list[str]:
         with path.open("rb") as f:

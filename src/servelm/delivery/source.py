@@ -19,6 +19,7 @@ from servelm.delivery.manifest import ChunkRef, Manifest
 
 # A replica serves the files it loaded under this path (`--model peer://HOST:PORT` reads them).
 PEER_MODEL_PREFIX = "/servelm/model/"
+PEER_SCHEME = "peer://"
 
 
 class FetchError(OSError):

@@ -119,6 +119,12 @@ class ChunkStore:
         with self._lock:
             return len(self._held) == len(self._chunks)
 
+    def forget(self, chunk: ChunkRef) -> None:
+        """Count a held chunk as missing again (its bytes failed a later check); the journal keeps
+        its line, and a resumed pull that re-verifies finds it bad again."""
+        with self._lock:
+            self._held.discard(chunk.key)
+
     # --- writing ---------------------------------------------------------------------------
 
     def write(self, chunk: ChunkRef, data: bytes | memoryview) -> bool:

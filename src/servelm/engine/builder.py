@@ -17,6 +17,7 @@ import torch
 from servelm.attention.kv_storage import LayerKVCache, block_tensors
 from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpeculativeConfig
 from servelm.engine.core import EngineCore
+from servelm.engine.remote_model import open_model
 from servelm.kv.disk_store import DiskBlockStore
 from servelm.kv.fingerprint import kv_fingerprint, weights_identity
 from servelm.kv.kv_cache_manager import KVCacheManager
@@ -26,6 +27,7 @@ from servelm.models.factory import build_model, resolve_device, resolve_dtype
 from servelm.models.llama import LlamaForCausalLM
 from servelm.models.loader import load_checkpoint
 from servelm.models.sharding import local_num_kv_heads
+from servelm.obs.startup import StartupTimeline
 from servelm.parallel.groups import GroupMember
 from servelm.scheduler.scheduler import Scheduler
 from servelm.spec.proposer import Proposer, build_proposer
@@ -77,18 +79,22 @@ def eos_token_ids(arch: ModelArchConfig, tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def build_engine(config: EngineConfig, proposer: Proposer | None = None) -> BuiltEngine:
+def build_engine(
+    config: EngineConfig, proposer: Proposer | None = None, startup: StartupTimeline | None = None
+) -> BuiltEngine:
     """`proposer`: with config.speculative set, one to use in place of the one its method names
-    (a custom proposer; the tests' scripted ones)."""
+    (a custom proposer; the tests' scripted ones). `startup` records the start-up phases."""
     if config.parallel.world_size > 1:
-        return _build_multi_rank_engine(config)
+        return _build_multi_rank_engine(config, startup)
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
-    checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)
+    opened = open_model(config.model, startup)  # a remote model: pulled while it loads
+    checkpoint = load_checkpoint(opened.path, config.model.hf_overrides, opened.before_read)
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend)
     del checkpoint.weights  # the model holds its own copies now
+    opened.finish()
     return assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, checkpoint.source, proposer)
 
 
@@ -160,7 +166,7 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     )
 
 
-def _build_multi_rank_engine(config: EngineConfig) -> BuiltEngine:
+def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline | None = None) -> BuiltEngine:
     """Rank 0 of a multi-rank worker (worker/multi_rank.py): it sizes the KV pool, starts the
     other ranks, joins them, and builds its own shard; the scheduler is the one single one.
 
@@ -168,6 +174,9 @@ def _build_multi_rank_engine(config: EngineConfig) -> BuiltEngine:
     tokens, each rank storing block_size of them (every cp-th position) in its physical block
     of the same id: the same number of blocks holds cp times the tokens."""
     check_supported(config)
+    # A remote model is pulled whole first: every rank then reads its shard from the same directory.
+    opened = open_model(config.model, startup, stream=False)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=opened.path))
     checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)  # lazy: rank 0 reads its shard
     arch, tokenizer, source = checkpoint.arch, checkpoint.tokenizer, checkpoint.source
     device = rank_device(config, 0)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,19 @@ from servelm.tokenization.loading import load_hf_tokenizer
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# Called with (file, tensor name) before a tensor's bytes are read: a streaming load waits there
+# until those bytes have arrived (servelm.delivery.streaming).
+BeforeRead = Callable[[Path, str], None]
 
 
-def load_hf_directory(path: Path) -> tuple[ModelArchConfig, CheckpointWeights, PreTrainedTokenizerBase]:
+def load_hf_directory(
+    path: Path, before_read: BeforeRead | None = None
+) -> tuple[ModelArchConfig, CheckpointWeights, PreTrainedTokenizerBase]:
     """(arch, lazy weights by HF name in the files' dtype, tokenizer) of a model directory; raises with the path named."""
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     arch = read_hf_config(path)
-    weights = select_model_weights(load_safetensors_weights(path), arch)
+    weights = select_model_weights(load_safetensors_weights(path, before_read), arch)
     return arch, weights, load_hf_tokenizer(path)
 
 
@@ -51,20 +57,20 @@ def read_hf_config(path: Path) -> ModelArchConfig:
     return ModelArchConfig.from_hf_config(config)
 
 
-def load_safetensors_weights(path: Path) -> CheckpointWeights:
+def load_safetensors_weights(path: Path, before_read: BeforeRead | None = None) -> CheckpointWeights:
     """Every tensor of the directory's safetensors file(s), read lazily, in the file's dtype, on CPU."""
     single, index = path / SINGLE_WEIGHTS_FILE, path / INDEX_FILE
     if single.is_file():
-        return _safetensors_source({single: _tensor_infos(single)}, str(path))
+        return _safetensors_source({single: _tensor_infos(single)}, str(path), before_read)
     if index.is_file():
-        return _load_sharded(index, str(path))
+        return _load_sharded(index, str(path), before_read)
     hint = " (PyTorch .bin checkpoints are not supported; convert to safetensors)" if any(path.glob("*.bin")) else ""
     raise FileNotFoundError(
         f"no weights in {path}: expected {SINGLE_WEIGHTS_FILE} or {INDEX_FILE}, found {_listing(path)}{hint}"
     )
 
 
-def _load_sharded(index_path: Path, source: str) -> CheckpointWeights:
+def _load_sharded(index_path: Path, source: str, before_read: BeforeRead | None) -> CheckpointWeights:
     try:
         weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError) as exc:
@@ -84,7 +90,7 @@ def _load_sharded(index_path: Path, source: str) -> CheckpointWeights:
             f"{index_path} places tensor {absent[0]!r} in shard {weight_map[absent[0]]!r}, "
             f"but that shard does not contain it ({len(absent)} such tensor(s))"
         )
-    return _safetensors_source(shards, source)
+    return _safetensors_source(shards, source, before_read)
 
 
 def _tensor_infos(file: Path) -> dict[str, TensorInfo]:
@@ -93,10 +99,14 @@ def _tensor_infos(file: Path) -> dict[str, TensorInfo]:
         return {name: TensorInfo(tuple(f.get_slice(name).get_shape()), Storage.DENSE) for name in f.keys()}
 
 
-def _safetensors_source(shards: dict[Path, dict[str, TensorInfo]], source: str) -> CheckpointWeights:
+def _safetensors_source(
+    shards: dict[Path, dict[str, TensorInfo]], source: str, before_read: BeforeRead | None = None
+) -> CheckpointWeights:
     file_of = {name: file for file, infos in shards.items() for name in infos}
 
     def read(name: str) -> torch.Tensor:
+        if before_read is not None:
+            before_read(file_of[name], name)
         # Opened per tensor, so the file's memory map is released after each one: a load never
         # keeps the whole checkpoint mapped (resident) next to the model's own copy.
         with safe_open(str(file_of[name]), framework="pt", device="cpu") as f:
@@ -104,6 +114,8 @@ def _safetensors_source(shards: dict[Path, dict[str, TensorInfo]], source: str) 
 
     def read_shard(name: str, rows: range | None, columns: range | None) -> torch.Tensor:
         # A tensor-parallel rank's part: safetensors reads only those bytes.
+        if before_read is not None:
+            before_read(file_of[name], name)
         index: tuple[slice, ...] = (slice(None) if rows is None else slice(rows.start, rows.stop),)
         if columns is not None:
             index += (slice(columns.start, columns.stop),)

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from servelm.default_model import default_model_path
 from servelm.models.arch import ModelArchConfig
 from servelm.models.gguf_loader import load_gguf
-from servelm.models.hf_loader import CONFIG_FILE, SINGLE_WEIGHTS_FILE, load_hf_directory
+from servelm.models.hf_loader import CONFIG_FILE, SINGLE_WEIGHTS_FILE, BeforeRead, load_hf_directory
 from servelm.models.weights import CheckpointWeights
 
 _EXPECTED = "a Hugging Face model directory with config.json or a .gguf file"
@@ -37,8 +37,14 @@ class LoadedCheckpoint:
     load_seconds: float = 0.0  # wall time of load_checkpoint, tokenizer included
 
 
-def load_checkpoint(path: str | Path | None = None, hf_overrides: dict[str, Any] | None = None) -> LoadedCheckpoint:
+def load_checkpoint(
+    path: str | Path | None = None, hf_overrides: dict[str, Any] | None = None, before_read: BeforeRead | None = None
+) -> LoadedCheckpoint:
     """Load weights, architecture and tokenizer; None means the embedded default model.
+
+    A directory holding one .gguf file and no config.json loads that file (a pulled or
+    peer-served GGUF model arrives as such a directory). `before_read(file, tensor)` is called
+    before each safetensors tensor is read (a streaming load waits there for its bytes).
 
     `hf_overrides` (vLLM's --hf-overrides): Hugging Face config keys that replace the checkpoint's,
     e.g. {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "max_position_embeddings": 16384}
@@ -50,8 +56,10 @@ def load_checkpoint(path: str | Path | None = None, hf_overrides: dict[str, Any]
     """
     started = time.perf_counter()
     resolved = default_model_path() if path is None else Path(path).expanduser()
+    if resolved.is_dir() and not (resolved / CONFIG_FILE).exists() and len(ggufs := list(resolved.glob("*.gguf"))) == 1:
+        resolved = ggufs[0]
     if resolved.is_dir():
-        arch, weights, tokenizer = load_hf_directory(resolved)
+        arch, weights, tokenizer = load_hf_directory(resolved, before_read)
     elif resolved.is_file() and resolved.suffix.lower() == ".gguf":
         arch, weights, tokenizer = load_gguf(resolved)
     elif resolved.exists():

@@ -41,6 +41,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm import envs
 from servelm.config import EngineConfig
+from servelm.delivery.source import PEER_MODEL_PREFIX, PEER_SCHEME
+from servelm.delivery.streaming import remote_model_name
 from servelm.engine.async_llm import AsyncLLM
 from servelm.obs.loop_lag import EventLoopLagMonitor
 from servelm.obs.metrics import ServerMetrics
@@ -60,6 +62,7 @@ from servelm.server.errors import (
     unavailable,
 )
 from servelm.server.kv_transfer_api import KVTransferInfo
+from servelm.server.model_files_api import ModelFiles, peer_served_name
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
 from servelm.server.tenant_limits import TenantLimitsMiddleware
@@ -105,6 +108,9 @@ def model_name_for(engine_config: EngineConfig, options: ServerOptions) -> str:
         return options.served_model_name
     if engine_config.model.model is None:
         return DEFAULT_MODEL_NAME
+    remote_name = remote_model_name(engine_config.model.model)
+    if remote_name is not None:
+        return remote_name
     path = Path(engine_config.model.model)
     return path.stem if path.suffix.lower() == ".gguf" else path.name
 
@@ -126,6 +132,8 @@ async def _start_context(engine_config: EngineConfig, options: ServerOptions) ->
     client, ready = engine.client, engine.client.ready
     assert ready is not None
     name = model_name_for(engine_config, options)
+    if not options.served_model_name and (engine_config.model.model or "").startswith(PEER_SCHEME):
+        name = await peer_served_name(engine_config.model.model or "", envs.peer_api_key(), default=name)
     metrics = ServerMetrics(name, ready.max_model_len, lambda: client.stats, ready.num_blocks,
                             num_in_api=lambda: client.num_in_flight, num_outputs_queued=lambda: engine.num_outputs_queued)  # fmt: skip
     client.on_stats = metrics.observe_steps
@@ -147,6 +155,7 @@ async def _start_context(engine_config: EngineConfig, options: ServerOptions) ->
         request_logger=RequestLogger(options.log_requests),
         model_name=name,
         kv_transfer=KVTransferInfo(engine_config.kv_transfer.kv_role, ready.kv_transfer_address, ready.block_size),
+        model_files=ModelFiles.of_source(ready.source),
     )
 
 
@@ -254,6 +263,10 @@ def _add_routes(app: FastAPI) -> None:
         if info.kv_role is None:
             return APIError(404, "this server has no --kv-role (no prefill/decode disaggregation)").response()
         return json_response(info.describe())
+
+    @app.get(PEER_MODEL_PREFIX + "{path:path}")
+    async def model_file(request: Request, path: str) -> Response:
+        return await _ctx(request).model_files.response(path)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -9,6 +9,7 @@ from servelm.obs.metrics import ServerMetrics
 from servelm.obs.request_log import RequestLogger
 from servelm.server.admission import Admission
 from servelm.server.kv_transfer_api import KVTransferInfo
+from servelm.server.model_files_api import ModelFiles
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 
@@ -20,6 +21,7 @@ class ServerContext:
     request_logger: RequestLogger
     model_name: str
     kv_transfer: KVTransferInfo  # this server's disaggregation role (kv_role None: none)
+    model_files: ModelFiles  # what a new replica pulls with --model peer://this-server
 
     @property
     def tokenizer(self) -> PromptTokenizer:
