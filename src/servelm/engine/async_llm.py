@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from servelm.config import EngineConfig
 from servelm.datatypes import DEFAULT_SLO, EngineOutput, EngineRequest, KVTransferParams, RequestSlo
+from servelm.delivery.sources import is_remote
 from servelm.engine.async_client import AsyncEngineClient, EngineDeadError
 from servelm.engine.fan_out import Choice, ChoiceDelta, FanOut
 from servelm.obs.metrics import FinishedRequest
@@ -83,15 +84,21 @@ class AsyncLLM:
 
     @classmethod
     async def start(cls, config: EngineConfig, tokenizer_threads: int = 2) -> AsyncLLM:
-        """Spawn the engine core; the core loads the model in its own process while this one loads the tokenizer."""
+        """Spawn the engine core; the core loads the model in its own process while this one loads the
+        tokenizer (a remote model's once the core has pulled it: from the directory it reports)."""
         client = AsyncEngineClient(config)
-        tokenizer_load = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
+        remote = config.model.model is not None and is_remote(config.model.model)
+        tokenizer_load = None if remote else asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
         try:
             await client.start()
         except BaseException:
-            tokenizer_load.cancel()
+            if tokenizer_load is not None:
+                tokenizer_load.cancel()
             await client.shutdown()
             raise
+        assert client.ready is not None
+        if tokenizer_load is None:
+            tokenizer_load = asyncio.create_task(asyncio.to_thread(load_tokenizer, client.ready.source))
         return cls(client, PromptTokenizer(await tokenizer_load, max_workers=tokenizer_threads))
 
     @property
