@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import threading
 import time
 import urllib.parse
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from servelm.delivery.manifest import IGNORED_DIRS, MANIFEST_NAME
 
@@ -156,6 +157,11 @@ class RangeFileServer(ThreadingHTTPServer):
     def stop(self) -> None:
         self.shutdown()
         self.server_close()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # a client that hung up mid-body (a killed node, a cut pull): its business, not a traceback
+        super().handle_error(request, client_address)
 
     def stats(self) -> dict[str, object]:
         with self.stats_lock:
