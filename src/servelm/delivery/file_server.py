@@ -3,7 +3,8 @@ server each node of a distribution runs to hand peers the chunks it holds.
 
     GET|HEAD /PATH              the file (200), or `Range: bytes=A-B` of it (206, Content-Range)
     GET /servelm-manifest.json  the manifest being served (from memory for a node mid-pull)
-    GET /_servelm/stats         {"bytes_sent": N, "requests": [[path, start, end], ...]} (benchmarks, tests)
+    GET /_servelm/stats         {"bytes_sent": N, "requests": [[path, start, end], ...]} (benchmarks, tests):
+                                every body byte written, and the ranges whose bodies were written to the end
     GET /_servelm/<name>        extra JSON routes a caller adds (a node's list of held chunks)
 
 What is served comes from a `ServedFiles` (a directory; a node's ChunkStore). A byte range
@@ -140,7 +141,7 @@ class RangeFileServer(ThreadingHTTPServer):
         self.extra_routes = extra_routes or {}
         self.stats_lock = threading.Lock()
         self.bytes_sent = 0
-        self.requests: list[tuple[str, int, int]] = []  # (path, start, end) of every body sent
+        self.requests: list[tuple[str, int, int]] = []  # (path, start, end) of every body written to its end
         self._thread: threading.Thread | None = None
 
     @property
@@ -255,8 +256,9 @@ class _Handler(BaseHTTPRequestHandler):
                     self.server.bucket.take(len(piece))
                 self.wfile.write(piece)
                 position += len(piece)
+                with self.server.stats_lock:  # per piece: a transfer cut short still cost the origin its bytes
+                    self.server.bytes_sent += len(piece)
         with self.server.stats_lock:
-            self.server.bytes_sent += position - start
             self.server.requests.append((path, start, end))
         if stop < end:
             self.close_connection = True  # the client sees fewer bytes than Content-Length said
