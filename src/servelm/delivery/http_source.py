@@ -16,17 +16,15 @@ pull, not once per chunk. Nothing here retries: the puller does, and counts it.
 
 from __future__ import annotations
 
-import re
 import urllib.parse
 from collections.abc import Mapping
 
 import httpx
 
 from servelm.delivery.manifest import MANIFEST_NAME, ChunkRef, Manifest, ManifestError
-from servelm.delivery.source import FetchError, NotYetAvailableError
+from servelm.delivery.source import FetchError, NotYetAvailableError, content_range_matches
 
 DEFAULT_TIMEOUT_S = 60.0  # per network operation (connect, each read), not per chunk
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
 class HttpSource:
@@ -88,8 +86,7 @@ class HttpSource:
         is read, so a server that ignores Range does not send a whole shard for one chunk)."""
         status = response.status_code
         if status == 206:
-            found = _CONTENT_RANGE.match(response.headers.get("Content-Range", "").strip())
-            if found is None or (int(found[1]), int(found[2]) + 1) != (chunk.offset, chunk.end):
+            if not content_range_matches(response.headers.get("Content-Range"), chunk):
                 raise FetchError(f"{where}: 206 with Content-Range {response.headers.get('Content-Range')!r}")
             return
         if status == 200:
