@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import CHUNK_BYTES, FILES
+from delivery_helpers import CHUNK_BYTES, FILES
 
 from servelm.delivery.manifest import MANIFEST_NAME, Manifest, ManifestError, build_manifest, read_manifest
 from servelm.delivery.store import STATE_DIR, ChunkCorruptError, ChunkStore

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import FILES, same_files
+from delivery_helpers import FILES, same_files
 
 from servelm.delivery.commands import pull, pull_from
 from servelm.delivery.file_server import Faults, RangeFileServer
