@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import CHUNK_BYTES, same_files, write_model_dir
+from delivery_helpers import CHUNK_BYTES, same_files, write_model_dir
 
 from servelm.delivery.file_server import RangeFileServer
 from servelm.delivery.manifest import MANIFEST_NAME, read_manifest

@@ -1,0 +1,56 @@
+"""A remote --model loads while it downloads: tensors are read as their chunks arrive, and the
+model that comes out is the one a local load builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm.config import EngineConfig
+from servelm.delivery.file_server import DirectoryFiles, RangeFileServer
+from servelm.delivery.manifest import MANIFEST_NAME, write_manifest
+from servelm.engine.builder import build_engine
+from servelm.obs.startup import StartupTimeline
+from servelm.testing.tiny_model import write_tiny_checkpoint
+
+CHUNK_BYTES = 256 << 10
+RATE_BYTES_PER_S = 25e6  # the ~40 MB checkpoint takes ~1.6 s to arrive: long enough to see the overlap
+
+
+@pytest.fixture(scope="module")
+def origin_dir(tmp_path_factory):
+    # Wide layers, so most bytes sit in the layers (after the embeddings) and loading them overlaps the fetch.
+    directory = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("origin") / "streamed", seed=11, hidden_size=64, intermediate_size=1536,
+        num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2, max_shard_size="8MB",
+    )  # fmt: skip
+    write_manifest(directory, CHUNK_BYTES)
+    return directory
+
+
+def test_streaming_load_overlaps_the_fetch_and_matches_a_local_load(origin_dir, tmp_path):
+    server = RangeFileServer(DirectoryFiles(origin_dir), rate_bytes_per_s=RATE_BYTES_PER_S).start()
+    try:
+        startup = StartupTimeline()
+        config = EngineConfig.from_flat(model=server.url, download_dir=str(tmp_path / "downloads"), num_blocks=64)
+        remote = build_engine(config, startup=startup)
+    finally:
+        server.stop()
+    phases = {record.name: record for record in startup.records}
+    fetch, load = phases["fetch"], phases["load"]
+    # Loading began while most of the bytes were still on their way, and ended with the last of them.
+    assert load.started_at < fetch.started_at + 0.3 * fetch.seconds, (fetch, load)
+    assert load.ended_at - fetch.ended_at < 0.5 * load.seconds, (fetch, load)
+
+    pulled = next((tmp_path / "downloads").iterdir())
+    for original in origin_dir.iterdir():
+        if original.is_file() and original.name != MANIFEST_NAME:
+            assert (pulled / original.name).read_bytes() == original.read_bytes(), original.name
+    assert (pulled / MANIFEST_NAME).is_file()  # complete: the next start uses it as it is
+
+    # Streamed tensor by tensor, out of file order: every parameter is what a local load reads.
+    local = build_engine(EngineConfig.from_flat(model=str(origin_dir), num_blocks=64))
+    streamed, expected = remote.core.runner.model.state_dict(), local.core.runner.model.state_dict()
+    assert streamed.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(streamed[name], tensor), name
