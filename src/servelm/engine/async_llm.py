@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -82,9 +82,13 @@ class AsyncLLM:
         self._live_streams: dict[str, GenerationStream] = {}  # started and not closed, by request id
 
     @classmethod
-    async def start(cls, config: EngineConfig, tokenizer_threads: int = 2) -> AsyncLLM:
-        """Spawn the engine core; the core loads the model in its own process while this one loads the tokenizer."""
+    async def start(
+        cls, config: EngineConfig, tokenizer_threads: int = 2, on_phase: Callable[[str], None] | None = None
+    ) -> AsyncLLM:
+        """Spawn the engine core; the core loads the model in its own process while this one loads the
+        tokenizer. `on_phase` hears each start-up phase the core enters (servelm.obs.startup)."""
         client = AsyncEngineClient(config)
+        client.on_phase = on_phase
         tokenizer_load = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
         try:
             await client.start()
