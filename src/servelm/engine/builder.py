@@ -108,9 +108,7 @@ def build_engine(
         checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)
         model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend)
         del checkpoint.weights  # the model holds its own copies now
-    return assemble_engine(
-        config, model, checkpoint.arch, checkpoint.tokenizer, checkpoint.source, proposer, startup
-    )
+    return assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, checkpoint.source, proposer, startup)
 
 
 def build_kernels(device: torch.device, dtype: torch.dtype) -> None:
