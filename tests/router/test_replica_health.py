@@ -76,23 +76,22 @@ def test_an_alive_replica_gets_no_traffic_until_it_is_ready() -> None:
     """(The replicas above answer /ready 404, as vLLM does: their /health decides.)"""
     server = HTTPServer(("127.0.0.1", 0), _Starting)
     server.ready = False  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    router = Router(RouterOptions(policy="round_robin"))
+    replica = router.add_replica(ReplicaSpec.parse(f"http://127.0.0.1:{server.server_address[1]}"))
 
-    async def scenario() -> None:
-        router = Router(RouterOptions(policy="round_robin"))
-        replica = router.add_replica(ReplicaSpec.parse(f"http://127.0.0.1:{server.server_address[1]}"))
+    async def check() -> None:
         async with httpx.AsyncClient() as client:
             await check_replica(client, router, replica, timeout_s=2)
-            assert not replica.healthy and router.replicas.healthy() == []
-            assert "/ready returned 503 (starting: load)" in replica.last_error
-            server.ready = True  # type: ignore[attr-defined]
-            await check_replica(client, router, replica, timeout_s=2)
-            assert replica.healthy and replica.last_error == ""
-        await router.close()
 
     try:
-        asyncio.run(scenario())
+        asyncio.run(check())
+        assert not replica.healthy and router.replicas.healthy() == []
+        assert "/ready returned 503 (starting: load)" in replica.last_error
+        server.ready = True  # type: ignore[attr-defined]
+        asyncio.run(check())
+        assert replica.healthy and replica.last_error == ""
     finally:
         server.shutdown()
         server.server_close()
+        asyncio.run(router.close())
