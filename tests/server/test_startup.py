@@ -3,18 +3,21 @@
 - the server listens while its engine starts: /health 200, /ready 503 "starting: <phase>", every
   engine route 503 with Retry-After, /metrics 200; then /ready 200, requests are served, and
   /metrics has servelm:startup_seconds for each phase the engine ran;
-- a start-up that fails after the server listens ends the process non-zero, the error logged.
+- a start-up that fails after the server listens ends the process non-zero, the error logged;
+- SIGTERM while the engine starts: a clean exit at once, the engine core process gone with it.
 
 A slow start is made real with SERVELM_FAULT_STARTUP_DELAY_S (the builder sleeps in its load phase).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers_http import child_pids
 from servelm.engine.builder import FAULT_STARTUP_DELAY_ENV
 from servelm.server.launcher import launch_server
 
@@ -90,3 +93,31 @@ def test_a_start_up_that_fails_after_the_server_listens_exits_non_zero_with_the_
     assert code != 0
     log = server.log_tail(50_000)
     assert "engine start-up failed during load" in log and f"model path {missing} does not exist" in log, log
+
+
+def test_sigterm_while_the_engine_starts_exits_cleanly_and_takes_the_core_with_it(tiny_model_dir):
+    server = launch_server(tiny_model_dir, ARGS, env={FAULT_STARTUP_DELAY_ENV: "60"}, wait_for="/health")
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=10) as client:
+            deadline = time.monotonic() + 60
+            while client.get("/ready").json()["error"]["message"] != "starting: load":  # the core is in its sleep
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        [core_pid] = child_pids(server.process.pid, "spawn_main")
+        server.terminate()
+        code = server.process.wait(timeout=20)  # not the 60 s the core would sleep on
+    finally:
+        server.stop()
+    assert code == 0, server.log_tail()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{core_pid}") and _state(core_pid) != "Z":
+        assert time.monotonic() < deadline, "the engine core outlived its server"
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"  # gone meanwhile

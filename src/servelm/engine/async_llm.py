@@ -92,11 +92,12 @@ class AsyncLLM:
         tokenizer_load = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
         try:
             await client.start()
-        except BaseException:
+            tokenizer = await tokenizer_load
+        except BaseException:  # the core's failure, the tokenizer's, or a shutdown cancelling the start
             tokenizer_load.cancel()
             await client.shutdown()
             raise
-        return cls(client, PromptTokenizer(await tokenizer_load, max_workers=tokenizer_threads))
+        return cls(client, PromptTokenizer(tokenizer, max_workers=tokenizer_threads))
 
     @property
     def dead_error(self) -> str | None:
