@@ -167,7 +167,7 @@ def start_router(policy: str, port: int, replicas: list[ServerProcess], kv_ports
     with open(log_dir / f"router-{policy}.log", "wb") as log:  # the child keeps its own copy of the fd
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_until_ready(process, f"http://127.0.0.1:{port}/health", 120)
+        wait_until_ready(process, f"http://127.0.0.1:{port}/ready", 120)
     except RuntimeError as exc:
         process.kill()
         raise RuntimeError(f"router ({policy}) {exc}: see {log_dir}") from None

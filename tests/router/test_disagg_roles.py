@@ -77,10 +77,11 @@ def test_which_requests_one_split_can_carry(body: dict, single: bool) -> None:
 
 
 class _Replica(BaseHTTPRequestHandler):
-    """A replica's HTTP surface for the role query: /health, and /v1/kv_transfer as set on the server."""
+    """A replica's HTTP surface for the role query: /health and /ready, and /v1/kv_transfer as set on the server."""
 
     def do_GET(self) -> None:
-        status, body = (200, b"") if self.path == "/health" else self.server.kv_transfer  # type: ignore[attr-defined]
+        probe = self.path in ("/health", "/ready")
+        status, body = (200, b"") if probe else self.server.kv_transfer  # type: ignore[attr-defined]
         self.send_response(status)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()

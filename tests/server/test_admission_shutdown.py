@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from helpers_http import KEY, wait_idle
+from helpers_http import KEY, child_pids, wait_idle
 from servelm.server.app import ServerOptions
 from servelm.server.launcher import launch_server
 
@@ -96,7 +96,7 @@ def test_engine_death_fails_requests_fast_and_health_says_so(tiny_model_dir):
             with client.stream("POST", "/v1/completions", json=body) as response:
                 lines = response.iter_lines()
                 next(line for line in lines if line.startswith("data: {"))
-                [core_pid] = _children(server.process.pid, "spawn_main")  # not the resource tracker
+                [core_pid] = child_pids(server.process.pid, "spawn_main")  # not the resource tracker
                 os.kill(core_pid, signal.SIGKILL)
                 rest = list(lines)  # must end, not hang
             events = [line for line in rest if line.startswith("data: ")]
@@ -106,23 +106,6 @@ def test_engine_death_fails_requests_fast_and_health_says_so(tiny_model_dir):
             assert client.get("/health").status_code == 503
     finally:
         server.stop()
-
-
-def _children(pid: int, cmdline_has: str) -> list[int]:
-    """Child processes of `pid` whose command line contains `cmdline_has` (Linux /proc)."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read().decode(errors="replace")
-            except (OSError, ValueError):
-                continue
-            if parent == pid and cmdline_has in cmdline:
-                children.append(int(entry))
-    return children
 
 
 async def _drain_scenario(server) -> tuple[int, str, bool, float]:

@@ -103,6 +103,7 @@ ROUTES = {
     ("POST", "/detokenize"): False,
     ("GET", "/openapi.json"): False,
     ("GET", "/health"): True,
+    ("GET", "/ready"): True,  # a readiness probe, like /health
     ("GET", "/metrics"): True,  # open unless --protect-metrics, as vLLM and Prometheus expect
 }
 
@@ -110,7 +111,7 @@ ROUTES = {
 KEYED_STATUS = {"/v1/kv_transfer": 404}  # past the key: this server has no --kv-role
 
 
-def test_every_route_but_health_and_metrics_needs_the_key(restricted):
+def test_every_route_but_the_probes_and_metrics_needs_the_key(restricted):
     app = create_app(EngineConfig.from_flat(), ServerOptions(api_key=KEY))
     registered = {(method, route.path) for route in app.routes for method in getattr(route, "methods", ()) if method != "HEAD"}
     assert registered == set(ROUTES), "a route was added or removed: decide whether it needs the key, here"
@@ -127,7 +128,7 @@ def test_every_route_but_health_and_metrics_needs_the_key(restricted):
                 keyed = client.request(method, path, json=bodies.get(path), headers={"Authorization": f"Bearer {KEY}"})
                 assert keyed.status_code == KEYED_STATUS.get(path, 200), (path, keyed.text)
         assert client.get("/no/such/route").status_code == 401, "unknown paths reveal nothing without the key"
-    assert open_paths(ServerOptions(api_key=KEY, protect_metrics=True)) == {"/health"}
+    assert open_paths(ServerOptions(api_key=KEY, protect_metrics=True)) == {"/health", "/ready"}
 
 
 def test_a_request_larger_than_the_queue_is_a_400_not_a_429(restricted):

@@ -52,6 +52,7 @@ def test_one_build_per_step_and_one_forward_per_layer(tmp_path):
         model="unused", num_blocks=64, block_size=4, max_num_batched_tokens=24, enable_prefix_caching=True
     )
     core = assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, "test").core
+    num_warmup_steps = len(backend.built)  # the start-up warm-up's steps (worker/warmup.py) are steps too
     shared = list(range(300, 320))
     prompts = {"a": shared + [5, 6, 7], "b": list(range(40, 71)), "c": shared + [9]}
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -66,8 +67,8 @@ def test_one_build_per_step_and_one_forward_per_layer(tmp_path):
 
     steps_with_tokens = len(core.take_step_records())
     assert steps_with_tokens > len(prompts)
-    assert len(backend.built) == steps_with_tokens
-    assert backend.forwards_per_build == [NUM_LAYERS] * steps_with_tokens
+    assert len(backend.built) == num_warmup_steps + steps_with_tokens
+    assert backend.forwards_per_build == [NUM_LAYERS] * (num_warmup_steps + steps_with_tokens)
     assert core.stats().prefix_hits > 0
     reference = build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu")
     for rid, prompt in prompts.items():

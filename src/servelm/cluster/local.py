@@ -1,7 +1,8 @@
 """The `local` launcher: every ProcessSpec as a child process on this machine.
 
 Start order: all replicas at once (model loading dominates, so in parallel), wait until
-each answers /health, then the router (it needs the replicas' URLs), wait for it too.
+each answers /ready (serving; /health answers as soon as it listens), then the router (it needs
+the replicas' URLs), wait for it too (its /ready: a replica in rotation).
 `stop()` sends SIGTERM to the router first (no new requests reach replicas), then the
 replicas, and SIGKILLs whatever has not exited after `stop_timeout_s`. Safe to call twice.
 """
@@ -43,13 +44,13 @@ class LocalCluster:
         self.processes: list[RunningProcess] = []
 
     def start(self) -> None:
-        """Start everything and return once all are healthy; on any failure stop all and raise."""
+        """Start everything and return once all are ready; on any failure stop all and raise."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             replicas = [self._spawn(spec) for spec in self.config.replica_processes()]
-            self._wait_healthy(replicas)
+            self._wait_ready(replicas)
             router = self._spawn(self.config.router_process([r.spec for r in replicas]))
-            self._wait_healthy([router])
+            self._wait_ready([router])
         except BaseException:
             self.stop()
             raise
@@ -84,7 +85,7 @@ class LocalCluster:
         logger.info("started %s (pid %d): log %s", spec.name, process.pid, log_path)
         return running
 
-    def _wait_healthy(self, group: list[RunningProcess]) -> None:
+    def _wait_ready(self, group: list[RunningProcess]) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         pending = list(group)
         while pending:
@@ -92,12 +93,12 @@ class LocalCluster:
                 if running.process.poll() is not None:
                     raise RuntimeError(f"{running.spec.name} exited with {running.process.returncode}:\n{running.log_tail()}")
                 try:
-                    if httpx.get(running.spec.url + "/health", timeout=1.0).status_code == 200:
+                    if httpx.get(running.spec.url + "/ready", timeout=1.0).status_code == 200:
                         pending.remove(running)
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:
                 names = ", ".join(r.spec.name for r in pending)
-                raise RuntimeError(f"not healthy after {self.startup_timeout_s:.0f} s: {names}")
+                raise RuntimeError(f"not ready after {self.startup_timeout_s:.0f} s: {names}")
             if pending:
                 time.sleep(0.25)

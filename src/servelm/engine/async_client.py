@@ -3,7 +3,8 @@
     add_request() ──PUSH──▶ core process ──PUSH──▶ output task ──▶ per-request asyncio.Queue
 
 Contract (all methods called from the API process's event loop):
-- `start()` spawns the core and returns once it reports ready (or raises its error).
+- `start()` spawns the core and returns once it reports ready (or raises its error); meanwhile
+  `on_phase` (if set) hears each start-up phase the core enters.
 - `add_request()` returns a queue that receives that request's EngineOutputs in order;
   the last one has a finish_reason. Calling it twice with one id is an error.
 - `abort()` is safe to call for finished or unknown ids, and twice.
@@ -33,6 +34,7 @@ from servelm.engine.messages import (
     AddRequest,
     CoreFailed,
     CoreReady,
+    CoreStarting,
     OutputBatch,
     Shutdown,
     from_core_decoder,
@@ -67,6 +69,7 @@ class AsyncEngineClient:
         self.ready: CoreReady | None = None
         self.stats = CoreStats()
         self.on_stats: Callable[[CoreStats], None] | None = None  # called with every batch's stats
+        self.on_phase: Callable[[str], None] | None = None  # called with each start-up phase the core enters
         self.last_batch_timestamp = 0.0
         self.dead_error: str | None = None
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
@@ -108,6 +111,8 @@ class AsyncEngineClient:
                 message = from_core_decoder.decode(await self._from_core.recv())
                 if isinstance(message, CoreReady):
                     return message
+                if isinstance(message, CoreStarting) and self.on_phase is not None:
+                    self.on_phase(message.phase)
                 if isinstance(message, CoreFailed):
                     raise EngineDeadError(f"engine core failed to start:\n{message.error}")
             if self._process is not None and not self._process.is_alive():
@@ -169,10 +174,15 @@ class AsyncEngineClient:
         self._queues.clear()
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core: Shutdown, then a kill after `timeout_s`. A core still starting reads no
+        messages until it is ready: it is terminated at once (its start-up is abandoned)."""
         for task in self._tasks:
             task.cancel()
         if self._process is not None and self._process.is_alive():
-            await self._to_core.send(to_core_encoder.encode(Shutdown()))
+            if self.ready is None:
+                self._process.terminate()
+            else:
+                await self._to_core.send(to_core_encoder.encode(Shutdown()))
             deadline = time.monotonic() + timeout_s
             while self._process.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -83,23 +83,28 @@ class AsyncLLM:
         self._live_streams: dict[str, GenerationStream] = {}  # started and not closed, by request id
 
     @classmethod
-    async def start(cls, config: EngineConfig, tokenizer_threads: int = 2) -> AsyncLLM:
+    async def start(
+        cls, config: EngineConfig, tokenizer_threads: int = 2, on_phase: Callable[[str], None] | None = None
+    ) -> AsyncLLM:
         """Spawn the engine core; the core loads the model in its own process while this one loads the
-        tokenizer (a remote model's once the core has pulled it: from the directory it reports)."""
+        tokenizer (a remote model's once the core has pulled it: from the directory it reports).
+        `on_phase` hears each start-up phase the core enters (servelm.obs.startup)."""
         client = AsyncEngineClient(config)
+        client.on_phase = on_phase
         remote = config.model.model is not None and is_remote(config.model.model)
         tokenizer_load = None if remote else asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
         try:
             await client.start()
-        except BaseException:
+            assert client.ready is not None
+            if tokenizer_load is None:
+                tokenizer_load = asyncio.create_task(asyncio.to_thread(load_tokenizer, client.ready.source))
+            tokenizer = await tokenizer_load
+        except BaseException:  # the core's failure, the tokenizer's, or a shutdown cancelling the start
             if tokenizer_load is not None:
                 tokenizer_load.cancel()
             await client.shutdown()
             raise
-        assert client.ready is not None
-        if tokenizer_load is None:
-            tokenizer_load = asyncio.create_task(asyncio.to_thread(load_tokenizer, client.ready.source))
-        return cls(client, PromptTokenizer(await tokenizer_load, max_workers=tokenizer_threads))
+        return cls(client, PromptTokenizer(tokenizer, max_workers=tokenizer_threads))
 
     @property
     def dead_error(self) -> str | None:

@@ -1,7 +1,12 @@
 """Wires an EngineCore from an EngineConfig: checkpoint → model → KV pool → runner + scheduler.
 
 The one place that knows every component; each component receives only its own
-config slice.
+config slice. It also times the start-up phases (servelm.obs.startup) as they run:
+
+    kernel_build  the compiled CPU kernels built or found in their cache (not on the first request)
+    load          checkpoint read + model built (a draft model's checkpoint: a second interval)
+    kv_sizing     free memory measured, blocks counted, the pool allocated
+    warmup        a short prefill and a decode step through the runner (worker/warmup.py)
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +24,7 @@ from servelm.attention.kv_storage import LayerKVCache, block_tensors
 from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpeculativeConfig
 from servelm.engine.core import EngineCore
 from servelm.engine.remote_model import open_model
+from servelm.kernels import cpu as cpu_kernels
 from servelm.kv.disk_store import DiskBlockStore
 from servelm.kv.fingerprint import kv_fingerprint, weights_identity
 from servelm.kv.kv_cache_manager import KVCacheManager
@@ -52,12 +59,15 @@ from servelm.worker.multi_rank import (
     layout_of,
     rank_device,
 )
+from servelm.worker.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 # A producer's host tier when --kv-offloading-size is not given: exports wait for their pull there.
 PRODUCER_HOST_TIER_BYTES = 1 << 30
 # Fault injection for end-to-end tests: the transfer server corrupts every Nth block it sends.
 FAULT_KV_CORRUPT_ENV = "SERVELM_FAULT_KV_CORRUPT_EVERY"
+# Fault injection for end-to-end tests: seconds slept at the start of the load phase (a slow start-up).
+FAULT_STARTUP_DELAY_ENV = "SERVELM_FAULT_STARTUP_DELAY_S"
 
 
 @dataclass
@@ -83,43 +93,71 @@ def build_engine(
     config: EngineConfig, proposer: Proposer | None = None, startup: StartupTimeline | None = None
 ) -> BuiltEngine:
     """`proposer`: with config.speculative set, one to use in place of the one its method names
-    (a custom proposer; the tests' scripted ones). `startup` records the start-up phases."""
+    (a custom proposer; the tests' scripted ones). `startup`: where the phases are recorded as they
+    run (a phase that raises is recorded too); a throwaway timeline when None."""
+    startup = startup if startup is not None else StartupTimeline()
     if config.parallel.world_size > 1:
         return _build_multi_rank_engine(config, startup)
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
-    opened = open_model(config.model, startup)  # a remote model: pulled while it loads
-    checkpoint = load_checkpoint(opened.path, config.model.hf_overrides, opened.before_read)
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend)
-    del checkpoint.weights  # the model holds its own copies now
+    with startup.phase("kernel_build"):  # first: loading a GGUF's int8 layers asks for the kernels
+        build_kernels(device, dtype)
+    opened = open_model(config.model, startup)  # a remote model: pulled while it loads (the `fetch` phase)
+    with startup.phase("load"):
+        _injected_startup_delay()
+        checkpoint = load_checkpoint(opened.path, config.model.hf_overrides, opened.before_read)
+        model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend)
+        del checkpoint.weights  # the model holds its own copies now
     opened.finish()
-    return assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, checkpoint.source, proposer)
+    return assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, checkpoint.source, proposer, startup)
+
+
+def build_kernels(device: torch.device, dtype: torch.dtype) -> None:
+    """The compiled CPU kernels, built now (or found in their per-user cache, servelm.kernels.build)
+    where they run, float32 on CPU: else the first request's first step would build them. Elsewhere
+    there is nothing to build ahead: Triton compiles on a kernel's first call, in the warm-up."""
+    if device.type == "cpu" and dtype == torch.float32:
+        cpu_kernels.load()
+
+
+def _injected_startup_delay() -> None:
+    delay_s = float(os.environ.get(FAULT_STARTUP_DELAY_ENV, "0") or 0)
+    if delay_s > 0:
+        logger.warning("%s: sleeping %.1f s in the load phase", FAULT_STARTUP_DELAY_ENV, delay_s)
+        time.sleep(delay_s)
 
 
 def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelArchConfig, tokenizer: Any,
-                    source: str, proposer: Proposer | None = None) -> BuiltEngine:  # fmt: skip
+                    source: str, proposer: Proposer | None = None,
+                    startup: StartupTimeline | None = None) -> BuiltEngine:  # fmt: skip
     """KV pool, runner, scheduler and core around a built model (a checkpoint's, or random
-    weights of a shape no file exists for, as benchmarks/gpu_checks.py builds)."""
+    weights of a shape no file exists for, as benchmarks/gpu_checks.py builds), warmed up.
+    `startup`: as in build_engine (here: a draft model's load, kv_sizing, warmup)."""
+    startup = startup if startup is not None else StartupTimeline()
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
     # A separate draft model is loaded first: free memory is measured after its weights, and each
     # block then holds its K/V too.
-    draft_model = _load_draft_checkpoint(config, model, tokenizer) if proposer is None else None
+    draft_model = None
+    if proposer is None and _has_draft_checkpoint(config):
+        with startup.phase("load"):
+            draft_model = _load_draft_checkpoint(config, model, tokenizer)
     kv_archs = [arch] if draft_model is None else [arch, draft_model.arch]
-    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)  # what the pool stores
-    num_blocks = _num_kv_blocks(config, kv_archs, kv_dtype, device)
     block_size = config.cache.block_size
-    if num_blocks * block_size < max_model_len:
-        logger.warning(
-            "KV pool holds %d tokens, fewer than max_model_len %d: capping max_model_len",
-            num_blocks * block_size,
-            max_model_len,
-        )
-        max_model_len = num_blocks * block_size
-    kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device)
+    with startup.phase("kv_sizing"):
+        kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)  # what the pool stores
+        num_blocks = _num_kv_blocks(config, kv_archs, kv_dtype, device)
+        if num_blocks * block_size < max_model_len:
+            logger.warning(
+                "KV pool holds %d tokens, fewer than max_model_len %d: capping max_model_len",
+                num_blocks * block_size,
+                max_model_len,
+            )
+            max_model_len = num_blocks * block_size
+        kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device)
     eos_ids = eos_token_ids(arch, tokenizer)
     # One table for the runner and a draft-model proposer: the draft's K/V sit in the same blocks.
     block_table = BlockTable.for_requests(config.scheduler.max_num_seqs, max_model_len, block_size)
@@ -150,6 +188,8 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
         max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
         block_table=block_table, kv_offloader=offloader,
     )  # fmt: skip
+    with startup.phase("warmup"):
+        warm_up(runner)
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
     scheduler = Scheduler(
         config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative,
@@ -166,36 +206,46 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     )
 
 
-def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline | None = None) -> BuiltEngine:
+def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline) -> BuiltEngine:
     """Rank 0 of a multi-rank worker (worker/multi_rank.py): it sizes the KV pool, starts the
     other ranks, joins them, and builds its own shard; the scheduler is the one single one.
 
     Under context parallelism the scheduler's blocks are logical blocks of block_size x cp
     tokens, each rank storing block_size of them (every cp-th position) in its physical block
-    of the same id: the same number of blocks holds cp times the tokens."""
+    of the same id: the same number of blocks holds cp times the tokens.
+
+    Phases: kernel_build; load twice (the checkpoint's header, then joining the other ranks and
+    reading this rank's shard, which also allocates its KV pool); kv_sizing between them (the
+    block count every rank then allocates); warmup (its steps reach every rank)."""
     check_supported(config)
     # A remote model is pulled whole first: every rank then reads its shard from the same directory.
     opened = open_model(config.model, startup, stream=False)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=opened.path))
-    checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)  # lazy: rank 0 reads its shard
-    arch, tokenizer, source = checkpoint.arch, checkpoint.tokenizer, checkpoint.source
     device = rank_device(config, 0)
     dtype = resolve_dtype(config.model.dtype, device)
+    with startup.phase("kernel_build"):
+        build_kernels(device, dtype)
+    with startup.phase("load"):
+        _injected_startup_delay()
+        checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)  # lazy: rank 0 reads its shard
+    arch, tokenizer, source = checkpoint.arch, checkpoint.tokenizer, checkpoint.source
     layout = layout_of(config)
     logical_block_size = config.cache.block_size * layout.context_parallel_size
     # Every rank allocates the same number of blocks: as many as the budget holds on the rank with the
     # most KV heads (the budget is per rank: each has its own memory, or its share of this machine's).
     tp_size = layout.tensor_parallel_size
     widest = max(local_num_kv_heads(arch, GroupMember(rank, tp_size)) for rank in range(tp_size))
-    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
-    block_bytes = bytes_per_block(arch, config.cache.block_size, kv_dtype, num_kv_heads=widest)
-    num_blocks = config.cache.num_blocks or blocks_in_budget(block_bytes, _kv_budget_bytes(config, device))
+    with startup.phase("kv_sizing"):
+        kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
+        block_bytes = bytes_per_block(arch, config.cache.block_size, kv_dtype, num_kv_heads=widest)
+        num_blocks = config.cache.num_blocks or blocks_in_budget(block_bytes, _kv_budget_bytes(config, device))
     max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings,
                         num_blocks * logical_block_size)  # fmt: skip
     followers = StepBroadcaster(config, num_blocks, max_model_len)
     try:
-        groups = join_world(config, 0, followers.init_method, device)
-        shard = build_shard(config, checkpoint, groups, num_blocks, device)
+        with startup.phase("load"):
+            groups = join_world(config, 0, followers.init_method, device)
+            shard = build_shard(config, checkpoint, groups, num_blocks, device)
     except BaseException:
         followers.close()
         raise
@@ -211,6 +261,12 @@ def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline | No
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, proposer=proposer,
         max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0, followers=followers,
     )  # fmt: skip
+    try:
+        with startup.phase("warmup"):
+            warm_up(runner)
+    except BaseException:
+        runner.close()  # the other ranks stop too
+        raise
     kv_manager = KVCacheManager(num_blocks, logical_block_size, config.cache.enable_prefix_caching,
                                 config.kv_events.enabled)  # fmt: skip
     scheduler = Scheduler(config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids,
@@ -249,11 +305,15 @@ def _kv_tiers(
     return tiers, offloader
 
 
-def _load_draft_checkpoint(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Any) -> LlamaForCausalLM | None:
-    """The draft checkpoint of method "draft" with `model` set; None for any other configuration."""
+def _has_draft_checkpoint(config: EngineConfig) -> bool:
+    """Method "draft" with `model` set: a second checkpoint to load."""
     speculative = config.speculative
-    if speculative is None or speculative.method != "draft" or speculative.model is None:
-        return None
+    return speculative is not None and speculative.method == "draft" and speculative.model is not None
+
+
+def _load_draft_checkpoint(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Any) -> LlamaForCausalLM:
+    speculative = config.speculative
+    assert speculative is not None and speculative.model is not None  # _has_draft_checkpoint
     return load_draft_model(speculative.model, target, tokenizer, config.model.attention_backend)
 
 

@@ -26,11 +26,13 @@ from servelm.engine.messages import (
     AddRequest,
     CoreFailed,
     CoreReady,
+    CoreStarting,
     OutputBatch,
     Shutdown,
     from_core_encoder,
     to_core_decoder,
 )
+from servelm.obs.startup import StartupTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.connect(output_address)
     kv_events: KVEventPublisher | None = None
     core: EngineCore | None = None
+    # Each phase is announced as it begins (the API's /ready says where start-up is) and all of them
+    # go with CoreReady.
+    startup = StartupTimeline(on_phase=lambda name: outputs.send(from_core_encoder.encode(CoreStarting(name))))
     try:
-        built = build_engine(config)
+        built = build_engine(config, startup=startup)
         core = built.core
         if config.kv_events.kv_events_port is not None:  # the events switch (KVEventsConfig.enabled)
             # Bound before the first step, so it sees every event the cache records.
@@ -70,6 +75,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                     vocab_size=built.arch.vocab_size,
                     source=built.source,
                     kv_transfer_address=built.kv_transfer_address,
+                    startup=startup.records,
                 )
             )
         )

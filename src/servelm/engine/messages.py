@@ -1,7 +1,7 @@
 """Messages between the API process and the engine-core process (msgspec, msgpack on the wire).
 
     API ──PUSH──▶ core:  AddRequest | AbortRequests | Shutdown
-    API ◀──PUSH── core:  CoreReady (once) | OutputBatch (per step) | CoreFailed
+    API ◀──PUSH── core:  CoreStarting (per start-up phase) | CoreReady (once) | OutputBatch (per step) | CoreFailed
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from servelm.datatypes import EngineOutput, EngineRequest
+from servelm.obs.startup import PhaseRecord
 from servelm.schemas.core_stats import CoreStats
 
 
@@ -24,6 +25,10 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class CoreStarting(msgspec.Struct, tag="starting"):
+    phase: str  # the start-up phase the core just entered (servelm.obs.startup.PHASES)
+
+
 class CoreReady(msgspec.Struct, tag="ready", kw_only=True):
     max_model_len: int
     num_blocks: int
@@ -31,6 +36,7 @@ class CoreReady(msgspec.Struct, tag="ready", kw_only=True):
     vocab_size: int
     source: str
     kv_transfer_address: str | None = None  # a producer's transfer server (disaggregation)
+    startup: list[PhaseRecord] = []  # the core's start-up phases, in the order they began
 
 
 class OutputBatch(msgspec.Struct, tag="outputs", kw_only=True):
@@ -44,7 +50,7 @@ class CoreFailed(msgspec.Struct, tag="failed"):
 
 
 ToCore = AddRequest | AbortRequests | Shutdown
-FromCore = CoreReady | OutputBatch | CoreFailed
+FromCore = CoreStarting | CoreReady | OutputBatch | CoreFailed
 
 to_core_encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)

@@ -10,14 +10,16 @@ Two sources:
   `CoreStats` and are read at scrape time by a custom collector, so they are never stale
   by more than one engine step (or one abort, see core_process);
 - the API process's own health: its event loop's lag (obs.loop_lag) and the output backlog,
-  engine outputs that wait in the API for a client (or the API itself) to take them.
+  engine outputs that wait in the API for a client (or the API itself) to take them;
+- how the start-up went: `startup_seconds` per phase (obs.startup), filled in once the engine is
+  ready (`starting_metrics` is what /metrics answers before that).
 
 Each server owns its own CollectorRegistry: two servers in one process (tests) never collide.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -26,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from servelm.datatypes import EventType, RequestEvent, RequestSlo
 from servelm.obs.attribution import PULL_EVENTS, TTFTBreakdown, kv_load_spans
+from servelm.obs.startup import PHASES
 from servelm.schemas.core_stats import CoreStats, TierStats
 
 PREFIX = "servelm:"
@@ -100,10 +103,13 @@ class ServerMetrics:
         num_blocks: int,
         num_in_api: Callable[[], int],
         num_outputs_queued: Callable[[], int],
+        startup_seconds: Mapping[str, float] | None = None,
     ) -> None:
-        """`core_stats`, `num_in_api` and `num_outputs_queued` are read at every scrape (on the event loop)."""
+        """`core_stats`, `num_in_api` and `num_outputs_queued` are read at every scrape (on the event loop);
+        `startup_seconds`: seconds per start-up phase (StartupTimeline.seconds_by_phase)."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(StartupCollector(model_name, startup_seconds or {}))
         labels = ["model_name", "tenant", "slo_class"]
 
         def histogram(name: str, doc: str, buckets: Iterable[float], extra: tuple[str, ...] = ()) -> Histogram:
@@ -225,6 +231,31 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def starting_metrics(model_name: str) -> bytes:
+    """What /metrics answers while the engine starts: the start-up family, with no phase yet."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(StartupCollector(model_name, {}))
+    return generate_latest(registry)
+
+
+class StartupCollector(Collector):
+    """`startup_seconds{model_name, phase}`: seconds each start-up phase took (a phase run twice, e.g.
+    a target's and a draft's load, summed); only the phases this start ran, in PHASES order."""
+
+    def __init__(self, model_name: str, seconds_by_phase: Mapping[str, float]) -> None:
+        self.model_name = model_name
+        self.seconds_by_phase = dict(seconds_by_phase)
+
+    def collect(self) -> Iterable[Metric]:
+        gauge = GaugeMetricFamily(PREFIX + "startup_seconds", "Seconds the last start-up spent in each phase "
+                                  "(fetch, verify, load, kernel_build, warmup, kv_sizing); phases may overlap.",
+                                  labels=["model_name", "phase"])  # fmt: skip
+        for phase in PHASES:
+            if phase in self.seconds_by_phase:
+                gauge.add_metric([self.model_name, phase], self.seconds_by_phase[phase])
+        yield gauge
 
 
 class _ByClass:

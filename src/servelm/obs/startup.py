@@ -9,7 +9,8 @@
 
 Phases may overlap (a streaming load runs while the fetch does): each is an interval, not a
 share of a sum. The engine core records them and sends them with CoreReady; the API server
-logs them and exports `servelm:startup_seconds{phase=...}`.
+logs them and exports `servelm:startup_seconds{phase=...}`. While it starts, `on_phase` hears
+each phase as it begins (the core forwards it, so the API's /ready can say "starting: load").
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -39,10 +40,17 @@ class PhaseRecord:
 @dataclass
 class StartupTimeline:
     records: list[PhaseRecord] = field(default_factory=list)
+    # Called with a phase's name as `phase()` enters it, in the thread that enters it (not for `add`,
+    # which records a phase already over).
+    on_phase: Callable[[str], None] | None = None
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the block as phase `name` (recorded even when it raises: a failed start's log says where)."""
+        if name not in PHASES:
+            raise ValueError(f"unknown start-up phase {name!r}; known: {', '.join(PHASES)}")
+        if self.on_phase is not None:
+            self.on_phase(name)
         started_at, started = time.time(), time.perf_counter()
         try:
             yield

@@ -2,14 +2,14 @@
 
     POST /v1/completions, /v1/chat/completions   routed (proxy.py), streamed through
     GET  /v1/models                               from any healthy replica
-    GET  /health                                  200 while at least one replica is in rotation
+    GET  /health, /ready                          200 while at least one replica is in rotation
     GET  /metrics                                 router metrics (servelm:router_*)
     GET  /admin/replicas                          every replica: health, load, index sizes
     POST /admin/replicas    {"url", "kv_events"?, "role"?}  add one at runtime (in rotation after its first
                                                    health check; "role" is checked against what it reports)
     DELETE /admin/replicas  {"url"}               remove one (its index dropped)
 
-With an API key, everything but /health and /metrics requires `Authorization: Bearer KEY`
+With an API key, everything but /health, /ready and /metrics requires `Authorization: Bearer KEY`
 (as the server does); the client's Authorization header is forwarded to the replicas unchanged.
 Admin bodies must be JSON (415 otherwise); generation bodies are checked by the replica.
 """
@@ -41,7 +41,7 @@ from servelm.router.state import Router, RouterOptions
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 # Policies that look at prompt tokens; the others need the tokenizer only to size prompts for disaggregation.
 _TOKENIZING_POLICIES = {"prefix", "kv"}
 
@@ -137,6 +137,7 @@ def _add_routes(app: FastAPI) -> None:
         return await request.app.state.proxy.get_any("/v1/models", request_headers(request))
 
     @app.get("/health")
+    @app.get("/ready")  # the same: a router is ready when it can route (clusters, probes poll /ready)
     async def health(request: Request) -> Response:
         healthy = request.app.state.router.replicas.healthy()
         if not healthy:

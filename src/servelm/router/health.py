@@ -1,7 +1,9 @@
-"""Periodic health checks: GET /health on every replica, every `interval_s`.
+"""Periodic health checks: GET /ready on every replica, every `interval_s`.
 
 A replica that answers 200 within `timeout_s` is (put back) in rotation; one that does not
-is taken out at once (Router.mark_down drops its index). The proxy also marks a replica
+is taken out at once (Router.mark_down drops its index). /ready, not /health: a servelm replica
+is alive (/health 200) well before it serves (its engine starting: /ready 503), and must get no
+traffic until then. An OpenAI server without /ready (vLLM) answers it 404: its /health decides. The proxy also marks a replica
 down the moment a request to it fails at the connection level, without waiting for this.
 Before a replica enters rotation its disaggregation role is asked for (roles.py); a replica
 whose role cannot be learned stays out, since it might be a prefill-only one.
@@ -19,19 +21,35 @@ from servelm.router.replicas import Replica
 from servelm.router.roles import apply_role, fetch_role
 from servelm.router.state import Router
 
+READY_PATH = "/ready"  # servelm: serving (the engine ready, not draining)
+HEALTH_PATH = "/health"  # any OpenAI server's liveness; the fallback where /ready is not found
+
+
+def _reason(response: httpx.Response) -> str:
+    """The OpenAI-shaped error's message ("starting: load"), when the body has one."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return f" ({message})" if isinstance(message, str) else ""
+
 
 async def check_replica(
     client: httpx.AsyncClient, router: Router, replica: Replica, timeout_s: float,
     headers: Mapping[str, str] | None = None,
 ) -> None:  # fmt: skip
-    """`headers` go with the role query only (the replicas' API key; /health is open)."""
+    """`headers` go with the role query only (the replicas' API key; /ready and /health are open)."""
     try:
-        response = await client.get(f"{replica.url}/health", timeout=timeout_s)
+        path = READY_PATH
+        response = await client.get(f"{replica.url}{path}", timeout=timeout_s)
+        if response.status_code == 404:
+            path = HEALTH_PATH
+            response = await client.get(f"{replica.url}{path}", timeout=timeout_s)
     except httpx.HTTPError as error:
         await router.mark_down(replica, f"health check failed: {type(error).__name__}: {error}")
         return
     if response.status_code != 200:
-        await router.mark_down(replica, f"health check returned {response.status_code}")
+        await router.mark_down(replica, f"health check: {path} returned {response.status_code}{_reason(response)}")
         return
     if not replica.healthy:
         try:

@@ -4,8 +4,11 @@
                                 (the tenant)      (in flight, tokens/min)                           ─▶ completions / chat
                                                                   └▶ AsyncEngineClient ─ZMQ─▶ engine core process
 
+The server listens at once and the engine starts behind it (server/lifecycle.py): /health says
+the process is alive, /ready that it serves; until then every engine route answers 503.
+
 With an API key (--api-key, or the keys of a --tenants file: servelm.tenancy.registry), every
-route needs one but /health (load balancers) and, unless --protect-metrics, /metrics
+route needs one but /health and /ready (probes, load balancers) and, unless --protect-metrics, /metrics
 (Prometheus; vLLM leaves both open too). /tokenize and /detokenize do work, so they are keyed;
 so is /openapi.json. A key names its tenant: its SLO class, priority range and limits. A POST body must be JSON
 (`Content-Type: application/json`, else 415: a browser page cannot send one cross-origin
@@ -20,6 +23,7 @@ process exits with code 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import logging
@@ -45,8 +49,9 @@ from servelm.delivery.source import PEER_MODEL_PREFIX, PEER_SCHEME
 from servelm.delivery.streaming import remote_model_name
 from servelm.engine.async_llm import AsyncLLM
 from servelm.obs.loop_lag import EventLoopLagMonitor
-from servelm.obs.metrics import ServerMetrics
+from servelm.obs.metrics import ServerMetrics, starting_metrics
 from servelm.obs.request_log import RequestLogger
+from servelm.obs.startup import StartupTimeline
 from servelm.openai_api.auth import ApiKeyMiddleware
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
 from servelm.server.admission import Admission
@@ -54,7 +59,6 @@ from servelm.server.chat import create_chat_completion
 from servelm.server.completions import create_completion
 from servelm.server.context import ServerContext
 from servelm.server.errors import (
-    ENGINE_DOWN_MESSAGE,
     APIError,
     from_invalid_json,
     from_validation_errors,
@@ -62,6 +66,7 @@ from servelm.server.errors import (
     unavailable,
 )
 from servelm.server.kv_transfer_api import KVTransferInfo
+from servelm.server.lifecycle import ServerLifecycle
 from servelm.server.model_files_api import ModelFiles, peer_served_name
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
@@ -127,15 +132,18 @@ class _ArrivalStamp:
         await self.app(scope, receive, send)
 
 
-async def _start_context(engine_config: EngineConfig, options: ServerOptions) -> ServerContext:
-    engine = await AsyncLLM.start(engine_config, tokenizer_threads=options.tokenizer_threads)
+async def _start_context(
+    engine_config: EngineConfig, options: ServerOptions, on_phase: Callable[[str], None]
+) -> ServerContext:
+    engine = await AsyncLLM.start(engine_config, tokenizer_threads=options.tokenizer_threads, on_phase=on_phase)
     client, ready = engine.client, engine.client.ready
     assert ready is not None
     name = model_name_for(engine_config, options)
     if not options.served_model_name and (engine_config.model.model or "").startswith(PEER_SCHEME):
         name = await peer_served_name(engine_config.model.model or "", envs.peer_api_key(), default=name)
     metrics = ServerMetrics(name, ready.max_model_len, lambda: client.stats, ready.num_blocks,
-                            num_in_api=lambda: client.num_in_flight, num_outputs_queued=lambda: engine.num_outputs_queued)  # fmt: skip
+                            num_in_api=lambda: client.num_in_flight, num_outputs_queued=lambda: engine.num_outputs_queued,
+                            startup_seconds=StartupTimeline(list(ready.startup)).seconds_by_phase())  # fmt: skip
     client.on_stats = metrics.observe_steps
     admission = Admission(
         max_waiting=options.max_waiting_requests,
@@ -160,26 +168,40 @@ async def _start_context(engine_config: EngineConfig, options: ServerOptions) ->
 
 
 def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
-    """The ASGI app; its lifespan starts the engine core process (and the event-loop lag
-    monitor) and stops them at shutdown. TenantsConfigError for a bad --tenants file."""
+    """The ASGI app; its lifespan starts the engine core process in the background (the server
+    listens meanwhile: `app.state.lifecycle` says how far it got), with the event-loop lag monitor
+    once it is ready, and stops them at shutdown. TenantsConfigError for a bad --tenants file."""
     registry = TenantRegistry.build(load_tenants(options.tenants) if options.tenants else None, options.api_key)
+    lifecycle = ServerLifecycle()
+    loop_lag: list[EventLoopLagMonitor] = []  # started once the engine is ready
+
+    async def start(on_phase: Callable[[str], None]) -> ServerContext:
+        ctx = await _start_context(engine_config, options, on_phase)
+        gc.collect()
+        gc.freeze()  # start-up objects (tokenizer, modules) never need scanning again: shorter GC pauses
+        loop_lag.append(EventLoopLagMonitor(ctx.metrics.observe_loop_lag))
+        loop_lag[0].start()
+        return ctx
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        ctx = await _start_context(engine_config, options)
-        app.state.ctx = ctx
-        gc.collect()
-        gc.freeze()  # start-up objects (tokenizer, modules) never need scanning again: shorter GC pauses
-        loop_lag = EventLoopLagMonitor(ctx.metrics.observe_loop_lag)
-        loop_lag.start()
+        starting = asyncio.create_task(lifecycle.start(start), name="engine-start")
         try:
             yield
         finally:
-            loop_lag.stop()
-            ctx.admission.draining = True
-            await ctx.engine.shutdown()
+            lifecycle.drain()
+            if not starting.done():
+                starting.cancel()  # AsyncLLM.start stops the core it spawned
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            for monitor in loop_lag:
+                monitor.stop()
+            if lifecycle.ctx is not None:
+                await lifecycle.ctx.engine.shutdown()
 
     app = FastAPI(title="servelm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.lifecycle = lifecycle
+    app.state.model_name = model_name_for(engine_config, options)
     app.state.max_body_bytes = int(options.max_request_body_mb * 2**20)
     install_error_handlers(app)
     _add_routes(app)
@@ -193,11 +215,17 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
 
 def open_paths(options: ServerOptions) -> frozenset[str]:
     """The routes that answer without an API key (when keys are set)."""
-    return frozenset({"/health"} if options.protect_metrics else {"/health", "/metrics"})
+    probes = {"/health", "/ready"}
+    return frozenset(probes if options.protect_metrics else probes | {"/metrics"})
+
+
+def _lifecycle(request: Request) -> ServerLifecycle:
+    return request.app.state.lifecycle
 
 
 def _ctx(request: Request) -> ServerContext:
-    return request.app.state.ctx
+    """The serving context; 503 (Retry-After) while the engine is starting, or failed to."""
+    return _lifecycle(request).serving_context()
 
 
 async def _parse(request: Request, model: type[M]) -> M:
@@ -270,16 +298,26 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        ctx = _ctx(request)
-        if ctx.admission.draining:
-            return unavailable("shutting down").response()
-        if ctx.engine.dead_error is not None:
-            return unavailable(ENGINE_DOWN_MESSAGE).response()
-        return json_response({"status": "ok"})
+        """Liveness: 200 while the process is alive and its engine starting or running."""
+        lifecycle = _lifecycle(request)
+        problem = lifecycle.liveness_problem()
+        if problem is not None:
+            return unavailable(problem).response()
+        return json_response({"status": "ok" if lifecycle.ctx is not None else "starting"})
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        """Readiness: 200 only while the engine serves (not starting, draining or dead)."""
+        problem = _lifecycle(request).readiness_problem()
+        if problem is not None:
+            return unavailable(problem).response()
+        return json_response({"status": "ready"})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        ctx = _lifecycle(request).ctx
+        body = ctx.metrics.render() if ctx is not None else starting_metrics(request.app.state.model_name)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 class _Server(uvicorn.Server):
@@ -309,7 +347,8 @@ class _Server(uvicorn.Server):
 
 
 def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
-    """`servelm serve`: serve until SIGTERM/SIGINT; 0 after a clean drain, non-zero if start-up failed."""
+    """`servelm serve`: serve until SIGTERM/SIGINT; 0 after a clean drain (also one during start-up),
+    1 if start-up failed (the engine, the tokenizer: logged, then the server stops)."""
     options = ServerOptions.from_args(args)
     try:
         app = create_app(engine_config, options)
@@ -333,14 +372,17 @@ def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
         ssl_ca_certs=options.ssl_ca_certs,
     )
 
-    def on_exit() -> None:
-        ctx: ServerContext | None = getattr(app.state, "ctx", None)
-        if ctx is not None:
-            ctx.admission.draining = True
+    lifecycle: ServerLifecycle = app.state.lifecycle
+    server = _Server(config, lifecycle.drain)
 
-    server = _Server(config, on_exit)
+    def stop_after_failed_start() -> None:
+        server.should_exit = True  # uvicorn shuts down as after a signal; the exit code says why
+
+    lifecycle.on_failed = stop_after_failed_start
     try:
         server.run()
-    except SystemExit as exc:  # uvicorn exits this way when the lifespan (engine start-up) failed
+    except SystemExit as exc:  # uvicorn exits this way when the lifespan failed
         return exc.code if isinstance(exc.code, int) else 1
+    if lifecycle.failure is not None:
+        return 1
     return 0 if server.started else 1

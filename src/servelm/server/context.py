@@ -1,4 +1,4 @@
-"""Everything a request handler needs, built once at start-up and hung on `app.state.ctx`."""
+"""Everything a request handler needs, built once the engine is ready and hung on `app.state.lifecycle.ctx`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Start a real `servelm serve` in a subprocess and wait until it answers /health.
+"""Start a real `servelm serve` in a subprocess and wait until it answers /ready (it serves).
 
 For tests and benchmarks that must exercise the server as deployed: its own process,
 its own engine-core process, real HTTP on 127.0.0.1. Nothing here imports torch.
@@ -73,9 +73,11 @@ def launch_server(
     env: dict[str, str] | None = None,
     startup_timeout_s: float = 240.0,
     verify: bool | ssl.SSLContext = True,
+    wait_for: str = "/ready",
 ) -> ServerProcess:
-    """`python -m servelm.cli serve --model MODEL --port PORT EXTRA...`, healthy on return (or raises with its log).
-    With --ssl-certfile in EXTRA it serves HTTPS; `verify` is httpx's (a context trusting a self-signed certificate)."""
+    """`python -m servelm.cli serve --model MODEL --port PORT EXTRA...`, serving on return (or raises with its log).
+    With --ssl-certfile in EXTRA it serves HTTPS; `verify` is httpx's (a context trusting a self-signed certificate).
+    `wait_for`: the path that must answer 200 first; "/health" returns as soon as it listens (the engine starting)."""
     port = port or free_port()
     log_file = tempfile.NamedTemporaryFile(prefix=f"servelm-{port}-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "servelm.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -88,7 +90,7 @@ def launch_server(
     server = ServerProcess(process, port, Path(log_file.name), "https" if "--ssl-certfile" in extra_args else "http")
     log_file.close()
     try:
-        wait_until_ready(process, f"{server.base_url}/health", startup_timeout_s, verify=verify)
+        wait_until_ready(process, f"{server.base_url}{wait_for}", startup_timeout_s, verify=verify)
     except RuntimeError as exc:
         server.stop()
         raise RuntimeError(f"servelm serve {exc}:\n{server.log_tail()}") from None
