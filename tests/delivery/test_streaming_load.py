@@ -3,6 +3,10 @@ model that comes out is the one a local load builds."""
 
 from __future__ import annotations
 
+import re
+import shutil
+
+import httpx
 import pytest
 import torch
 
@@ -11,6 +15,7 @@ from servelm.delivery.file_server import DirectoryFiles, RangeFileServer
 from servelm.delivery.manifest import MANIFEST_NAME, write_manifest
 from servelm.engine.builder import build_engine
 from servelm.obs.startup import StartupTimeline
+from servelm.server.launcher import launch_server
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
 CHUNK_BYTES = 256 << 10
@@ -54,3 +59,36 @@ def test_streaming_load_overlaps_the_fetch_and_matches_a_local_load(origin_dir, 
     assert streamed.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(streamed[name], tensor), name
+
+
+def test_serve_pulls_a_remote_model_and_exports_its_start_up_phases(origin_dir, tmp_path):
+    server = RangeFileServer(DirectoryFiles(origin_dir)).start()
+    try:
+        args = ["--download-dir", str(tmp_path / "downloads"), "--num-blocks", "64", "--num-threads", "1"]
+        with launch_server(server.url, args) as serving:
+            metrics = httpx.get(f"{serving.base_url}/metrics").text
+            body = {"prompt": "Pulled and served", "max_tokens": 4, "temperature": 0}
+            completion = httpx.post(f"{serving.base_url}/v1/completions", json=body, timeout=60)
+    finally:
+        server.stop()
+    assert completion.status_code == 200, completion.text
+    for phase in ("fetch", "load", "kv_sizing", "warmup"):
+        assert re.search(rf'servelm:startup_seconds\{{[^}}]*phase="{phase}"[^}}]*\}} [0-9.e-]+', metrics), phase
+
+
+def test_serve_refuses_a_remote_model_whose_files_differ_from_their_manifest(origin_dir, tmp_path):
+    tampered = tmp_path / "tampered"
+    shutil.copytree(origin_dir, tampered)
+    shard = sorted(tampered.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # the last chunk of the last shard no longer matches the manifest
+    shard.write_bytes(bytes(data))
+    server = RangeFileServer(DirectoryFiles(tampered)).start()
+    try:
+        args = ["--download-dir", str(tmp_path / "downloads"), "--num-blocks", "64", "--pull-connections", "2"]
+        with pytest.raises(RuntimeError) as failure:
+            launch_server(server.url, args, startup_timeout_s=120)
+    finally:
+        server.stop()
+    assert f"{shard.name}#" in str(failure.value) and "differ from its manifest" in str(failure.value)
+    assert not list((tmp_path / "downloads").glob(f"*/{MANIFEST_NAME}")), "nothing marked complete"
