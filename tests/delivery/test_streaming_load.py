@@ -13,6 +13,8 @@ import torch
 from servelm.config import EngineConfig
 from servelm.delivery.file_server import DirectoryFiles, RangeFileServer
 from servelm.delivery.manifest import MANIFEST_NAME, write_manifest
+from servelm.delivery.sources import open_source
+from servelm.delivery.streaming import start_pull
 from servelm.engine.builder import build_engine
 from servelm.obs.startup import StartupTimeline
 from servelm.server.launcher import launch_server
@@ -92,3 +94,35 @@ def test_serve_refuses_a_remote_model_whose_files_differ_from_their_manifest(ori
         server.stop()
     assert f"{shard.name}#" in str(failure.value) and "differ from its manifest" in str(failure.value)
     assert not list((tmp_path / "downloads").glob(f"*/{MANIFEST_NAME}")), "nothing marked complete"
+
+
+def test_an_interrupted_pull_resumes_after_verifying_what_it_held(origin_dir, tmp_path):
+    """A start-up after a crash re-hashes the chunks the journal lists (the `verify` phase): one
+    whose bytes went bad on disk is fetched again, the rest are not."""
+    server = RangeFileServer(DirectoryFiles(origin_dir), rate_bytes_per_s=RATE_BYTES_PER_S).start()
+    downloads = tmp_path / "downloads"
+    try:
+        first = start_pull(open_source(server.url), server.url, downloads, connections=2)
+        assert first.store.wait_for(first.manifest.chunks()[:40], timeout_s=60)
+        first.puller.stop()  # the crash: journal kept, no completion mark
+        first.store.close()
+        held = sorted(first.store.held_keys())
+        spoiled = first.manifest.chunks()[3]
+        assert spoiled.key in held
+        with (first.directory / spoiled.file).open("r+b") as f:
+            f.seek(spoiled.offset)
+            f.write(b"\x00" * 16)
+        requests_before = len(server.requests)
+        startup = StartupTimeline()
+        config = EngineConfig.from_flat(model=server.url, download_dir=str(downloads), num_blocks=64)
+        build_engine(config, startup=startup)
+        refetched = [(path, start) for path, start, _ in server.requests[requests_before:]]
+    finally:
+        server.stop()
+    assert "verify" in startup.seconds_by_phase()
+    assert (spoiled.file, spoiled.offset) in refetched
+    kept = [c for c in first.manifest.chunks() if c.key in held and c.key != spoiled.key]
+    assert not any((c.file, c.offset) in refetched for c in kept), "a verified chunk was fetched again"
+    for original in origin_dir.iterdir():
+        if original.is_file() and original.name != MANIFEST_NAME:
+            assert (first.directory / original.name).read_bytes() == original.read_bytes(), original.name
