@@ -4,7 +4,7 @@ server each node of a distribution runs to hand peers the chunks it holds.
     GET|HEAD /PATH              the file (200), or `Range: bytes=A-B` of it (206, Content-Range)
     GET /servelm-manifest.json  the manifest being served (from memory for a node mid-pull)
     GET /_servelm/stats         {"bytes_sent": N, "requests": [[path, start, end], ...]} (benchmarks, tests)
-    GET /_servelm/<name>        extra JSON routes a caller adds (a node's list of held chunks)
+    GET /_servelm/<name>?k=v    extra JSON routes a caller adds (a node's held chunks), given the query
 
 What is served comes from a `ServedFiles` (a directory; a node's ChunkStore). A byte range
 that is not available yet answers 409 (a peer asks again later, or elsewhere). `rate_bytes_per_s`
@@ -21,6 +21,7 @@ import json
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -117,6 +118,10 @@ class TokenBucket:
             time.sleep(min(wait, 0.05))
 
 
+# An extra JSON route: called with the request's query parameters (the last value of each).
+ExtraRoute = Callable[[dict[str, str]], object]
+
+
 class RangeFileServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -128,7 +133,7 @@ class RangeFileServer(ThreadingHTTPServer):
         port: int = 0,
         rate_bytes_per_s: float | None = None,
         faults: Faults | None = None,
-        extra_routes: dict[str, Callable[[], object]] | None = None,
+        extra_routes: dict[str, ExtraRoute] | None = None,
     ) -> None:
         super().__init__((host, port), _Handler)
         self._host = host
@@ -193,7 +198,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path == STATS_PATH:
             return self._json(self.server.stats(), body)
         if path.startswith(EXTRA_PREFIX) and path[len(EXTRA_PREFIX):] in self.server.extra_routes:
-            return self._json(self.server.extra_routes[path[len(EXTRA_PREFIX):]](), body)
+            query = dict(urllib.parse.parse_qsl(self.path.partition("?")[2]))
+            return self._json(self.server.extra_routes[path[len(EXTRA_PREFIX):]](query), body)
         relative = path.lstrip("/")
         if relative == MANIFEST_NAME:
             manifest = self.server.files.manifest_json()

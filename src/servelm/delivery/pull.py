@@ -195,8 +195,8 @@ class Puller:
                         self.stats.bytes_fetched += chunk.length
                     if self._progress is not None:
                         self._progress.update(chunk.length)
-            except NotYetAvailableError:
-                retry_at = time.monotonic() + NOT_YET_PAUSE_S
+            except NotYetAvailableError as not_yet:
+                retry_at = time.monotonic() + (not_yet.retry_after_s or NOT_YET_PAUSE_S)
             except (ChunkCorruptError, FetchError) as error:
                 retry_at = self._failed_attempt(chunk, error)
             except BaseException as error:  # noqa: BLE001 - a bug or a broken disk ends the pull, reported to waiters
