@@ -152,7 +152,10 @@ class RangeFileServer(ThreadingHTTPServer):
 
     def start(self) -> RangeFileServer:
         """Serve from a daemon thread; returns self."""
-        self._thread = threading.Thread(target=self.serve_forever, name="range-file-server", daemon=True)
+        # A short poll: stop() waits up to one poll interval (0.5 s by default, per server in every test).
+        self._thread = threading.Thread(
+            target=self.serve_forever, args=(0.05,), name="range-file-server", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -194,7 +197,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_bytes(status, json.dumps({"error": message}).encode(), "application/json", body)
 
     def _serve(self, body: bool) -> None:
-        path = self.path.split("?", 1)[0]
+        path = urllib.parse.unquote(self.path.split("?", 1)[0])  # clients quote spaces, '#', '?' in names
         if path == STATS_PATH:
             return self._json(self.server.stats(), body)
         if path.startswith(EXTRA_PREFIX) and path[len(EXTRA_PREFIX):] in self.server.extra_routes:

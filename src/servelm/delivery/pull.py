@@ -218,9 +218,12 @@ class Puller:
         logger.warning("chunk %s from %s: %s (attempt %d of %d)", chunk.key, self.source.description, error,
                        attempts, self.max_attempts)  # fmt: skip
         if attempts >= self.max_attempts:
+            # Bytes that still do not match after max_attempts reads are, all but certainly, the
+            # origin's own (a transfer error would not keep recurring); a read error is not.
+            blame = ("; the origin's files differ from its manifest (re-run `servelm manifest` there, or restore "
+                     "the files)") if isinstance(error, ChunkCorruptError) else ""  # fmt: skip
             self._fail(PullError(
-                f"chunk {chunk.key} from {self.source.description} failed {attempts} times, last: {error}; "
-                "if it never matches, the origin's files differ from its manifest"
+                f"chunk {chunk.key} from {self.source.description} failed {attempts} times, last: {error}{blame}"
             ))  # fmt: skip
             return None
         return time.monotonic() + RETRY_PAUSE_S * 2 ** (attempts - 1)
