@@ -1,4 +1,4 @@
-"""`servelm serve | generate | bench | router | cluster | diagnose`: the command line.
+"""`servelm serve | generate | bench | router | cluster | diagnose | manifest | pull`: the command line.
 
 Engine flags are shared by every subcommand that runs an engine; each maps onto one
 field of one config slice (see servelm.config).
@@ -265,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     add_cluster_parser(sub)
     add_diagnose_parser(sub)
+
+    from servelm.delivery import commands as delivery  # argparse only, like bench
+
+    manifest = sub.add_parser("manifest", help="write DIR/servelm-manifest.json (per-chunk sha256) for `servelm pull`")
+    delivery.add_manifest_arguments(manifest)
+    manifest.set_defaults(handler=delivery.manifest_command)
+    pull = sub.add_parser("pull", help="fetch a model (path, http(s)://, s3://, peer://) into a directory, verified")
+    delivery.add_pull_arguments(pull)
+    pull.set_defaults(handler=delivery.pull_command)
     return parser
 
 

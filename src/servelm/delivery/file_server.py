@@ -153,9 +153,7 @@ class RangeFileServer(ThreadingHTTPServer):
     def start(self) -> RangeFileServer:
         """Serve from a daemon thread; returns self."""
         # A short poll: stop() waits up to one poll interval (0.5 s by default, per server in every test).
-        self._thread = threading.Thread(
-            target=self.serve_forever, args=(0.05,), name="range-file-server", daemon=True
-        )
+        self._thread = threading.Thread(target=self.serve_forever, args=(0.05,), name="range-file-server", daemon=True)
         self._thread.start()
         return self
 
