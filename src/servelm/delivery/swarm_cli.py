@@ -13,9 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from servelm.delivery.manifest import ManifestError
-from servelm.delivery.pull import PullError
-from servelm.delivery.swarm import SwarmConfig, SwarmNode
+from servelm.delivery.swarm_config import SwarmConfig
 
 
 def _urls(text: str) -> tuple[str, ...]:
@@ -27,7 +25,7 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "cluster distribution",
         "N nodes each fetch a share from SOURCE and exchange the rest (delivery/swarm.py); each node serves what it "
-        "holds on its peer URL",
+        "holds on its peer URL. With --peers, --connections is the concurrent reads from peers",
     )  # fmt: skip
     group.add_argument("--peers", type=_urls, default=None, metavar="URL,URL,...",
                        help="every initial node's peer-server URL, in node order, this node's included")  # fmt: skip
@@ -51,7 +49,10 @@ def swarm_config_from_args(args: argparse.Namespace) -> SwarmConfig:
 
 
 def swarm_pull_command(args: argparse.Namespace) -> int:
+    from servelm.delivery.manifest import ManifestError
+    from servelm.delivery.pull import PullError
     from servelm.delivery.sources import open_source
+    from servelm.delivery.swarm import SwarmNode
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per chunk and poll otherwise
     try:

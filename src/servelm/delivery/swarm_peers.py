@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from servelm.delivery.swarm_config import normalize_url
+
 logger = logging.getLogger(__name__)
 
 HELD_ROUTE = "held"
@@ -50,10 +52,6 @@ def encode_bitmap(positions: Iterable[int], count: int) -> str:
 def bitmap_has(bitmap: bytes, position: int) -> bool:
     byte = position >> 3
     return byte < len(bitmap) and bool(bitmap[byte] >> (position & 7) & 1)
-
-
-def normalize_url(url: str) -> str:
-    return url if url.endswith("/") else url + "/"
 
 
 @dataclass
