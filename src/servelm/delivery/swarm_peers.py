@@ -14,7 +14,8 @@ joined late find each other too.
 Liveness, two notions on purpose:
 - *failing*: the last poll or read failed. A failing peer is not asked for chunks; one good
   poll makes it eligible again.
-- *gone*: failing for longer than `grace_s`. Sticky: the ownership of chunks (swarm.owner_of)
+- *gone*: failing for longer than `grace_s` (a peer that never answered yet: `startup_grace_s`,
+  as the nodes of a cluster do not start in the same second). Sticky: the ownership of chunks (swarm.owner_of)
   is a function of the set of gone nodes, and every node must arrive at the same set, so a
   node declared gone is never taken back into it, even if it answers again (its chunks are
   still read from it then).
@@ -76,12 +77,14 @@ class PeerTable:
         grace_s: float = 5.0,
         refresh_s: float = 0.2,
         timeout_s: float = 2.0,
+        startup_grace_s: float = 10.0,
     ) -> None:
         self.self_url = normalize_url(self_url)
         self.initial_urls = [normalize_url(url) for url in initial_urls]
         self.self_index = self.initial_urls.index(self.self_url) if self.self_url in self.initial_urls else None
         self.digest = digest
         self.grace_s = grace_s
+        self.startup_grace_s = max(grace_s, startup_grace_s)
         self.refresh_s = refresh_s
         self._client = httpx.Client(timeout=timeout_s)
         self._lock = threading.Lock()
@@ -116,9 +119,10 @@ class PeerTable:
             self._spawn(peer)
 
     def urls(self) -> list[str]:
-        """Every node this one knows, itself included (what it gossips)."""
+        """What this node gossips: itself and the peers answering now (a URL that never answered,
+        or stopped, is not passed on)."""
         with self._lock:
-            return [self.self_url, *self._peers]
+            return [self.self_url, *(p.url for p in self._peers.values() if p.answered and p.failing_since is None)]
 
     def _spawn(self, peer: Peer) -> None:
         thread = threading.Thread(target=self._poll_loop, args=(peer,), name=f"swarm-poll-{peer.url}", daemon=True)
@@ -145,9 +149,11 @@ class PeerTable:
         return [index for index in range(len(self.initial_urls)) if index not in gone]
 
     def all_live_complete(self) -> bool:
-        """Every peer that is not gone reports complete (the seeder may stop)."""
+        """Every peer that is not gone reports complete (the seeder may stop). A node that joined
+        later and never answered yet is left out: it may be a stale URL, and if it is a node, it
+        can still read from the origin."""
         with self._lock:
-            return all(p.complete for p in self._peers.values() if not p.gone)
+            return all(p.complete for p in self._peers.values() if not p.gone and (p.answered or p.index is not None))
 
     def snapshot(self) -> list[Peer]:
         with self._lock:
@@ -164,7 +170,8 @@ class PeerTable:
                 return
             if state.failing_since is None:
                 state.failing_since = now
-            if not state.gone and now - state.failing_since > self.grace_s:
+            grace = self.grace_s if state.answered else self.startup_grace_s
+            if not state.gone and now - state.failing_since > grace:
                 state.gone = True
                 logger.warning("swarm: %s has not answered for %.1f s: gone, its share is reassigned",
                                url, now - state.failing_since)  # fmt: skip
