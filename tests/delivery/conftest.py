@@ -1,34 +1,15 @@
-"""A small model directory (a file in a subdirectory with odd characters in its name, an empty
-file, files of several chunks) with its manifest, and a RangeFileServer origin serving it."""
+"""The delivery tests' fixtures: the small model directory (delivery_helpers) and a
+RangeFileServer origin serving it, with faults the test may inject."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from delivery_helpers import write_model_dir
 
 from servelm.delivery.file_server import DirectoryFiles, Faults, RangeFileServer
-from servelm.delivery.manifest import write_manifest
-
-CHUNK_BYTES = 64 << 10
-FILES = {  # path: size; chunk counts 6, 1 (shorter than a chunk), 1 (empty), 3 (exact multiple)
-    "model-00001-of-00002.safetensors": 5 * CHUNK_BYTES + 1234,
-    "config.json": 321,
-    "empty.txt": 0,
-    "sub dir/we#ird %+name?.bin": 3 * CHUNK_BYTES,
-}
-
-
-def write_model_dir(directory: Path, files: dict[str, int] = FILES, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    for name, size in files.items():
-        path = directory / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(rng.randbytes(size))
-    write_manifest(directory, CHUNK_BYTES)
-    return directory
 
 
 @pytest.fixture
@@ -46,7 +27,3 @@ def origin(model_dir: Path, faults: Faults) -> Iterator[RangeFileServer]:
     server = RangeFileServer(DirectoryFiles(model_dir), faults=faults).start()
     yield server
     server.stop()
-
-
-def same_files(a: Path, b: Path, files: dict[str, int] = FILES) -> bool:
-    return all((a / name).read_bytes() == (b / name).read_bytes() for name in files)

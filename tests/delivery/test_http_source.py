@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, Thread
 from pathlib import Path
 
 import pytest
-from conftest import FILES
+from delivery_helpers import FILES
 
 from servelm.delivery.file_server import DirectoryFiles, Faults, RangeFileServer
 from servelm.delivery.http_source import HttpSource
@@ -113,7 +113,7 @@ class _WrongAnswers(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        body = b"x" * 10
+        body = b"x" * (20 if self.path.endswith("/long") else 10)  # /long: the range it names, twice the bytes
         self.send_response(206)
         self.send_header("Content-Range", "bytes 0-9/100")  # whatever was asked
         self.send_header("Content-Length", str(len(body)))
@@ -135,6 +135,8 @@ def test_server_errors_and_wrong_ranges_are_fetch_errors(wrong_server: str) -> N
             source.read(ChunkRef("500", 0, 0, 10, "0" * 64))
         with pytest.raises(FetchError, match="Content-Range"):
             source.read(ChunkRef("f", 1, 10, 10, "0" * 64))
+        with pytest.raises(FetchError, match="more than the 10 bytes"):
+            source.read(ChunkRef("long", 0, 0, 10, "0" * 64))
         assert source.read(ChunkRef("f", 0, 0, 10, "0" * 64)) == b"x" * 10  # a matching range is fine
     finally:
         source.close()

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import CHUNK_BYTES, FILES
+from delivery_helpers import CHUNK_BYTES, FILES
 
 from servelm.delivery.manifest import MANIFEST_NAME, Manifest, ManifestError, build_manifest, read_manifest
 from servelm.delivery.store import STATE_DIR, ChunkCorruptError, ChunkStore
@@ -52,6 +52,14 @@ def _tampered(manifest: Manifest, edit) -> str:
     [
         (lambda raw: raw["files"][0].update(path="../../etc/cron.d/x"), "bad manifest entry"),
         (lambda raw: raw["files"][0].update(path="/etc/passwd"), "bad manifest entry"),
+        (lambda raw: raw["files"][0].update(path=".servelm-pull/journal"), "bad manifest entry"),
+        (lambda raw: raw["files"][0].update(path=".git/hooks/post-checkout"), "bad manifest entry"),
+        (lambda raw: raw["files"][0].update(path="servelm-manifest.json"), "bad manifest entry"),
+        (lambda raw: raw["files"][0].update(path="sub//x"), "bad manifest entry"),
+        (lambda raw: raw["files"][1].update(path=raw["files"][0]["path"]), "listed twice"),
+        (lambda raw: raw["files"][0].update(size=-1), "bad manifest entry"),
+        (lambda raw: raw["files"][0]["chunks"].__setitem__(0, "not-a-digest"), "sha256 hex"),
+        (lambda raw: raw.update(chunk_bytes="many"), "not a servelm manifest"),
         (lambda raw: raw["files"][0].update(size=raw["files"][0]["size"] + CHUNK_BYTES), "chunk hashes"),
         (lambda raw: raw["files"][0]["chunks"].pop(), "chunk hashes"),
         (lambda raw: raw.update(chunk_bytes=0), "bad manifest entry"),
@@ -106,12 +114,29 @@ def test_store_with_another_manifest_starts_over(model_dir: Path, tmp_path: Path
     _fill(store, model_dir)
     store.finish()
     (model_dir / "config.json").write_bytes(b'{"changed": true}')
+    (model_dir / "model-00001-of-00002.safetensors").unlink()  # the new version has no such shard
+    (tmp_path / "dest" / "notes.txt").write_text("the user's own")
     newer = build_manifest(model_dir, CHUNK_BYTES)
     restarted = ChunkStore.open(tmp_path / "dest", newer)
     assert restarted.resumed_chunks == 0 and not restarted.held_keys()
     assert not (tmp_path / "dest" / MANIFEST_NAME).exists()  # the old version's completion mark is gone
     assert (tmp_path / "dest" / "config.json").stat().st_size == len(b'{"changed": true}')
+    assert not (tmp_path / "dest" / "model-00001-of-00002.safetensors").exists()  # no stale shard to load
+    assert (tmp_path / "dest" / "notes.txt").read_text() == "the user's own"
     restarted.close()
+
+
+def test_a_crash_between_completion_mark_and_cleanup_resumes_complete(model_dir: Path, tmp_path: Path) -> None:
+    manifest = read_manifest(model_dir)
+    store = ChunkStore.open(tmp_path / "dest", manifest)
+    _fill(store, model_dir)
+    store.close()
+    (tmp_path / "dest" / MANIFEST_NAME).write_text(manifest.to_json())  # finish() got this far
+    assert ChunkStore.complete_manifest(tmp_path / "dest") is None  # the state is still there
+    resumed = ChunkStore.open(tmp_path / "dest", manifest)
+    assert resumed.is_complete() and resumed.resumed_chunks == len(manifest.chunks())
+    resumed.finish()
+    assert ChunkStore.complete_manifest(tmp_path / "dest") == manifest
 
 
 def test_a_corrupt_write_raises_and_writes_nothing(model_dir: Path, tmp_path: Path) -> None:

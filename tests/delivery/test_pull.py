@@ -3,20 +3,23 @@ files, injected faults detected and re-fetched, a missing file a clear error."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import FILES, same_files
+from delivery_helpers import FILES, same_files
 
 from servelm.delivery.commands import pull, pull_from
 from servelm.delivery.file_server import Faults, RangeFileServer
 from servelm.delivery.http_source import HttpSource
 from servelm.delivery.local_source import LocalSource
-from servelm.delivery.manifest import MANIFEST_NAME, ManifestError, read_manifest
-from servelm.delivery.pull import PullError
+from servelm.delivery.manifest import MANIFEST_NAME, ChunkRef, ManifestError, read_manifest
+from servelm.delivery.pull import Puller, PullError
 from servelm.delivery.source import FetchError
 from servelm.delivery.sources import is_remote, open_source
+from servelm.delivery.store import ChunkStore
 
 
 def _requests(origin: RangeFileServer) -> Counter[tuple[str, int]]:
@@ -84,6 +87,36 @@ def test_pull_from_a_local_path(model_dir: Path, tmp_path: Path) -> None:
     source.close()
     with pytest.raises(ManifestError, match="servelm manifest"):
         pull(str(tmp_path / "no-model"), tmp_path / "dest2")
+
+
+class _GatedSource(LocalSource):
+    """A LocalSource whose read of one chunk waits for the test's go, counting every read."""
+
+    def __init__(self, directory: Path, gated: str) -> None:
+        super().__init__(directory)
+        self.gated, self.reads = gated, Counter[str]()
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def read(self, chunk: ChunkRef) -> bytes:
+        self.reads[chunk.key] += 1
+        if chunk.key == self.gated:
+            self.entered.set()
+            assert self.go.wait(10)
+        return super().read(chunk)
+
+
+def test_prioritizing_a_chunk_in_flight_does_not_read_it_twice(model_dir: Path, tmp_path: Path) -> None:
+    manifest = read_manifest(model_dir)
+    gated = manifest.file("model-00001-of-00002.safetensors").chunks[0]
+    source = _GatedSource(model_dir, gated.key)
+    puller = Puller(source, ChunkStore.open(tmp_path / "dest", manifest), connections=3).start()
+    assert source.entered.wait(10)
+    puller.prioritize([gated])  # the streaming loader wants it: it is being read already
+    time.sleep(0.2)  # the other two connections finish the rest meanwhile
+    source.go.set()
+    stats = puller.wait(timeout_s=10)
+    assert source.reads[gated.key] == 1 and stats.chunks_fetched == len(manifest.chunks())
+    assert same_files(model_dir, tmp_path / "dest")
 
 
 def test_source_specs() -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import same_files
+from delivery_helpers import same_files
 
 from servelm.delivery.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from servelm.delivery.s3_source import S3Source

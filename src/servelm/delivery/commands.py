@@ -108,5 +108,8 @@ def pull_command(args: argparse.Namespace) -> int:
     except (PullError, ManifestError, OSError, ValueError, ImportError) as error:
         print(f"servelm pull: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"servelm pull: interrupted; the same command resumes into {args.to}", file=sys.stderr)
+        return 130
     print(summary(stats, args.to), flush=True)
     return 0

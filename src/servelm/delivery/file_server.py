@@ -3,7 +3,8 @@ server each node of a distribution runs to hand peers the chunks it holds.
 
     GET|HEAD /PATH              the file (200), or `Range: bytes=A-B` of it (206, Content-Range)
     GET /servelm-manifest.json  the manifest being served (from memory for a node mid-pull)
-    GET /_servelm/stats         {"bytes_sent": N, "requests": [[path, start, end], ...]} (benchmarks, tests)
+    GET /_servelm/stats         {"bytes_sent": N, "requests": [[path, start, end], ...]} (benchmarks, tests):
+                                every body byte written, and the ranges whose bodies were written to the end
     GET /_servelm/<name>?k=v    extra JSON routes a caller adds (a node's held chunks), given the query
 
 What is served comes from a `ServedFiles` (a directory; a node's ChunkStore). A byte range
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import threading
 import time
 import urllib.parse
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from servelm.delivery.manifest import IGNORED_DIRS, MANIFEST_NAME
 
@@ -143,7 +145,7 @@ class RangeFileServer(ThreadingHTTPServer):
         self.extra_routes = extra_routes or {}
         self.stats_lock = threading.Lock()
         self.bytes_sent = 0
-        self.requests: list[tuple[str, int, int]] = []  # (path, start, end) of every body sent
+        self.requests: list[tuple[str, int, int]] = []  # (path, start, end) of every body written to its end
         self._thread: threading.Thread | None = None
 
     @property
@@ -160,6 +162,11 @@ class RangeFileServer(ThreadingHTTPServer):
     def stop(self) -> None:
         self.shutdown()
         self.server_close()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # a client that hung up mid-body (a killed node, a cut pull): its business, not a traceback
+        super().handle_error(request, client_address)
 
     def stats(self) -> dict[str, object]:
         with self.stats_lock:
@@ -254,8 +261,9 @@ class _Handler(BaseHTTPRequestHandler):
                     self.server.bucket.take(len(piece))
                 self.wfile.write(piece)
                 position += len(piece)
+                with self.server.stats_lock:  # per piece: a transfer cut short still cost the origin its bytes
+                    self.server.bytes_sent += len(piece)
         with self.server.stats_lock:
-            self.server.bytes_sent += position - start
             self.server.requests.append((path, start, end))
         if stop < end:
             self.close_connection = True  # the client sees fewer bytes than Content-Length said

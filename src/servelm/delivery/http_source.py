@@ -16,17 +16,15 @@ pull, not once per chunk. Nothing here retries: the puller does, and counts it.
 
 from __future__ import annotations
 
-import re
 import urllib.parse
 from collections.abc import Mapping
 
 import httpx
 
 from servelm.delivery.manifest import MANIFEST_NAME, ChunkRef, Manifest, ManifestError
-from servelm.delivery.source import FetchError, NotYetAvailableError
+from servelm.delivery.source import FetchError, NotYetAvailableError, content_range_matches
 
 DEFAULT_TIMEOUT_S = 60.0  # per network operation (connect, each read), not per chunk
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
 class HttpSource:
@@ -72,15 +70,23 @@ class HttpSource:
         where = f"chunk {chunk.key} (bytes {chunk.offset}-{chunk.end - 1}) from {url}"
         # An empty file's one chunk has no byte to name in a Range: ask for the whole (empty) file.
         headers = {"Range": f"bytes={chunk.offset}-{chunk.end - 1}"} if chunk.length else {}
+        # The body lands in one preallocated buffer: response.read() joins its 64 KiB pieces
+        # more than once, which halved the throughput one core can take in (250 vs 480 MB/s).
+        data = bytearray(chunk.length)
+        received = 0
         try:
             with self._client.stream("GET", url, headers=headers) as response:
                 self._check_status(response, chunk, where)
-                data = response.read()
+                for piece in response.iter_raw():
+                    if received + len(piece) > chunk.length:
+                        raise FetchError(f"{where}: more than the {chunk.length} bytes asked for")
+                    data[received : received + len(piece)] = piece
+                    received += len(piece)
         except httpx.HTTPError as exc:
             raise FetchError(f"{where}: {exc!r}") from exc
-        if len(data) != chunk.length:
-            raise FetchError(f"{where}: {len(data)} bytes, expected {chunk.length}")
-        return data
+        if received != chunk.length:
+            raise FetchError(f"{where}: {received} bytes, expected {chunk.length}")
+        return bytes(data)
 
     @staticmethod
     def _check_status(response: httpx.Response, chunk: ChunkRef, where: str) -> None:
@@ -88,8 +94,7 @@ class HttpSource:
         is read, so a server that ignores Range does not send a whole shard for one chunk)."""
         status = response.status_code
         if status == 206:
-            found = _CONTENT_RANGE.match(response.headers.get("Content-Range", "").strip())
-            if found is None or (int(found[1]), int(found[2]) + 1) != (chunk.offset, chunk.end):
+            if not content_range_matches(response.headers.get("Content-Range"), chunk):
                 raise FetchError(f"{where}: 206 with Content-Range {response.headers.get('Content-Range')!r}")
             return
         if status == 200:

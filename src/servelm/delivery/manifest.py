@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 # Files that are never part of a model: the manifest itself and a pull's own bookkeeping.
 IGNORED_NAMES = frozenset({MANIFEST_NAME})
 IGNORED_DIRS = frozenset({".servelm-pull", ".git", "__pycache__"})
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class ManifestError(ValueError):
@@ -110,14 +112,25 @@ class Manifest:
                 raise ManifestError(f"{source}: manifest format {raw.get('format')!r}, this servelm reads {FORMAT}")
             chunk_bytes = int(raw["chunk_bytes"])
             files = tuple(_file_entry(f["path"], int(f["size"]), list(f["chunks"]), chunk_bytes) for f in raw["files"])
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSONDecodeError is a ValueError
             raise ManifestError(f"{source} is not a servelm manifest: {exc!r}") from exc
+        paths = [entry.path for entry in files]
+        if len(set(paths)) != len(paths):
+            raise ManifestError(f"{source}: a file is listed twice")
         return cls(chunk_bytes, files)
 
 
 def _file_entry(path: str, size: int, hashes: list[str], chunk_bytes: int) -> FileEntry:
-    if chunk_bytes <= 0 or path.startswith("/") or ".." in path.split("/"):
-        raise ManifestError(f"bad manifest entry {path!r} (chunk_bytes {chunk_bytes})")
+    # A manifest comes from elsewhere: its paths must stay inside the directory and clear of the
+    # pull's own files (.servelm-pull/journal, the completion mark) and of .git (hooks run code).
+    parts = path.split("/")
+    if (chunk_bytes <= 0 or size < 0 or any(part in ("", ".", "..") for part in parts)
+            or any(part in IGNORED_DIRS for part in parts) or parts[-1] in IGNORED_NAMES):  # fmt: skip
+        raise ManifestError(f"bad manifest entry {path!r} (size {size}, chunk_bytes {chunk_bytes})")
+    if not all(isinstance(sha, str) and _SHA256.fullmatch(sha) for sha in hashes):
+        raise ManifestError(f"manifest entry {path!r}: chunk hashes must be sha256 hex digests")
     expected = max(1, -(-size // chunk_bytes))  # an empty file still has one (empty) chunk
     if len(hashes) != expected:
         raise ManifestError(f"manifest entry {path!r}: {len(hashes)} chunk hashes for {size} bytes, expected {expected}")

@@ -86,7 +86,7 @@ class Puller:
         self._urgent: set[str] = set()
         self._sequence = 0
         self._attempts: Counter[str] = Counter()
-        self._in_flight = 0
+        self._in_flight: set[str] = set()  # keys being read now: never handed to a second connection
         self._error: BaseException | None = None
         self._done = False
         self._threads: list[threading.Thread] = []
@@ -167,12 +167,14 @@ class Puller:
                     heapq.heappush(self._queue, heapq.heappop(self._paused)[1])
                 while self._queue:
                     chunk = heapq.heappop(self._queue).chunk
-                    if not self.store.has(chunk):  # an urgent copy may have stored it already
-                        self._in_flight += 1
+                    # An urgent copy may have stored it already, or be reading it now (a failed
+                    # read pushes it again, so dropping this copy loses nothing).
+                    if not self.store.has(chunk) and chunk.key not in self._in_flight:
+                        self._in_flight.add(chunk.key)
                         return chunk
                 if self._paused:
                     self._lock.wait(self._paused[0][0] - now)
-                elif self._in_flight == 0:
+                elif not self._in_flight:
                     if self.store.is_complete():
                         self._finish_locked()
                     else:  # `order` left chunks out: nothing would ever fetch them
@@ -202,7 +204,7 @@ class Puller:
             except BaseException as error:  # noqa: BLE001 - a bug or a broken disk ends the pull, reported to waiters
                 self._fail(error)
             with self._lock:
-                self._in_flight -= 1
+                self._in_flight.discard(chunk.key)
                 if retry_at is not None and self._error is None:
                     self._push(chunk, URGENT if chunk.key in self._urgent else NORMAL, retry_at)
                 self._lock.notify_all()

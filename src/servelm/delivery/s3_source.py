@@ -15,13 +15,11 @@ boto3 is optional (`pip install servelm[s3]`): imported when an S3Source is made
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from servelm.delivery.manifest import MANIFEST_NAME, ChunkRef, Manifest, ManifestError
-from servelm.delivery.source import FetchError
+from servelm.delivery.source import FetchError, content_range_matches
 
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 
 
@@ -79,8 +77,7 @@ class S3Source:
             raise FetchError(f"{where}: {exc}") from exc
         except (BotoCoreError, OSError) as exc:  # connection errors, a body cut short
             raise FetchError(f"{where}: {exc!r}") from exc
-        found = _CONTENT_RANGE.match(response.get("ContentRange", "") or "")
-        if found is not None and (int(found[1]), int(found[2]) + 1) != (chunk.offset, chunk.end):
+        if response.get("ContentRange") and not content_range_matches(response["ContentRange"], chunk):
             raise FetchError(f"{where}: got Content-Range {response['ContentRange']!r}")
         if len(data) != chunk.length:
             raise FetchError(f"{where}: {len(data)} bytes, expected {chunk.length}")

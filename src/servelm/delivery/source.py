@@ -2,8 +2,10 @@
 
     open_source("path/to/dir")                 LocalSource   (a directory on this machine or a mount)
     open_source("http(s)://host/models/x/")    HttpSource    (any file server that honours Range)
-    open_source("s3://bucket/prefix/")         S3Source      (boto3; endpoint from --s3-endpoint-url / AWS_ENDPOINT_URL)
+    open_source("s3://bucket/prefix/")         S3Source      (boto3; endpoint from AWS_ENDPOINT_URL or the AWS config)
     open_source("peer://host:port")            HttpSource    (a running servelm replica's /servelm/model/ files)
+
+(open_source is in sources.py, each source in its own module.)
 
 A source reads one chunk at a time and returns exactly its bytes; it does not verify them
 (the store does) and does not retry (the puller does, and counts it). Implementations must be
@@ -13,12 +15,14 @@ several connections.
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 from servelm.delivery.manifest import ChunkRef, Manifest
 
 # A replica serves the files it loaded under this path (`--model peer://HOST:PORT` reads them).
 PEER_MODEL_PREFIX = "/servelm/model/"
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 class FetchError(OSError):
@@ -47,3 +51,9 @@ class ChunkSource(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def content_range_matches(header: str | None, chunk: ChunkRef) -> bool:
+    """Whether a Content-Range (HTTP's header, S3's ContentRange) names exactly the chunk's bytes."""
+    found = _CONTENT_RANGE.fullmatch((header or "").strip())
+    return found is not None and (int(found[1]), int(found[2]) + 1) == (chunk.offset, chunk.end)

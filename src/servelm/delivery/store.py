@@ -64,6 +64,7 @@ class ChunkStore:
             held = {line for line in (state / "journal").read_text().splitlines() if line in known} if (
                 state / "journal").is_file() else set()  # fmt: skip
         else:
+            cls._remove_other_version(base, manifest)
             shutil.rmtree(state, ignore_errors=True)
             (base / MANIFEST_NAME).unlink(missing_ok=True)  # another version's completion mark
             state.mkdir()
@@ -71,6 +72,21 @@ class ChunkStore:
         store = cls(base, manifest, held)
         store._open_files()
         return store
+
+    @staticmethod
+    def _remove_other_version(base: Path, manifest: Manifest) -> None:
+        """Delete the files of the version in the way (complete or half-pulled) that `manifest`
+        does not list: a loader globbing *.safetensors must not find the old version's extra
+        shards. Files no manifest lists are the user's and stay."""
+        keep = {entry.path for entry in manifest.files}
+        for path in (base / STATE_DIR / "manifest.json", base / MANIFEST_NAME):
+            try:
+                other = Manifest.from_json(path.read_text(), str(path))
+            except (OSError, ManifestError):
+                continue
+            for entry in other.files:
+                if entry.path not in keep:
+                    (base / entry.path).unlink(missing_ok=True)
 
     @staticmethod
     def complete_manifest(directory: str | Path) -> Manifest | None:
@@ -167,8 +183,11 @@ class ChunkStore:
         partial.write_text(self.manifest.to_json())
         with open(partial, "rb") as f:
             os.fsync(f.fileno())
-        shutil.rmtree(self.directory / STATE_DIR)
+        # The mark first, the state second: a crash in between leaves a state whose journal
+        # lists every chunk, which the next open resumes and finishes at once (the other way
+        # round, the next pull found neither and fetched everything again).
         partial.replace(target)
+        shutil.rmtree(self.directory / STATE_DIR)
 
     def close(self) -> None:
         with self._lock:
