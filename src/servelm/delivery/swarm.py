@@ -142,6 +142,7 @@ class SwarmSource:
             data = self.origin.read(chunk)
         finally:
             self._origin_slots.release()
+        logger.debug("chunk %s from the origin", chunk.key)
         with self._lock:
             self.stats.origin_bytes += len(data)
             self.stats.origin_chunks += 1
@@ -161,6 +162,7 @@ class SwarmSource:
             self.peers.report_failure(url)
             raise NotYetAvailableError(f"chunk {chunk.key} from peer {url}: {exc}",
                                        retry_after_s=self.config.refresh_s / 4) from exc  # fmt: skip
+        logger.debug("chunk %s from %s", chunk.key, url)
         with self._lock:
             self.stats.peer_bytes += len(data)
             self.stats.peer_chunks += 1
