@@ -1,9 +1,11 @@
 """The swarm's parts, in one process over real HTTP: who owns a chunk, what a node's peer server
-serves and reports while it is half full, and when a silent peer counts as gone."""
+serves and reports while it is half full, when a silent peer counts as gone, and the puller's
+wake-up for a chunk a peer just got."""
 
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -13,8 +15,10 @@ import pytest
 
 from servelm.delivery.http_source import HttpSource
 from servelm.delivery.local_source import LocalSource
-from servelm.delivery.manifest import read_manifest
+from servelm.delivery.manifest import ChunkRef, read_manifest
+from servelm.delivery.pull import Puller
 from servelm.delivery.source import NotYetAvailableError
+from servelm.delivery.store import ChunkStore
 from servelm.delivery.swarm import SwarmConfig, SwarmNode, owner_of
 from servelm.delivery.swarm_peers import PeerTable, bitmap_has
 from servelm.server.launcher import free_port
@@ -83,3 +87,47 @@ def test_a_peer_that_never_answers_is_gone_after_the_startup_grace_and_one_that_
         assert table.all_live_complete(), "nobody left to seed for"
     finally:
         table.stop()
+
+
+class _LatePeerSource(LocalSource):
+    """A LocalSource standing in for a swarm whose peer gets one chunk late: reads of it answer
+    not-yet (come back in a minute) until the test says it is there; `hold_first` keeps the first
+    read of it waiting for the test's go before it answers."""
+
+    def __init__(self, directory: Path, late: str, hold_first: bool) -> None:
+        super().__init__(directory)
+        self.late, self.reads, self.there = late, Counter[str](), threading.Event()
+        self.entered, self.go, self.hold_first = threading.Event(), threading.Event(), hold_first
+
+    def read(self, chunk: ChunkRef) -> bytes:
+        self.reads[chunk.key] += 1
+        if chunk.key == self.late and not self.there.is_set():
+            if self.hold_first and self.reads[chunk.key] == 1:
+                self.entered.set()
+                assert self.go.wait(10)
+            else:
+                self.entered.set()
+            raise NotYetAvailableError("not on any peer yet", retry_after_s=60)
+        return super().read(chunk)
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["paused", "in-flight"])
+def test_wake_asks_again_at_once_instead_of_after_the_pause(model_dir: Path, tmp_path: Path, in_flight: bool):
+    manifest = read_manifest(model_dir)
+    late = manifest.file("model-00001-of-00002.safetensors").chunks[2]
+    source = _LatePeerSource(model_dir, late.key, hold_first=in_flight)
+    puller = Puller(source, ChunkStore.open(tmp_path / "dest", manifest), connections=2).start()
+    try:
+        assert source.entered.wait(10)
+        if in_flight:  # the wake lands while the read is still deciding that it is not there
+            source.there.set()
+            puller.wake([late])
+            source.go.set()
+        else:
+            time.sleep(0.1)  # it pauses for its minute
+            source.there.set()
+            puller.wake([late])
+        stats = puller.wait(timeout_s=5)
+    finally:
+        puller.stop()
+    assert stats.chunks_fetched == len(manifest.chunks()) and source.reads[late.key] == 2

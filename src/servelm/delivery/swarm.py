@@ -13,7 +13,8 @@ is read (`SwarmSource.read`, called by the Puller's threads):
     2. this node owns it (`owner_of`)                  -> from the origin
        or no live initial node is left to fetch it
     3. otherwise                                       -> NotYetAvailableError: the puller asks
-                                                          again after the next refresh
+                                                          again when a poll shows a peer holds it
+                                                          (Puller.wake), or after WAIT_FALLBACK_S
 
 A node fetches its own share first (that is what the others wait for), then the rest in
 manifest order, roughly the order the owners fetch theirs. The share of an initial node gone
@@ -36,7 +37,8 @@ import random
 import resource
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -51,6 +53,11 @@ from servelm.delivery.swarm_config import SwarmConfig
 from servelm.delivery.swarm_peers import HELD_ROUTE, STATUS_ROUTE, PeerTable, encode_bitmap
 
 logger = logging.getLogger(__name__)
+
+# A chunk nobody holds yet is asked for again when a peer's poll shows it (or the ownership
+# changes); this pause only bounds what a missed wake-up could cost. Re-asking every chunk at
+# every refresh instead would cost ~40k re-asks per refresh at 700 GB.
+WAIT_FALLBACK_S = 2.0
 
 
 def owner_of(position: int, num_initial: int, live: Sequence[int]) -> int | None:
@@ -108,10 +115,14 @@ class SwarmSource:
         self.config = config
         self.stats = stats
         self.description = f"swarm of {len(config.peers)} over {origin.description}"
-        self._positions = {chunk.key: position for position, chunk in enumerate(manifest.chunks())}
+        self._chunks = manifest.chunks()
+        self._positions = {chunk.key: position for position, chunk in enumerate(self._chunks)}
         self._origin_slots = threading.BoundedSemaphore(config.origin_connections)
         self._lock = threading.Lock()
         self._peer_sources: dict[str, HttpSource] = {}
+        self._origin_waiting: deque[ChunkRef] = deque()  # turned away while every origin connection was busy
+        # The puller's `wake` (set by SwarmNode): a freed origin connection calls the next waiting chunk.
+        self.wake: Callable[[list[ChunkRef]], int] | None = None
 
     def fetch_manifest(self) -> Manifest:
         return self.origin.fetch_manifest()
@@ -132,21 +143,39 @@ class SwarmSource:
         owner = owner_of(position, len(self.config.peers), self.peers.live_initial())
         if owner is None or owner == self.config.node_index:
             return self._from_origin(chunk)
-        raise NotYetAvailableError(f"chunk {chunk.key}: node {owner} fetches it", retry_after_s=self.config.refresh_s)
+        raise NotYetAvailableError(f"chunk {chunk.key}: node {owner} fetches it", retry_after_s=WAIT_FALLBACK_S)
+
+    def chunks_at(self, positions: list[int]) -> list[ChunkRef]:
+        return [self._chunks[position] for position in positions]
 
     def _from_origin(self, chunk: ChunkRef) -> bytes:
-        # Not blocking: a thread that would wait for an origin connection takes a peer's chunk instead.
+        # Not blocking: a thread that would wait for an origin connection takes a peer's chunk
+        # instead; the chunk waits in line and the next connection freed calls it back.
         if not self._origin_slots.acquire(blocking=False):
-            raise NotYetAvailableError("every origin connection is busy", retry_after_s=self.config.refresh_s / 4)
+            with self._lock:
+                self._origin_waiting.append(chunk)
+            raise NotYetAvailableError("every origin connection is busy", retry_after_s=WAIT_FALLBACK_S)
         try:
             data = self.origin.read(chunk)
         finally:
             self._origin_slots.release()
+            self._call_next_waiting()
         logger.debug("chunk %s from the origin", chunk.key)
         with self._lock:
             self.stats.origin_bytes += len(data)
             self.stats.origin_chunks += 1
         return data
+
+    def _call_next_waiting(self) -> None:
+        """Wake the first chunk in line for the origin that is still missing (one a peer provided
+        meanwhile is dropped from the line)."""
+        while self.wake is not None:
+            with self._lock:
+                if not self._origin_waiting:
+                    return
+                following = self._origin_waiting.popleft()
+            if self.wake([following]):
+                return
 
     def _from_peer(self, url: str, chunk: ChunkRef) -> bytes:
         with self._lock:
@@ -238,11 +267,14 @@ class SwarmNode:
         self.stats.started_at = time.time()
         started = time.monotonic()
         self.server.start()
-        self.peers.start()
         # A thread per origin and per peer connection: threads waiting on the origin never hold up peer reads.
         connections = self.config.origin_connections + self.config.peer_connections
         puller = Puller(self.source, self.store, connections, max_attempts, progress,
                         order=self.source.order(self.store.missing()))  # fmt: skip
+        self.source.wake = puller.wake
+        self.peers.on_held = lambda positions: puller.wake(self.source.chunks_at(positions))
+        self.peers.on_gone = lambda url: puller.wake(self.store.missing())  # some may be this node's now
+        self.peers.start()
         try:
             puller.start()
             puller.wait(timeout_s)

@@ -27,7 +27,7 @@ import base64
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import httpx
@@ -53,6 +53,17 @@ def encode_bitmap(positions: Iterable[int], count: int) -> str:
 def bitmap_has(bitmap: bytes, position: int) -> bool:
     byte = position >> 3
     return byte < len(bitmap) and bool(bitmap[byte] >> (position & 7) & 1)
+
+
+def new_positions(old: bytes, new: bytes) -> list[int]:
+    """Positions set in `new` and not in `old` (as little-endian ints, bit i is position i)."""
+    added = int.from_bytes(new, "little") & ~int.from_bytes(old, "little")
+    positions = []
+    while added:
+        lowest = added & -added
+        positions.append(lowest.bit_length() - 1)
+        added ^= lowest
+    return positions
 
 
 @dataclass
@@ -92,6 +103,10 @@ class PeerTable:
         self._started = False
         self._peers: dict[str, Peer] = {}
         self._threads: list[threading.Thread] = []
+        # Listeners (set before `start`), called from poll threads: chunk positions a peer holds
+        # now and did not at its last poll; a peer that was declared gone (the ownership changed).
+        self.on_held: Callable[[list[int]], object] | None = None
+        self.on_gone: Callable[[str], object] | None = None
         for index, url in enumerate(self.initial_urls):
             if url != self.self_url:
                 self._peers[url] = Peer(url, index)
@@ -171,15 +186,22 @@ class PeerTable:
             if state.failing_since is None:
                 state.failing_since = now
             grace = self.grace_s if state.answered else self.startup_grace_s
-            if not state.gone and now - state.failing_since > grace:
+            gone = not state.gone and now - state.failing_since > grace
+            if gone:
                 state.gone = True
-                logger.warning("swarm: %s has not answered for %.1f s: gone, its share is reassigned",
-                               url, now - state.failing_since)  # fmt: skip
+        if gone:
+            logger.warning("swarm: %s has not answered for %.1f s: gone, its share is reassigned", url, grace)
+            if self.on_gone is not None:
+                self.on_gone(url)
 
     def _answered(self, peer: Peer, held: bytes, complete: bool) -> None:
         with self._lock:
-            peer.held, peer.complete, peer.answered = held, complete, True
-            peer.failing_since = None
+            old, peer.held, peer.complete, peer.answered = peer.held, held, complete, True
+            was_failing, peer.failing_since = peer.failing_since is not None, None
+        # A peer failing was nobody's holder: what it holds is new to the readers again.
+        added = new_positions(b"" if was_failing else old, held)
+        if added and self.on_held is not None:
+            self.on_held(added)
 
     def _poll_loop(self, peer: Peer) -> None:
         while not self._stop.is_set():
