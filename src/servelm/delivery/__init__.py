@@ -8,4 +8,6 @@ streams into the engine while it arrives.
     pull.py         Puller: parallel connections fill a store from a source
     commands.py     `servelm manifest` and `servelm pull`: flags, pull(SPEC, DIR), the summary line
     file_server.py  Range-capable HTTP server: the origin in tests/benchmarks, and each node's peer server
+    swarm.py        N nodes: each its share from the origin, the rest from peers (`servelm pull --peers`);
+                    swarm_peers.py who holds what and who is gone, swarm_config.py, swarm_cli.py its flags
 """

@@ -17,6 +17,7 @@ from servelm.delivery.manifest import DEFAULT_CHUNK_BYTES, ManifestError, read_m
 from servelm.delivery.pull import DEFAULT_CONNECTIONS, DEFAULT_MAX_ATTEMPTS, Puller, PullError, PullStats
 from servelm.delivery.source import ChunkSource
 from servelm.delivery.store import ChunkStore
+from servelm.delivery.swarm_cli import add_swarm_arguments, swarm_pull_command
 
 
 def add_manifest_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +58,7 @@ def add_pull_arguments(parser: argparse.ArgumentParser) -> None:
         help="reads of one chunk before the pull gives up (default %(default)s)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_swarm_arguments(parser)
 
 
 def pull(
@@ -98,6 +100,8 @@ def summary(stats: PullStats, directory: Path) -> str:
 
 
 def pull_command(args: argparse.Namespace) -> int:
+    if args.peers:
+        return swarm_pull_command(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per chunk otherwise
     try:
         stats = pull(args.source, args.to, args.connections, args.max_attempts, progress=not args.no_progress)

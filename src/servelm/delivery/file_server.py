@@ -5,7 +5,7 @@ server each node of a distribution runs to hand peers the chunks it holds.
     GET /servelm-manifest.json  the manifest being served (from memory for a node mid-pull)
     GET /_servelm/stats         {"bytes_sent": N, "requests": [[path, start, end], ...]} (benchmarks, tests):
                                 every body byte written, and the ranges whose bodies were written to the end
-    GET /_servelm/<name>        extra JSON routes a caller adds (a node's list of held chunks)
+    GET /_servelm/<name>?k=v    extra JSON routes a caller adds (a node's held chunks), given the query
 
 What is served comes from a `ServedFiles` (a directory; a node's ChunkStore). A byte range
 that is not available yet answers 409 (a peer asks again later, or elsewhere). `rate_bytes_per_s`
@@ -18,7 +18,9 @@ connections a pull opens, and it runs in any process, the benchmark's origin inc
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
 import re
 import sys
 import threading
@@ -113,6 +115,10 @@ class TokenBucket:
             time.sleep(min(wait, 0.05))
 
 
+# An extra JSON route: called with the request's query parameters (the last value of each).
+ExtraRoute = Callable[[dict[str, str]], object]
+
+
 class RangeFileServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -124,7 +130,7 @@ class RangeFileServer(ThreadingHTTPServer):
         port: int = 0,
         rate_bytes_per_s: float | None = None,
         faults: Faults | None = None,
-        extra_routes: dict[str, Callable[[], object]] | None = None,
+        extra_routes: dict[str, ExtraRoute] | None = None,
     ) -> None:
         super().__init__((host, port), _Handler)
         self._host = host
@@ -165,6 +171,9 @@ class RangeFileServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: RangeFileServer
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes: with Nagle on, the body's first small write
+    # waits for the client's delayed ACK of the headers, ~40 ms on every request.
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: object) -> None:
         pass  # one line per chunk would drown the logs
@@ -195,7 +204,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path == STATS_PATH:
             return self._json(self.server.stats(), body)
         if path.startswith(EXTRA_PREFIX) and path[len(EXTRA_PREFIX):] in self.server.extra_routes:
-            return self._json(self.server.extra_routes[path[len(EXTRA_PREFIX):]](), body)
+            query = dict(urllib.parse.parse_qsl(self.path.partition("?")[2]))
+            return self._json(self.server.extra_routes[path[len(EXTRA_PREFIX):]](query), body)
         relative = path.lstrip("/")
         if relative == MANIFEST_NAME:
             manifest = self.server.files.manifest_json()
@@ -236,25 +246,39 @@ class _Handler(BaseHTTPRequestHandler):
         corrupt = faults.take(faults.corrupt, path, start)
         stop = start + (end - start) // 2 if faults.take(faults.truncate, path, start) else end
         with self.server.files.open(path) as f:
-            f.seek(start)
+            zero_copy = not corrupt and _has_fileno(f)
             position = start
             while position < stop:
-                piece = f.read(min(_SEND_PIECE, stop - position))
-                if not piece:
-                    break
-                if corrupt:
-                    piece = bytes([piece[0] ^ 0xFF]) + piece[1:]
-                    corrupt = False
+                size = min(_SEND_PIECE, stop - position)
                 if self.server.bucket is not None:
-                    self.server.bucket.take(len(piece))
-                self.wfile.write(piece)
-                position += len(piece)
+                    self.server.bucket.take(size)
+                if zero_copy:  # the kernel moves page-cache pages to the socket: no copy through Python
+                    sent = os.sendfile(self.connection.fileno(), f.fileno(), position, size)
+                else:
+                    f.seek(position)
+                    piece = f.read(size)
+                    if corrupt and piece:
+                        piece = bytes([piece[0] ^ 0xFF]) + piece[1:]
+                        corrupt = False
+                    self.wfile.write(piece)
+                    sent = len(piece)
+                if not sent:
+                    break
+                position += sent
                 with self.server.stats_lock:  # per piece: a transfer cut short still cost the origin its bytes
-                    self.server.bytes_sent += len(piece)
+                    self.server.bytes_sent += sent
         with self.server.stats_lock:
             self.server.requests.append((path, start, end))
         if stop < end:
             self.close_connection = True  # the client sees fewer bytes than Content-Length said
+
+
+def _has_fileno(f: BinaryIO) -> bool:
+    try:
+        f.fileno()
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,14 +2,16 @@
 
     Puller(source, store, connections=8).start()   # threads read chunks in manifest order
     puller.prioritize(chunks)                      # the streaming loader's next tensor: to the front
+    puller.wake(chunks)                            # a source's chunks that became available: ask now
     stats = puller.wait()                          # every chunk held and the store finished, or raises
 
 One thread per connection takes the most urgent missing chunk, reads it, and hands it to the
 store, which verifies it before writing. A corrupt or short read is retried (with a growing
 pause) up to `max_attempts` times per chunk, then the whole pull fails with that chunk named,
 and every reader waiting on the store gets the error. A source that does not hold a chunk yet
-(`NotYetAvailableError`, a peer mid-pull) is asked again after a pause, without counting as a
-failure: the source decides when to fall back to another.
+(`NotYetAvailableError`, a peer mid-pull) is asked again after a pause (the error's
+`retry_after_s`, or `wake` when the source learns it is there), without counting as a failure:
+the source decides when to fall back to another.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class Puller:
         self._sequence = 0
         self._attempts: Counter[str] = Counter()
         self._in_flight: set[str] = set()  # keys being read now: never handed to a second connection
+        self._woken: set[str] = set()  # in flight when woken: asked again at once if this read is not-yet
         self._error: BaseException | None = None
         self._done = False
         self._threads: list[threading.Thread] = []
@@ -128,6 +131,24 @@ class Puller:
                 if not self.store.has(chunk):
                     self._push(chunk, URGENT, 0.0)  # the normal entry is skipped once this one stored it
             self._lock.notify_all()
+
+    def wake(self, chunks: Iterable[ChunkRef]) -> int:
+        """Ask for these again now, not after the pause their NotYetAvailableError set: the source
+        learned they became available (a peer got them). Held chunks are skipped; a chunk queued
+        twice is read once (the second copy finds it held or in flight). Returns how many were
+        not held. Any thread may call it."""
+        woken = 0
+        with self._lock:
+            for chunk in chunks:
+                if chunk.key in self._in_flight:
+                    self._woken.add(chunk.key)  # its read may be answering not-yet right now
+                elif not self.store.has(chunk):
+                    self._push(chunk, URGENT if chunk.key in self._urgent else NORMAL, 0.0)
+                else:
+                    continue
+                woken += 1
+            self._lock.notify_all()
+        return woken
 
     def wait(self, timeout_s: float | None = None) -> PullStats:
         """Until every chunk is held and the store finished; raises PullError if the pull failed,
@@ -172,7 +193,8 @@ class Puller:
                     if not self.store.has(chunk) and chunk.key not in self._in_flight:
                         self._in_flight.add(chunk.key)
                         return chunk
-                if self._paused:
+                # A chunk woken and stored leaves its paused entry behind: a complete store waits for no pause.
+                if self._paused and not self.store.is_complete():
                     self._lock.wait(self._paused[0][0] - now)
                 elif not self._in_flight:
                     if self.store.is_complete():
@@ -197,14 +219,18 @@ class Puller:
                         self.stats.bytes_fetched += chunk.length
                     if self._progress is not None:
                         self._progress.update(chunk.length)
-            except NotYetAvailableError:
-                retry_at = time.monotonic() + NOT_YET_PAUSE_S
+            except NotYetAvailableError as not_yet:
+                retry_at = time.monotonic() + (not_yet.retry_after_s or NOT_YET_PAUSE_S)
+                with self._lock:
+                    if chunk.key in self._woken:  # woken while this read was deciding: it is there now
+                        retry_at = time.monotonic()
             except (ChunkCorruptError, FetchError) as error:
                 retry_at = self._failed_attempt(chunk, error)
             except BaseException as error:  # noqa: BLE001 - a bug or a broken disk ends the pull, reported to waiters
                 self._fail(error)
             with self._lock:
                 self._in_flight.discard(chunk.key)
+                self._woken.discard(chunk.key)
                 if retry_at is not None and self._error is None:
                     self._push(chunk, URGENT if chunk.key in self._urgent else NORMAL, retry_at)
                 self._lock.notify_all()

@@ -32,7 +32,12 @@ class FetchError(OSError):
 
 class NotYetAvailableError(FetchError):
     """The source does not hold this chunk yet (a peer still fetching it): ask again later,
-    without counting it as a failure."""
+    without counting it as a failure. `retry_after_s`: when asking again may help (None: the
+    puller's default pause), e.g. a swarm's next refresh of who holds what."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ChunkSource(Protocol):

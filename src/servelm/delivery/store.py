@@ -42,7 +42,10 @@ class ChunkStore:
         self.manifest = manifest
         self._chunks = {chunk.key: chunk for chunk in manifest.chunks()}
         self._held = held
-        self._lock = threading.Condition()
+        self._lock = threading.Condition()  # the held set: readers (has, wait_for, a peer server) take only this
+        # Orders journal lines and syncs, taken before `_lock`. An fdatasync (seconds on a busy
+        # disk) holds it, so writers wait for the sync, as they must, but readers do not.
+        self._journal_lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._journal: int | None = None
         self._last_sync = time.monotonic()
@@ -158,18 +161,22 @@ class ChunkStore:
         written = 0
         while written < len(view):
             written += os.pwrite(fd, view[written:], chunk.offset + written)
-        with self._lock:
-            if chunk.key in self._held:
-                return False
+        with self._journal_lock:
+            with self._lock:
+                if chunk.key in self._held:
+                    return False
             assert self._journal is not None
             os.write(self._journal, (chunk.key + "\n").encode())
-            self._held.add(chunk.key)
-            self._lock.notify_all()
+            with self._lock:
+                self._held.add(chunk.key)
+                self._lock.notify_all()
             if time.monotonic() - self._last_sync > SYNC_INTERVAL_S:
                 self._sync_locked()
         return True
 
     def _sync_locked(self) -> None:
+        """Flush the data, then the journal; the caller holds `_journal_lock` (a line journaled
+        while the data is flushed would name bytes the flush may have missed)."""
         for fd in self._fds.values():
             os.fdatasync(fd)
         if self._journal is not None:
@@ -178,8 +185,9 @@ class ChunkStore:
 
     def finish(self) -> None:
         """All chunks held: flush, write the completion mark, drop the pull's state. ManifestError if not."""
-        with self._lock:
-            missing = len(self._chunks) - len(self._held)
+        with self._journal_lock:
+            with self._lock:
+                missing = len(self._chunks) - len(self._held)
             if missing:
                 raise ManifestError(f"{self.directory}: {missing} chunk(s) still missing")
             self._sync_locked()
@@ -196,7 +204,7 @@ class ChunkStore:
         shutil.rmtree(self.directory / STATE_DIR)
 
     def close(self) -> None:
-        with self._lock:
+        with self._journal_lock, self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()

@@ -114,13 +114,21 @@ def write_tiny_checkpoint(
 
 
 def write_random_checkpoint(
-    directory: str | Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides: Any
+    directory: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    *,
+    max_shard_bytes: int | None = None,
+    **overrides: Any,
 ) -> Path:
     """Save a random Llama (SmolLM2-135M's shape, `overrides` on top) as one safetensors file in `dtype`,
     with config.json and the default tokenizer; returns the directory.
 
     Tensors are drawn one by one (std 0.02, norms 1) without building a transformers model, so a
-    checkpoint of hundreds of MB takes seconds. For load-time and memory measurements, not parity.
+    checkpoint of hundreds of MB takes seconds. For load-time, memory and delivery measurements, not
+    parity. `max_shard_bytes` cuts the tensors (in order) into shards of at most that much (a larger
+    tensor alone), model-0000i-of-0000n.safetensors plus a model.safetensors.index.json, as
+    `save_pretrained` does.
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -134,11 +142,34 @@ def write_random_checkpoint(
             tensors[name] = torch.ones(shape, dtype=dtype)
         else:
             tensors[name] = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if max_shard_bytes is None:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        _save_shards(tensors, out, max_shard_bytes)
     config = {**hf_config_dict(arch), "torch_dtype": str(dtype).removeprefix("torch.")}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def _save_shards(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    weight_map = {}
+    for number, shard in enumerate(shards, 1):
+        shard_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / shard_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, shard_name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def write_first_layers_checkpoint(source: str | Path, directory: str | Path, num_layers: int) -> Path:
