@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--rate-mb-s", type=float, default=200.0)
     parser.add_argument("--connections", type=int, default=8)
-    parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "servelm-delivery-bench")
+    parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "servelm-bench-delivery")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
