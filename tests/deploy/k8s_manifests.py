@@ -36,7 +36,9 @@ def render(directory: Path) -> list[Resource]:
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unknown = set(kustomization) - _KUSTOMIZATION_FIELDS
     if unknown:
-        raise ValueError(f"{directory}: this renderer knows only {sorted(_KUSTOMIZATION_FIELDS)}, not {sorted(unknown)}")
+        raise ValueError(
+            f"{directory}: this renderer knows only {sorted(_KUSTOMIZATION_FIELDS)}, not {sorted(unknown)}"
+        )
     resources: list[Resource] = []
     for entry in kustomization.get("resources", []):
         path = (directory / entry).resolve()
@@ -151,7 +153,9 @@ def localize(text: str, mounted: Mapping[str, Path]) -> str:
     return text
 
 
-def secret_volume_dirs(pod_spec: Mapping[str, Any], secrets: Mapping[str, Mapping[str, str]], root: Path) -> dict[str, Path]:
+def secret_volume_dirs(
+    pod_spec: Mapping[str, Any], secrets: Mapping[str, Mapping[str, str]], root: Path
+) -> dict[str, Path]:
     """A directory per Secret volume of the pod, holding one file per key as the kubelet projects it."""
     out = {}
     for volume in pod_spec.get("volumes", []):

@@ -200,7 +200,9 @@ def test_the_counts_ports_and_timeouts_agree(variants, variant):
     autoscaler = find(resources, "HorizontalPodAutoscaler", REPLICAS)
     target = autoscaler["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("StatefulSet", REPLICAS)
-    pull_env = container_env(container(_replica_pod_spec(resources), "pull-model"), Pod(f"{REPLICAS}-0"), resources, SECRETS)
+    pull_env = container_env(
+        container(_replica_pod_spec(resources), "pull-model"), Pod(f"{REPLICAS}-0"), resources, SECRETS
+    )
     assert statefulset["spec"]["replicas"] == autoscaler["spec"]["minReplicas"] == int(pull_env["SWARM_NODES"])
     assert autoscaler["spec"]["maxReplicas"] >= autoscaler["spec"]["minReplicas"]
     serving = container(_replica_pod_spec(resources), "servelm")
