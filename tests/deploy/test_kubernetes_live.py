@@ -220,7 +220,7 @@ def _adapter_queries(rule: dict, pods: list[str]) -> list[str]:
 
 
 def test_the_autoscaling_rules_query_metrics_the_replica_exports(cluster):
-    # The request of the previous test (or this one's) gave the TTFT histogram its samples.
+    # A request first, so the TTFT histogram has samples (it has no series before one).
     body = {"prompt": "one more", "max_tokens": 2}
     headers = {"Authorization": f"Bearer {KEY}"}
     assert httpx.post(cluster.router.url("http", "/v1/completions"), json=body, headers=headers, timeout=60).is_success
