@@ -117,8 +117,8 @@ def test_ray_cluster_serves_restarts_dead_replicas_and_tears_down(
 
         os.kill(old["replica-0"], signal.SIGKILL)  # the serve process dies under its actor
         _kill_actor(ray_line.group(1), ray_line.group(2), "replica-1", monkeypatch)  # the actor dies
-        for name in ("replica-0", "replica-1"):
-            cluster.wait_for(rf"{name} registered with the router", 150)
+        for name in ("replica-0", "replica-1"):  # registered once at the start, again once back
+            cluster.wait_for(rf"{name} registered with the router", 150, count=2)
             assert cluster.pid_of(name, 2) != old[name]
         # replica-1's serve process was not killed by anyone but went with its actor.
         wait_until(lambda: not any(alive(pid) for pid in old.values()), 30, "the old serve processes to be gone")

@@ -17,17 +17,18 @@ Each process moves through:
          └─────────────────────┴──── ready in startup_timeout_s ◀──┘  (Ray restarts a dead actor
            (then starts it again after a backoff: at once, 1, 2, 4 ... 30 s)  in its bundle: max_restarts)
 
-A replica back to SERVING is registered with the router again through its admin API
-(POST /admin/replicas, after DELETE of its old URL if it came back elsewhere), which puts it in
-rotation at once instead of at the router's next health check. A restarted router is given
-every replica on its command line. Placement stays here: the router only ever sees URLs.
+A replica that reaches SERVING (at the start, or back after a restart) is registered with the
+router through its admin API (POST /admin/replicas, after DELETE of its old URL if it came back
+elsewhere), which puts it in rotation at once instead of at the router's next health check; so
+is every serving replica when the router reaches SERVING (a restarted router also has every
+replica on its command line). Placement stays here: the router only ever sees URLs.
 
 `start()` is strict instead: a process that fails to start stops everything and raises (a bad
 config should fail, not loop). `stop()`: router first, then the replicas (SIGTERM, then SIGKILL
 after `stop_timeout_s`), the actors and placement groups removed, and a local Ray cluster this
 launcher started shut down and its session directory deleted. Safe to call twice.
 
-Ray is imported here only: the rest of servelm runs without it.
+Ray is imported only here (and inside the actor's methods): the rest of servelm runs without it.
 """
 
 from __future__ import annotations
@@ -144,7 +145,11 @@ class RayCluster:
         """One supervision pass: restart what died, re-register what came back. Never asks the
         cluster to stop (None): a process that keeps failing is retried with a growing backoff."""
         for unit, status in self._poll().items():
-            self._step(unit, status, strict=False)
+            try:
+                self._step(unit, status, strict=False)
+            except (self.ray.exceptions.RayError, TimeoutError) as error:
+                # Its actor died (or hung) between two calls: the next pass finds it down or restarted.
+                logger.warning("%s: %s: %s", unit.name, type(error).__name__, error)
         return None
 
     def stop(self) -> None:
@@ -309,14 +314,18 @@ class RayCluster:
         assert unit.spec is not None  # set by _launch, which STARTING follows
         unit.state, unit.failures = State.SERVING, 0
         logger.info("%s serving at %s (restarts: %d)", unit.name, unit.spec.url, unit.restarts)
-        if unit.template.role != "router":
-            self._register(unit)
+        # Into the router's rotation now, not at its next health check (a replica and the router
+        # start together: the router may have found the replica not ready yet).
+        for replica in self._role("replica") if unit.template.role == "router" else [unit]:
+            if replica.state is State.SERVING:
+                self._register(replica)
 
     def _register(self, unit: Unit) -> None:
-        """Tell the router (when it serves) about a replica that serves again, at its new URL."""
+        """Tell the router (when it serves) that this replica serves, at the URL it has now. Adding
+        a URL the router has is safe: it keeps its counters and checks the replica at once."""
         assert unit.spec is not None
         routers = [u for u in self._role("router") if u.state is State.SERVING]
-        if not routers or (unit.restarts == 0 and unit.registered_url == unit.spec.url):
+        if not routers:
             return  # the router, once started, gets every replica on its command line
         admin = routers[0].actor.request
         key = self.config.api_key
