@@ -1,7 +1,8 @@
 """`servelm cluster CONFIG --backend ray` as a user runs it, on a local Ray cluster it starts:
 two replicas of a tiny model and the router as Ray actors; a replica whose serve process is
-SIGKILLed and one whose actor is killed through Ray both come back and into rotation; Ctrl-C
-leaves no process behind (Ray's own included) and no Ray session directory."""
+SIGKILLed, one whose actor is killed through Ray, and the router, all at once, come back and the
+replicas into rotation; Ctrl-C leaves no process behind (Ray's own included) and no Ray session
+directory. Then the same on a Ray cluster started by someone else, with a two-rank replica."""
 
 from __future__ import annotations
 
@@ -112,16 +113,18 @@ def test_ray_cluster_serves_restarts_dead_replicas_and_tears_down(
     try:
         cluster.wait_for("Ctrl-C stops everything", 150)
         [ray_line] = cluster.wait_for(r"ray: cluster (\S+), namespace (\S+) ", 1)
-        old = {name: cluster.pid_of(name, 1) for name in ("replica-0", "replica-1")}
+        old = {name: cluster.pid_of(name, 1) for name in ("replica-0", "replica-1", "router")}
         _serve_on_both(router, replicas)
 
         os.kill(old["replica-0"], signal.SIGKILL)  # the serve process dies under its actor
         _kill_actor(ray_line.group(1), ray_line.group(2), "replica-1", monkeypatch)  # the actor dies
+        os.kill(old["router"], signal.SIGKILL)  # and the router, all at once
         for name in ("replica-0", "replica-1"):  # registered once at the start, again once back
             cluster.wait_for(rf"{name} registered with the router", 150, count=2)
-            assert cluster.pid_of(name, 2) != old[name]
+        assert all(cluster.pid_of(name, 2) != old[name] for name in old)
+        cluster.wait_for(r"router serving at", 60, count=2)
         # replica-1's serve process was not killed by anyone but went with its actor.
-        wait_until(lambda: not any(alive(pid) for pid in old.values()), 30, "the old serve processes to be gone")
+        wait_until(lambda: not any(alive(pid) for pid in old.values()), 30, "the old processes to be gone")
         assert all(_admin(router)[url]["healthy"] for url in replicas)
         _serve_on_both(router, replicas)
 
