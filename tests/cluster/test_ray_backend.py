@@ -131,7 +131,7 @@ def test_ray_cluster_serves_restarts_dead_replicas_and_tears_down(
         started = descendants(cluster.process.pid)
         kinds = " ".join(started.values())
         assert "gcs_server" in kinds and "raylet" in kinds and kinds.count("servelm.cli serve") == 2, started
-        [session_dir] = set(re.findall(r"--session-dir=(/tmp/servelm-ray-[^/\s]+)/", kinds))
+        [session_dir] = _session_dirs(started)
 
         os.killpg(cluster.process.pid, signal.SIGINT)  # Ctrl-C in its terminal
         assert cluster.process.wait(timeout=90) == 0, cluster.output
@@ -145,6 +145,13 @@ def test_ray_cluster_serves_restarts_dead_replicas_and_tears_down(
         for pid in leftover:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        for directory in _session_dirs(leftover):  # the launcher's, when it could not delete it
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _session_dirs(processes: dict[int, str]) -> set[str]:
+    """The Ray session root a local cluster's processes were started with."""
+    return set(re.findall(r"--session-dir=(/tmp/servelm-ray-[^/\s]+)/", " ".join(processes.values())))
 
 
 def test_ray_cluster_joins_an_existing_cluster_and_keeps_a_multi_rank_replica_together(tmp_path: Path) -> None:
