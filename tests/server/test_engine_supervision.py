@@ -15,8 +15,11 @@ import httpx
 import pytest
 
 from helpers_http import child_pids, metric_value, scrape, wait_idle
+from servelm.delivery.file_server import DirectoryFiles, RangeFileServer
+from servelm.delivery.manifest import write_manifest
 from servelm.engine.builder import FAULT_FAIL_START_ENV
 from servelm.server.launcher import ServerProcess, launch_server
+from servelm.testing.tiny_model import write_tiny_checkpoint
 
 ARGS = ["--num-blocks", "512", "--num-threads", "1"]
 PROMPTS = ["The engine restarts", "Supervision keeps", "Once upon a time"]
@@ -82,13 +85,22 @@ async def _kill_under_load(server: ServerProcess) -> tuple[list[list[dict]], htt
         return results, response, polls
 
 
-def test_a_killed_core_is_restarted_and_a_crash_loop_then_gives_up(tiny_model_dir: Path, tmp_path: Path):
+def test_a_killed_core_is_restarted_and_a_crash_loop_then_gives_up(tmp_path: Path):
     """One server, two phases (a server start is most of the cost): kill -9 under load, restarted;
     then every start fails (fault injection): the crash budget, which counts the first crash too
-    (both fall in the window), runs out after one more attempt."""
+    (both fall in the window), runs out after one more attempt. Its model is a remote one whose
+    origin is gone once it has been pulled: a restart loads the download directory, no second pull."""
     marker = tmp_path / "fail-start"
-    args = [*ARGS, "--max-engine-restarts", "2", "--engine-restart-window-s", "120"]
-    with launch_server(tiny_model_dir, args, env={FAULT_FAIL_START_ENV: str(marker)}) as server:
+    args = [*ARGS, "--max-engine-restarts", "2", "--engine-restart-window-s", "120",
+            "--download-dir", str(tmp_path / "downloads")]  # fmt: skip
+    origin_dir = write_tiny_checkpoint(tmp_path / "origin" / "tiny", seed=4)
+    write_manifest(origin_dir)
+    origin = RangeFileServer(DirectoryFiles(origin_dir)).start()
+    try:
+        server = launch_server(origin.url, args, env={FAULT_FAIL_START_ENV: str(marker)})
+    finally:
+        origin.stop()
+    with server:
         with httpx.Client(base_url=server.base_url, timeout=60) as client:
             _killed_under_load_then_restarted(server, client)
             marker.touch()  # every start from now on fails
@@ -113,7 +125,7 @@ def _killed_under_load_then_restarted(server: ServerProcess, client: httpx.Clien
         assert events[-1] == {"done": True}
     assert whole.status_code == 503 and int(whole.headers["retry-after"]) > 0, whole.text
     assert whole.json()["error"]["code"] == "engine_core_died"
-    assert "restarted" in whole.json()["error"]["message"]
+    assert "died" in whole.json()["error"]["message"] and "restarted" in whole.json()["error"]["message"]
     assert polls[0][0] == 503 and "engine restarting (attempt 1 of 2)" in polls[0][1], polls[:3]
     late_status, late_retry_after = polls[1]
     assert late_status == 503 and int(late_retry_after) > 0
@@ -148,3 +160,4 @@ def _crash_loop_gives_up(server: ServerProcess, client: httpx.Client) -> None:
     assert int(refused.headers["retry-after"]) > 0
     assert metric_value(scrape(server), "servelm:engine_restarts_total") == 2
     assert child_pids(server.process.pid, "spawn_main") == []  # no core left running
+

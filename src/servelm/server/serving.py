@@ -211,8 +211,8 @@ def engine_failure_message(gen: GenerationStream) -> str:
     """What the client hears of an engine failure: no detail (it may be a traceback), the request id
     to find it by; the detail goes to the server log, once per request."""
     if lost_with_core(gen.error):  # the core died under it: logged once for all by the client and supervisor
-        return (f"The engine core died while running request {gen.request_id} and is being restarted "
-                "(GET /health says how that goes); retry the request.")  # fmt: skip
+        return (f"The engine core died while running request {gen.request_id}; it is restarted unless it "
+                "crashed too often (GET /health says which): retry the request.")  # fmt: skip
     logger.error("request %s failed in the engine: %s", gen.request_id, gen.error)
     return f"The engine failed while running request {gen.request_id}; the server log has the details."
 
