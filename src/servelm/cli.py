@@ -251,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer-threads", type=int, default=2, help="threads that tokenize prompts off the event loop"
     )
     serve.add_argument(
+        "--max-engine-restarts", type=int, default=3,
+        help="restart a dead engine core at most this often within --engine-restart-window-s (backoff 1 s, "
+        "doubling), then stay down with /health 503 (0: never restart)",
+    )  # fmt: skip
+    serve.add_argument("--engine-restart-window-s", type=float, default=300.0,
+                       help="crashes older than this many seconds no longer count against --max-engine-restarts")  # fmt: skip
+    serve.add_argument(
         "--kv-events-port", type=int, default=None,
         help="publish KV-cache events for a router: PUB on tcp://HOST:P, snapshots on P+1",
     )  # fmt: skip
