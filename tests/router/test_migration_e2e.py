@@ -1,0 +1,227 @@
+"""Streams that outlive their replica: `servelm router` over 2 real replicas of a tiny model, each
+behind a TCP proxy the test can cut, refuse or freeze (cut_proxy.py). A long greedy stream loses
+its replica mid-stream (its connection reset, its bytes frozen past the stall timeout, its process
+killed with SIGKILL) and the client's stream must still be the undisturbed run's: the same token
+ids, text, logprobs, usage and finish; a stream whose every replica fails ends with an error
+event. The process kill runs last: it leaves the fleet one replica short."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from cut_proxy import CutProxy
+
+from servelm.server.launcher import ServerProcess, free_port, launch_server, wait_until_ready
+from servelm.testing.tiny_model import write_tiny_checkpoint
+
+REPLICA_ARGS = ["--num-blocks", "1024", "--num-threads", "1", "--max-num-seqs", "16"]
+STALL_TIMEOUT_S = 2.0
+NUM_TOKENS = 200
+PROMPT = "The lighthouse keeper wrote in his log every night, and tonight he wrote"
+MESSAGES = [{"role": "user", "content": "Tell me about the lighthouse keeper and his log."}]
+
+
+@dataclass
+class Fleet:
+    router: str
+    replicas: list[ServerProcess]
+    proxies: list[CutProxy]  # proxies[i] fronts replicas[i]; the router knows only the proxies
+    router_process: subprocess.Popen
+
+    def proxy_for(self, url: str) -> CutProxy:
+        return next(p for p in self.proxies if p.url == url)
+
+    def replica_for(self, url: str) -> ServerProcess:
+        return self.replicas[self.proxies.index(self.proxy_for(url))]
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(f"{self.router}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f"{name}{{{labels}") or (not labels and line.startswith(name + " ")))  # fmt: skip
+
+    def wait_all_healthy(self, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(f"{self.router}/health", timeout=5).json().get("replicas") != len(self.proxies):
+            assert time.monotonic() < deadline, "replicas did not come back into rotation"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    model = write_tiny_checkpoint(tmp_path_factory.mktemp("migration") / "model", seed=0)
+    with ThreadPoolExecutor(2) as pool:
+        replicas = list(pool.map(lambda _: launch_server(model, REPLICA_ARGS), range(2)))
+    proxies = [CutProxy(r.port) for r in replicas]
+    port = free_port()
+    command = [sys.executable, "-m", "servelm.cli", "router", "--port", str(port), "--policy", "least_load",
+               "--model", str(model), "--health-interval", "0.5", "--stream-stall-timeout", str(STALL_TIMEOUT_S)]
+    command += [arg for proxy in proxies for arg in ("--replica", proxy.url)]
+    log = tempfile.NamedTemporaryFile(prefix="servelm-router-", suffix=".log", delete=False)
+    router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until_ready(router, f"http://127.0.0.1:{port}/ready", 120)
+        fleet = Fleet(f"http://127.0.0.1:{port}", replicas, proxies, router)
+        fleet.wait_all_healthy()
+        yield fleet
+    except BaseException:
+        print(Path(log.name).read_text(errors="replace")[-5000:])
+        raise
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+        for proxy in proxies:
+            proxy.close()
+        for replica in replicas:
+            replica.stop()
+
+
+@dataclass
+class Streamed:
+    replica: str  # the x-servelm-replica header: the first leg's
+    chunks: list[dict[str, Any]]  # every event's JSON but [DONE]
+    done: bool  # ended with [DONE]
+
+    @property
+    def choices(self) -> list[dict[str, Any]]:
+        return [c["choices"][0] for c in self.chunks if c.get("choices")]
+
+    def text(self) -> str:
+        return "".join(c["delta"].get("content", "") if "delta" in c else c["text"] for c in self.choices)
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        return self.chunks[-1]["usage"]
+
+
+def stream(fleet: Fleet, path: str, body: dict[str, Any], fault_after: int | None = None, fault=None) -> Streamed:
+    """POST a stream through the router; after `fault_after` events call `fault(replica_url)`."""
+    chunks, done = [], False
+    with httpx.stream("POST", fleet.router + path, json=body, timeout=httpx.Timeout(60, read=30)) as response:
+        assert response.status_code == 200, response.read()
+        replica = response.headers["x-servelm-replica"]
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunks.append(json.loads(line[6:]))
+            if fault is not None and len(chunks) == fault_after:
+                fault(replica)
+    return Streamed(replica, chunks, done)
+
+
+def completion_body(**extra: Any) -> dict[str, Any]:
+    return {"prompt": PROMPT, "max_tokens": NUM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}  # fmt: skip
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"messages": MESSAGES, "max_completion_tokens": NUM_TOKENS, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **extra}  # fmt: skip
+
+
+def assert_same_stream(got: Streamed, want: Streamed) -> None:
+    assert got.done and want.done
+    assert got.text() == want.text()
+    assert got.usage == {**want.usage, "prompt_tokens_details": got.usage["prompt_tokens_details"]}
+    assert [c["finish_reason"] for c in got.choices if c["finish_reason"]] == ["length"]
+    assert {c["id"] for c in got.chunks} == {got.chunks[0]["id"]}  # one stream, one id, whatever served it
+    assert {c["object"] for c in got.chunks} == {want.chunks[0]["object"]}
+
+
+def test_a_reset_connection_mid_chat_stream_continues_elsewhere(fleet: Fleet) -> None:
+    body = chat_body(logprobs=True, top_logprobs=2)
+    want = stream(fleet, "/v1/chat/completions", body)
+    assert want.usage["completion_tokens"] == NUM_TOKENS
+    assert all("token_ids" not in c for c in want.choices) and all("prompt_token_ids" not in c for c in want.chunks)
+    before = fleet.metric("servelm:router_migrations_total", 'cause="connection"')
+    got = stream(fleet, "/v1/chat/completions", body, fault_after=40, fault=lambda url: fleet.proxy_for(url).cut())
+    assert fleet.metric("servelm:router_migrations_total", 'cause="connection"') == before + 1
+    assert_same_stream(got, want)
+    got_lp = [t for c in got.choices if c["logprobs"] for t in c["logprobs"]["content"]]
+    want_lp = [t for c in want.choices if c["logprobs"] for t in c["logprobs"]["content"]]
+    assert [(t["token"], [a["token"] for a in t["top_logprobs"]]) for t in got_lp] == \
+        [(t["token"], [a["token"] for a in t["top_logprobs"]]) for t in want_lp]  # fmt: skip
+    assert [t["logprob"] for t in got_lp] == pytest.approx([t["logprob"] for t in want_lp], abs=1e-3)
+    assert got.chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert sum("role" in c["delta"] for c in got.choices) == 1
+    fleet.wait_all_healthy()
+
+
+def test_a_stalled_stream_moves_after_the_stall_timeout(fleet: Fleet) -> None:
+    body = completion_body(logprobs=1)
+    want = stream(fleet, "/v1/completions", body)
+    frozen: list[CutProxy] = []
+
+    def freeze(url: str) -> None:
+        frozen.append(fleet.proxy_for(url))
+        frozen[0].freeze(True)  # the replica is alive and its socket open: only the bytes stop
+
+    before = fleet.metric("servelm:router_migrations_total", 'cause="stalled"')
+    started = time.monotonic()
+    try:
+        got = stream(fleet, "/v1/completions", body, fault_after=30, fault=freeze)
+    finally:
+        frozen[0].freeze(False)
+    assert time.monotonic() - started >= STALL_TIMEOUT_S
+    assert fleet.metric("servelm:router_migrations_total", 'cause="stalled"') == before + 1
+    assert_same_stream(got, want)
+    # text_offset runs on across the boundary as in one replica's stream.
+    offsets = [o for c in got.choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert offsets == [o for c in want.choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    fleet.wait_all_healthy()
+
+
+def test_a_stream_whose_every_replica_fails_ends_with_an_error_event(fleet: Fleet) -> None:
+    def refuse_all(_: str) -> None:
+        for proxy in fleet.proxies:
+            proxy.refuse(True)
+
+    before = fleet.metric("servelm:router_migration_failures_total", 'reason="no_replica"')
+    started = time.monotonic()
+    try:
+        got = stream(fleet, "/v1/completions", completion_body(), fault_after=20, fault=refuse_all)
+    finally:
+        for proxy in fleet.proxies:
+            proxy.refuse(False)
+    assert time.monotonic() - started < 20  # an answer, not a hang
+    assert got.done  # [DONE] after the error: the stream ends cleanly
+    error = got.chunks[-1]["error"]
+    assert error["type"] == "server_error" and error["code"] == "replica_lost" and "no_replica" in error["message"]
+    assert len(got.choices) >= 19 and all(c["finish_reason"] is None for c in got.choices)
+    assert fleet.metric("servelm:router_migration_failures_total", 'reason="no_replica"') == before + 1
+    fleet.wait_all_healthy()
+
+
+def test_killing_the_replica_mid_stream_loses_no_token(fleet: Fleet) -> None:
+    """Last: SIGKILL of the replica process serving the stream (the fleet stays one short)."""
+    body = completion_body(return_token_ids=True)
+    want = stream(fleet, "/v1/completions", body)
+    prompt_ids = want.choices[0]["prompt_token_ids"]
+    want_ids = [t for c in want.choices for t in c["token_ids"]]
+    assert len(want_ids) == NUM_TOKENS
+    killed: list[ServerProcess] = []
+
+    def kill(url: str) -> None:
+        killed.append(fleet.replica_for(url))
+        killed[0].process.kill()
+
+    before = fleet.metric("servelm:router_migrations_total")
+    got = stream(fleet, "/v1/completions", body, fault_after=40, fault=kill)
+    assert killed[0].process.wait(timeout=10) == -9
+    assert fleet.metric("servelm:router_migrations_total") == before + 1
+    assert_same_stream(got, want)
+    assert [t for c in got.choices for t in c["token_ids"]] == want_ids  # none missing, none twice
+    assert [c["prompt_token_ids"] for c in got.choices if "prompt_token_ids" in c] == [prompt_ids]
