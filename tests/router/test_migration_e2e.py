@@ -65,7 +65,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     proxies = [CutProxy(r.port) for r in replicas]
     port = free_port()
     command = [sys.executable, "-m", "servelm.cli", "router", "--port", str(port), "--policy", "least_load",
-               "--model", str(model), "--health-interval", "0.5", "--stream-stall-timeout", str(STALL_TIMEOUT_S)]
+               "--model", str(model), "--health-interval", "0.5", "--upstream-stall-timeout", str(STALL_TIMEOUT_S)]
     command += [arg for proxy in proxies for arg in ("--replica", proxy.url)]
     log = tempfile.NamedTemporaryFile(prefix="servelm-router-", suffix=".log", delete=False)
     router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

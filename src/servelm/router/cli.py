@@ -55,8 +55,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="times a stream may be continued on another replica when its replica fails mid-stream (0: never)",
     )  # fmt: skip
     router.add_argument(
-        "--stream-stall-timeout", type=float, default=60.0, dest="stream_stall_timeout_s",
-        help="seconds without a byte after which a stream's replica counts as lost (the stream migrates)",
+        "--upstream-stall-timeout", type=float, default=60.0, dest="upstream_stall_timeout_s",
+        help="seconds without a byte from a stream's replica after which it counts as lost and the stream "
+        "migrates (0: never)",
     )  # fmt: skip
     router.add_argument("--health-interval", type=float, default=2.0, dest="health_interval_s")
     router.add_argument("--health-timeout", type=float, default=2.0, dest="health_timeout_s")
@@ -81,7 +82,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s, disagg=args.disagg,
             disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
             disagg_max_prefill_load=args.disagg_max_prefill_load, max_migrations=args.max_migrations,
-            stream_stall_timeout_s=args.stream_stall_timeout_s,
+            upstream_stall_timeout_s=args.upstream_stall_timeout_s or None,
         )  # fmt: skip
         replicas = [ReplicaSpec.parse(text) for text in args.replica]
     except ValueError as error:

@@ -152,8 +152,8 @@ class MigratingStream:
         relay = self.relay
         if relay.finish_reason is not None:  # only the usage chunk and [DONE] were lost
             return relay.finish_tail()
-        logger.warning("stream from %s failed after %d tokens (%s: %s)", leg.replica.url, len(relay.sent_ids),
-                       cause, reason)  # fmt: skip
+        logger.warning("stream %s from %s failed after %d tokens (%s: %s)", relay.stream_id, leg.replica.url,
+                       len(relay.sent_ids), cause, reason)  # fmt: skip
         if self._lost_at is None:
             self._lost_at = time.monotonic()
         why = NO_BUDGET if self.migrations >= self.max_migrations else None
@@ -165,14 +165,14 @@ class MigratingStream:
             why = NO_REPLICA if self.leg is None else None
         if why is not None:
             self.metrics.migration_failures.labels(why).inc()
-            logger.error("stream lost after %d tokens and %d migrations: %s", len(relay.sent_ids), self.migrations,
-                         why)  # fmt: skip
+            logger.error("stream %s lost after %d tokens (%d continuations tried): %s", relay.stream_id,
+                         len(relay.sent_ids), self.migrations, why)  # fmt: skip
             return relay.error_tail(f"The replica serving this stream failed ({cause}) and it could not be "
                                     f"continued elsewhere ({why}).")  # fmt: skip
         assert self.leg is not None
         self.metrics.migrations.labels(cause).inc()
-        logger.warning("stream continued on %s after %d tokens (migration %d of at most %d)", self.leg.replica.url,
-                       len(relay.sent_ids), self.migrations, self.max_migrations)  # fmt: skip
+        logger.warning("stream %s continued on %s after %d tokens (migration %d of at most %d)", relay.stream_id,
+                       self.leg.replica.url, len(relay.sent_ids), self.migrations, self.max_migrations)  # fmt: skip
         return []
 
     async def _next_leg(self) -> Leg | None:

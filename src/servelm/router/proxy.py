@@ -55,6 +55,7 @@ _DROP_RESPONSE_HEADERS = {"connection", "keep-alive", "transfer-encoding", "upgr
 REPLICA_HEADER = "x-servelm-replica"
 DISAGG_HEADER = "x-servelm-disagg"  # the split decision's reason (disagg.py)
 PREFILL_REPLICA_HEADER = "x-servelm-prefill-replica"  # where the prompt was computed, when split
+QUERY_TIMEOUT_S = 10.0  # a migration's /detokenize and /v1/models calls (the client's stream waits on them)
 
 
 @dataclass
@@ -130,7 +131,7 @@ class Proxy:
         upstream = _Continuations(self, headers)
         options = self.router.options
         stream = MigratingStream(StreamRelay(path, body), attempt, upstream, path, body, upstream_body,
-                                 options.max_migrations, options.stream_stall_timeout_s, self.router.metrics)  # fmt: skip
+                                 options.max_migrations, options.upstream_stall_timeout_s, self.router.metrics)  # fmt: skip
         return _ReleasingStream(stream.body(), stream.release, status_code=attempt.response.status_code,
                                 headers=_response_headers(attempt, plan))  # fmt: skip
 
@@ -321,7 +322,7 @@ class _Continuations:
     async def detokenize(self, url: str, token_ids: list[int]) -> str | None:
         try:
             response = await self.proxy.client.post(f"{url}/detokenize", json={"tokens": token_ids},
-                                                    headers=self.query_headers)  # fmt: skip
+                                                    headers=self.query_headers, timeout=QUERY_TIMEOUT_S)  # fmt: skip
             response.raise_for_status()
             text = response.json()["prompt"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
@@ -334,7 +335,8 @@ class _Continuations:
             if replica.url in exclude:
                 continue
             try:
-                response = await self.proxy.client.get(f"{replica.url}/v1/models", headers=self.query_headers)
+                response = await self.proxy.client.get(f"{replica.url}/v1/models", headers=self.query_headers,
+                                                       timeout=QUERY_TIMEOUT_S)  # fmt: skip
                 window = response.json()["data"][0]["max_model_len"]
             except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
                 logger.warning("no context window from %s: %s", replica.url, exc)

@@ -113,19 +113,28 @@ class StreamRelay:
         return self.prompt_ids is not None
 
     @property
+    def stream_id(self) -> str:
+        """The id the client sees (for logs), once the first chunk came."""
+        return str(self._header.get("id", "?")) if self._header is not None else "(not started)"
+
+    @property
     def started(self) -> bool:
-        """Some event reached the client, so it has this stream's id: a new leg must continue it."""
+        """The replica's first chunk came (the client may have it and this stream's id): a new leg
+        must continue the stream, not start it again."""
         return self._header is not None
 
     def begin_continuation(self) -> None:
         """The next events come from a continuation request (continuation.py)."""
         self._continuing = True
         self._boundary = _Boundary()
+        self._skip_left = 0
         self._offset_base = self._next_offset
 
     def handle(self, data: bytes) -> RelayResult:
         """One upstream event's data field."""
         if data == DONE_DATA:
+            if self._boundary is not None and self._boundary.pieces:  # a finish always settles it first
+                return RelayResult(failure="[DONE] before the continuation's first tokens were settled")
             self.done = True
             return RelayResult([DONE_EVENT], done=True)
         try:
