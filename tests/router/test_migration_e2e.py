@@ -1,13 +1,15 @@
-"""Streams that outlive their replica: `servelm router` over 2 real replicas of a tiny model, each
+"""Streams that outlive their replica: `servelm router` over 3 real replicas of a tiny model, each
 behind a TCP proxy the test can cut, refuse or freeze (cut_proxy.py). A long greedy stream loses
-its replica mid-stream (its connection reset, its bytes frozen past the stall timeout, its process
-killed with SIGKILL) and the client's stream must still be the undisturbed run's: the same token
-ids, text, logprobs, usage and finish; a stream whose every replica fails ends with an error
-event. The process kill runs last: it leaves the fleet one replica short."""
+its replica mid-stream (its connection reset, its bytes frozen past the stall timeout, its engine
+core or its process killed with SIGKILL) and the client's stream must still be the undisturbed
+run's: the same token ids, text, logprobs, usage and finish; a stream whose every replica fails
+ends with an error event. The two kills run last, each leaving one replica fewer in rotation."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,8 +25,10 @@ import pytest
 from cut_proxy import CutProxy
 
 from servelm.server.launcher import ServerProcess, free_port, launch_server, wait_until_ready
+from servelm.testing.processes import child_pids
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
+NUM_REPLICAS = 3  # the kills take two out for good: the last stream still has one to move to
 REPLICA_ARGS = ["--num-blocks", "1024", "--num-threads", "1", "--max-num-seqs", "16"]
 STALL_TIMEOUT_S = 2.0
 NUM_TOKENS = 200
@@ -60,8 +64,8 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("migration") / "model", seed=0)
-    with ThreadPoolExecutor(2) as pool:
-        replicas = list(pool.map(lambda _: launch_server(model, REPLICA_ARGS), range(2)))
+    with ThreadPoolExecutor(NUM_REPLICAS) as pool:
+        replicas = list(pool.map(lambda _: launch_server(model, REPLICA_ARGS), range(NUM_REPLICAS)))
     proxies = [CutProxy(r.port) for r in replicas]
     port = free_port()
     command = [sys.executable, "-m", "servelm.cli", "router", "--port", str(port), "--policy", "least_load",
@@ -205,8 +209,24 @@ def test_a_stream_whose_every_replica_fails_ends_with_an_error_event(fleet: Flee
     fleet.wait_all_healthy()
 
 
+def test_an_engine_core_killed_mid_stream_ends_its_replicas_stream_and_it_moves(fleet: Fleet) -> None:
+    """SIGKILL of the serving replica's engine core: its API process ends the stream with an error
+    event (the replica stays out of rotation while it has no engine)."""
+    body = chat_body(max_completion_tokens=120)
+    want = stream(fleet, "/v1/chat/completions", body)
+
+    def kill_core(url: str) -> None:
+        [core] = child_pids(fleet.replica_for(url).process.pid, "spawn_main")  # not the resource tracker
+        os.kill(core, signal.SIGKILL)
+
+    before = fleet.metric("servelm:router_migrations_total", 'cause="replica_error"')
+    got = stream(fleet, "/v1/chat/completions", body, fault_after=30, fault=kill_core)
+    assert fleet.metric("servelm:router_migrations_total", 'cause="replica_error"') == before + 1
+    assert_same_stream(got, want)
+
+
 def test_killing_the_replica_mid_stream_loses_no_token(fleet: Fleet) -> None:
-    """Last: SIGKILL of the replica process serving the stream (the fleet stays one short)."""
+    """Last: SIGKILL of the replica process serving the stream."""
     body = completion_body(return_token_ids=True)
     want = stream(fleet, "/v1/completions", body)
     prompt_ids = want.choices[0]["prompt_token_ids"]
