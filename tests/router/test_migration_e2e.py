@@ -1,5 +1,5 @@
 """Streams that outlive their replica: `servelm router` over 3 real replicas of a tiny model, each
-behind a TCP proxy the test can cut, refuse or freeze (cut_proxy.py). A long greedy stream loses
+behind a TCP proxy the test can cut, refuse or freeze (servelm.testing.cut_proxy). A long greedy stream loses
 its replica mid-stream (its connection reset, its bytes frozen past the stall timeout, its engine
 core or its process killed with SIGKILL) and the client's stream must still be the undisturbed
 run's: the same token ids, text, logprobs, usage and finish; a stream whose every replica fails
@@ -8,24 +8,17 @@ ends with an error event. The two kills run last, each leaving one replica fewer
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from cut_proxy import CutProxy
 
-from servelm.server.launcher import ServerProcess, free_port, launch_server, wait_until_ready
-from servelm.testing.processes import child_pids
+from servelm.server.launcher import ServerProcess
+from servelm.testing.cut_proxy import CutProxy
+from servelm.testing.proxied_fleet import ProxiedFleet, start_proxied_fleet
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
 NUM_REPLICAS = 3  # the kills take two out for good: the last stream still has one to move to
@@ -36,58 +29,14 @@ PROMPT = "The lighthouse keeper wrote in his log every night, and tonight he wro
 MESSAGES = [{"role": "user", "content": "Tell me about the lighthouse keeper and his log."}]
 
 
-@dataclass
-class Fleet:
-    router: str
-    replicas: list[ServerProcess]
-    proxies: list[CutProxy]  # proxies[i] fronts replicas[i]; the router knows only the proxies
-    router_process: subprocess.Popen
-
-    def proxy_for(self, url: str) -> CutProxy:
-        return next(p for p in self.proxies if p.url == url)
-
-    def replica_for(self, url: str) -> ServerProcess:
-        return self.replicas[self.proxies.index(self.proxy_for(url))]
-
-    def metric(self, name: str, labels: str = "") -> float:
-        text = httpx.get(f"{self.router}/metrics", timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(f"{name}{{{labels}") or (not labels and line.startswith(name + " ")))  # fmt: skip
-
-    def wait_all_healthy(self, timeout_s: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while httpx.get(f"{self.router}/health", timeout=5).json().get("replicas") != len(self.proxies):
-            assert time.monotonic() < deadline, "replicas did not come back into rotation"
-            time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedFleet]:
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("migration") / "model", seed=0)
-    with ThreadPoolExecutor(NUM_REPLICAS) as pool:
-        replicas = list(pool.map(lambda _: launch_server(model, REPLICA_ARGS), range(NUM_REPLICAS)))
-    proxies = [CutProxy(r.port) for r in replicas]
-    port = free_port()
-    command = [sys.executable, "-m", "servelm.cli", "router", "--port", str(port), "--policy", "least_load",
-               "--model", str(model), "--health-interval", "0.5", "--upstream-stall-timeout", str(STALL_TIMEOUT_S)]
-    command += [arg for proxy in proxies for arg in ("--replica", proxy.url)]
-    log = tempfile.NamedTemporaryFile(prefix="servelm-router-", suffix=".log", delete=False)
-    router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until_ready(router, f"http://127.0.0.1:{port}/ready", 120)
-        fleet = Fleet(f"http://127.0.0.1:{port}", replicas, proxies, router)
-        fleet.wait_all_healthy()
-        yield fleet
-    except BaseException:
-        print(Path(log.name).read_text(errors="replace")[-5000:])
-        raise
-    finally:
-        router.terminate()
-        router.wait(timeout=30)
-        for proxy in proxies:
-            proxy.close()
-        for replica in replicas:
-            replica.stop()
+    router_args = ["--policy", "least_load", "--health-interval", "0.5",
+                   "--upstream-stall-timeout", str(STALL_TIMEOUT_S)]  # fmt: skip
+    fleet = start_proxied_fleet(model, NUM_REPLICAS, REPLICA_ARGS, router_args)
+    yield fleet
+    fleet.close()
 
 
 @dataclass
@@ -108,7 +57,7 @@ class Streamed:
         return self.chunks[-1]["usage"]
 
 
-def stream(fleet: Fleet, path: str, body: dict[str, Any], fault_after: int | None = None, fault=None) -> Streamed:
+def stream(fleet: ProxiedFleet, path: str, body: dict[str, Any], fault_after: int | None = None, fault=None) -> Streamed:
     """POST a stream through the router; after `fault_after` events call `fault(replica_url)`."""
     chunks, done = [], False
     with httpx.stream("POST", fleet.router + path, json=body, timeout=httpx.Timeout(60, read=30)) as response:
@@ -145,13 +94,13 @@ def assert_same_stream(got: Streamed, want: Streamed) -> None:
     assert {c["object"] for c in got.chunks} == {want.chunks[0]["object"]}
 
 
-def test_a_reset_connection_mid_chat_stream_continues_elsewhere(fleet: Fleet) -> None:
+def test_a_reset_connection_mid_chat_stream_continues_elsewhere(fleet: ProxiedFleet) -> None:
     body = chat_body(logprobs=True, top_logprobs=2)
     want = stream(fleet, "/v1/chat/completions", body)
     assert want.usage["completion_tokens"] == NUM_TOKENS
     assert all("token_ids" not in c for c in want.choices) and all("prompt_token_ids" not in c for c in want.chunks)
     before = fleet.metric("servelm:router_migrations_total", 'cause="connection"')
-    got = stream(fleet, "/v1/chat/completions", body, fault_after=40, fault=lambda url: fleet.proxy_for(url).cut())
+    got = stream(fleet, "/v1/chat/completions", body, fault_after=40, fault=lambda url: fleet.proxies[fleet.index_of(url)].cut())
     assert fleet.metric("servelm:router_migrations_total", 'cause="connection"') == before + 1
     assert_same_stream(got, want)
     got_lp = [t for c in got.choices if c["logprobs"] for t in c["logprobs"]["content"]]
@@ -161,16 +110,16 @@ def test_a_reset_connection_mid_chat_stream_continues_elsewhere(fleet: Fleet) ->
     assert [t["logprob"] for t in got_lp] == pytest.approx([t["logprob"] for t in want_lp], abs=1e-3)
     assert got.chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert sum("role" in c["delta"] for c in got.choices) == 1
-    fleet.wait_all_healthy()
+    fleet.wait_healthy()
 
 
-def test_a_stalled_stream_moves_after_the_stall_timeout(fleet: Fleet) -> None:
+def test_a_stalled_stream_moves_after_the_stall_timeout(fleet: ProxiedFleet) -> None:
     body = completion_body(logprobs=1)
     want = stream(fleet, "/v1/completions", body)
     frozen: list[CutProxy] = []
 
     def freeze(url: str) -> None:
-        frozen.append(fleet.proxy_for(url))
+        frozen.append(fleet.proxies[fleet.index_of(url)])
         frozen[0].freeze(True)  # the replica is alive and its socket open: only the bytes stop
 
     before = fleet.metric("servelm:router_migrations_total", 'cause="stalled"')
@@ -185,10 +134,10 @@ def test_a_stalled_stream_moves_after_the_stall_timeout(fleet: Fleet) -> None:
     # text_offset runs on across the boundary as in one replica's stream.
     offsets = [o for c in got.choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
     assert offsets == [o for c in want.choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
-    fleet.wait_all_healthy()
+    fleet.wait_healthy()
 
 
-def test_a_stream_whose_every_replica_fails_ends_with_an_error_event(fleet: Fleet) -> None:
+def test_a_stream_whose_every_replica_fails_ends_with_an_error_event(fleet: ProxiedFleet) -> None:
     def refuse_all(_: str) -> None:
         for proxy in fleet.proxies:
             proxy.refuse(True)
@@ -206,18 +155,17 @@ def test_a_stream_whose_every_replica_fails_ends_with_an_error_event(fleet: Flee
     assert error["type"] == "server_error" and error["code"] == "replica_lost" and "no_replica" in error["message"]
     assert len(got.choices) >= 19 and all(c["finish_reason"] is None for c in got.choices)
     assert fleet.metric("servelm:router_migration_failures_total", 'reason="no_replica"') == before + 1
-    fleet.wait_all_healthy()
+    fleet.wait_healthy()
 
 
-def test_an_engine_core_killed_mid_stream_ends_its_replicas_stream_and_it_moves(fleet: Fleet) -> None:
+def test_an_engine_core_killed_mid_stream_ends_its_replicas_stream_and_it_moves(fleet: ProxiedFleet) -> None:
     """SIGKILL of the serving replica's engine core: its API process ends the stream with an error
     event (the replica stays out of rotation while it has no engine)."""
     body = chat_body(max_completion_tokens=120)
     want = stream(fleet, "/v1/chat/completions", body)
 
     def kill_core(url: str) -> None:
-        [core] = child_pids(fleet.replica_for(url).process.pid, "spawn_main")  # not the resource tracker
-        os.kill(core, signal.SIGKILL)
+        fleet.kill_engine_core(fleet.index_of(url))
 
     before = fleet.metric("servelm:router_migrations_total", 'cause="replica_error"')
     got = stream(fleet, "/v1/chat/completions", body, fault_after=30, fault=kill_core)
@@ -225,7 +173,7 @@ def test_an_engine_core_killed_mid_stream_ends_its_replicas_stream_and_it_moves(
     assert_same_stream(got, want)
 
 
-def test_killing_the_replica_mid_stream_loses_no_token(fleet: Fleet) -> None:
+def test_killing_the_replica_mid_stream_loses_no_token(fleet: ProxiedFleet) -> None:
     """Last: SIGKILL of the replica process serving the stream."""
     body = completion_body(return_token_ids=True)
     want = stream(fleet, "/v1/completions", body)
@@ -235,7 +183,7 @@ def test_killing_the_replica_mid_stream_loses_no_token(fleet: Fleet) -> None:
     killed: list[ServerProcess] = []
 
     def kill(url: str) -> None:
-        killed.append(fleet.replica_for(url))
+        killed.append(fleet.replicas[fleet.index_of(url)])
         killed[0].process.kill()
 
     before = fleet.metric("servelm:router_migrations_total")
