@@ -97,7 +97,8 @@ def run_migrated(decoder: FastDecoder, ids: list[int], cut: int, stops: list[str
         result = relay.handle(data)
         out += result.events
         if (to_decode := relay.splice_ids()) is not None:
-            result = relay.apply_splice([decoder.decode(token_ids) for token_ids in to_decode])
+            skip = relay.skip_special_tokens  # as the replica's /detokenize decodes them for the router
+            result = relay.apply_splice([decoder.decode(token_ids, skip) for token_ids in to_decode])
             out += result.events
         if result.done:
             break

@@ -59,8 +59,8 @@ class Upstream(Protocol):
         """A new leg on a healthy replica not in `exclude` (trying another before the first byte
         as any request does); None when none answered with a stream."""
 
-    async def detokenize(self, url: str, token_ids: list[int]) -> str | None:
-        """The replica's text of `token_ids`; None when it did not answer."""
+    async def detokenize(self, url: str, token_ids: list[int], skip_special_tokens: bool) -> str | None:
+        """The replica's text of `token_ids` (/detokenize); None when it did not answer."""
 
     async def context_window(self, exclude: set[str]) -> int | None:
         """The replicas' max_model_len."""
@@ -83,7 +83,7 @@ class MigratingStream:
         self.max_migrations = max_migrations
         self.stall_timeout_s = stall_timeout_s
         self.metrics = metrics
-        self.failed: set[str] = set()  # replicas whose leg failed: never chosen again for this request
+        self.failed: set[str] = set()  # replicas whose leg failed: the last resort for this request's next leg
         self.migrations = 0
         self._lost_at: float | None = None  # when the last leg failed, until the next one's first event
 
@@ -134,7 +134,8 @@ class MigratingStream:
         ids = self.relay.splice_ids() if result.failure is None and not result.done else None
         if ids is None:
             return result
-        texts = [await self.upstream.detokenize(leg.replica.url, token_ids) for token_ids in ids]
+        skip = self.relay.skip_special_tokens
+        texts = [await self.upstream.detokenize(leg.replica.url, token_ids, skip) for token_ids in ids]
         joined = self.relay.apply_splice(texts)
         return RelayResult(result.events + joined.events, joined.failure, joined.done)
 
@@ -161,7 +162,7 @@ class MigratingStream:
             why = NO_PROMPT
         if why is None:
             self.migrations += 1
-            self.leg = await self._next_leg()
+            self.leg = await self._next_leg(leg.replica.url)
             why = NO_REPLICA if self.leg is None else None
         if why is not None:
             self.metrics.migration_failures.labels(why).inc()
@@ -175,10 +176,10 @@ class MigratingStream:
                        self.leg.replica.url, len(relay.sent_ids), self.migrations, self.max_migrations)  # fmt: skip
         return []
 
-    async def _next_leg(self) -> Leg | None:
+    async def _next_leg(self, just_failed: str) -> Leg | None:
         relay = self.relay
         if not relay.started:  # nothing reached the client: send the request again, whole
-            return await self.upstream.send(self.path, self.upstream_body, self.failed)
+            return await self._send(self.path, self.upstream_body, just_failed)
         assert relay.prompt_ids is not None
         window = None
         if output_limit(self.path, self.request_body) is None:
@@ -190,7 +191,15 @@ class MigratingStream:
             logger.error("a stream had all its tokens but no finish_reason; not continued")
             return None
         body = continuation_body(self.path, self.request_body, relay.prompt_ids, relay.sent_ids, remaining)
-        leg = await self.upstream.send(COMPLETIONS_PATH, body, self.failed)
+        leg = await self._send(COMPLETIONS_PATH, body, just_failed)
         if leg is not None:
             relay.begin_continuation()
+        return leg
+
+    async def _send(self, path: str, body: dict[str, Any], just_failed: str) -> Leg | None:
+        """A replica this stream has not failed on yet; else one it failed on before and that is back in
+        rotation (a reset connection does not mean a dead replica), never the one that just failed."""
+        leg = await self.upstream.send(path, body, self.failed)
+        if leg is None and self.failed != {just_failed}:
+            leg = await self.upstream.send(path, body, {just_failed})
         return leg

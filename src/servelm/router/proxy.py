@@ -319,10 +319,11 @@ class _Continuations:
             return None
         return attempt
 
-    async def detokenize(self, url: str, token_ids: list[int]) -> str | None:
+    async def detokenize(self, url: str, token_ids: list[int], skip_special_tokens: bool) -> str | None:
+        body = {"tokens": token_ids, "skip_special_tokens": skip_special_tokens}
         try:
-            response = await self.proxy.client.post(f"{url}/detokenize", json={"tokens": token_ids},
-                                                    headers=self.query_headers, timeout=QUERY_TIMEOUT_S)  # fmt: skip
+            response = await self.proxy.client.post(f"{url}/detokenize", json=body, headers=self.query_headers,
+                                                    timeout=QUERY_TIMEOUT_S)  # fmt: skip
             response.raise_for_status()
             text = response.json()["prompt"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:

@@ -88,6 +88,7 @@ class StreamRelay:
         stop = body.get("stop")
         self.stops: list[str] = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
         self.include_stop = bool(body.get("include_stop_str_in_output"))
+        self.skip_special_tokens = body.get("skip_special_tokens") is not False  # how the stream's text is decoded
         self.num_top = int(body.get("top_logprobs") or 0)  # chat's; completions pass theirs through
         options = body.get("stream_options")
         self.include_usage = isinstance(options, Mapping) and bool(options.get("include_usage"))

@@ -308,3 +308,6 @@ class DetokenizeRequest(_Strict):
 
     model: Identifier | None = None
     tokens: list[int]  # within the vocabulary: checked by the engine front
+    # True: special tokens' text left out, as a stream shows it (the router joins a migrated stream's
+    # text with it); False (default): every token's text.
+    skip_special_tokens: bool = False
