@@ -37,6 +37,13 @@ def test_detokenize_inverts_tokenize(server):
     assert _post(server, "/detokenize", {"tokens": tokens}).json()["prompt"] == text
 
 
+def test_detokenize_can_leave_special_tokens_out_as_a_stream_does(server):
+    tokens = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+    with_special = _post(server, "/detokenize", {"tokens": tokens}).json()["prompt"]
+    without = _post(server, "/detokenize", {"tokens": tokens, "skip_special_tokens": True}).json()["prompt"]
+    assert "<|im_start|>" in with_special and "<|im_start|>" not in without and "hi" in without
+
+
 def test_tokenize_and_detokenize_errors(server):
     cases = [
         ("/tokenize", {}, "prompt"),

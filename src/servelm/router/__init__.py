@@ -1,7 +1,12 @@
 """Cache-aware router over servelm replicas (`servelm router`).
 
     app.py           HTTP front: OpenAI endpoints, /health, /metrics, /admin/replicas
-    proxy.py         choose → forward → retry once before the first byte → stream through
+    proxy.py         choose → forward → retry once before the first byte → stream through (or migrate)
+    migration.py     a stream that outlives its replica: detect the failure, continue it elsewhere
+    relay.py         a migratable stream's client side: strip the ids the router asked for, convert and
+                     join a continuation's events (splice.py: the text across the token boundary)
+    continuation.py  which streams can migrate; the /v1/completions request that continues one
+    sse.py           SSE events out of raw bytes and back
     disagg.py        per request: whole on one replica, or prefill on a prefill worker + decode (and why)
     prefill_calls.py a split request's two bodies; its prefill call in the background
     roles.py         a replica's disaggregation role and transfer address (GET /v1/kv_transfer)

@@ -50,6 +50,15 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--disagg-max-prefill-load", type=int, default=DisaggSettings.max_prefill_load,
         help="prefill calls in flight per prefill worker before it counts as saturated (then no split)",
     )  # fmt: skip
+    router.add_argument(
+        "--max-migrations", type=int, default=2,
+        help="times a stream may be continued on another replica when its replica fails mid-stream (0: never)",
+    )  # fmt: skip
+    router.add_argument(
+        "--upstream-stall-timeout", type=float, default=60.0, dest="upstream_stall_timeout_s",
+        help="seconds without a byte from a stream's replica after which it counts as lost and the stream "
+        "migrates (0: never)",
+    )  # fmt: skip
     router.add_argument("--health-interval", type=float, default=2.0, dest="health_interval_s")
     router.add_argument("--health-timeout", type=float, default=2.0, dest="health_timeout_s")
     router.add_argument("--prefix-index-blocks", type=int, default=65536, help="per replica (prefix policy)")
@@ -72,7 +81,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             prefix_index_ttl_s=args.prefix_index_ttl_s, kv_index_blocks=args.kv_index_blocks,
             health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s, disagg=args.disagg,
             disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
-            disagg_max_prefill_load=args.disagg_max_prefill_load,
+            disagg_max_prefill_load=args.disagg_max_prefill_load, max_migrations=args.max_migrations,
+            upstream_stall_timeout_s=args.upstream_stall_timeout_s or None,
         )  # fmt: skip
         replicas = [ReplicaSpec.parse(text) for text in args.replica]
     except ValueError as error:

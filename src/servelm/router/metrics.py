@@ -82,6 +82,21 @@ class RouterMetrics:
             "done) → the decode worker's first byte (the KV landed and the first token sampled there).",
             buckets=HANDOFF_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.migrations = Counter(
+            PREFIX + "migrations", "Streams continued on another replica after theirs failed mid-stream (migration.py), "
+            "by cause: connection (reset), closed (ended before [DONE]), stalled (no byte for the stall timeout), "
+            "replica_error (an error event, a choice finished by error/abort).", ["cause"], registry=self.registry,
+        )  # fmt: skip
+        self.migration_failures = Counter(
+            PREFIX + "migration_failures", "Streams that ended in an error event because they could not be continued: "
+            "budget (max migrations used), no_replica (none left or none answered), unknown_prompt.", ["reason"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.migration_seconds = Histogram(
+            PREFIX + "migration_seconds", "A migrated stream's gap: its replica failed → the next replica's first "
+            "event written to the client (the continuation's prefill included).", buckets=HANDOFF_BUCKETS,
+            registry=self.registry,
+        )  # fmt: skip
         self.registry.register(_ReplicaGauges(replicas))
 
     def render(self) -> bytes:

@@ -10,8 +10,11 @@ whose answer is what the client sees (prefill_calls.py). A retry is always serve
 
 "Before the first byte" is literal: the upstream's first body chunk is awaited before the
 client gets the status line, so a replica that dies while prefilling (or while computing a
-non-streamed answer) costs a retry, not an error. After that, bytes are passed through
-unchanged and unbuffered (`aiter_raw`), and a failure can only cut the stream.
+non-streamed answer) costs a retry, not an error. After that, a stream of one choice
+(continuation.migratable) is relayed event by event and continued on another replica if its
+replica fails (migration.py); its replica is asked for the token ids behind the text
+(`return_token_ids`), which the client sees only if it asked too. Anything else is passed through
+unchanged and unbuffered (`aiter_raw`), and a failure can only cut it.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from servelm.openai_api.errors import SERVER_ERROR, error_response
+from servelm.router.continuation import migratable
 from servelm.router.disagg import DisaggPlan, plan_request
+from servelm.router.migration import Leg, MigratingStream
 from servelm.router.policies import Decision, RequestView
 from servelm.router.prefill_calls import PrefillCalls, decode_body, prefill_body
+from servelm.router.relay import StreamRelay
 from servelm.router.replicas import Replica
 from servelm.router.request_view import build_view
 from servelm.router.state import Router
@@ -49,6 +55,7 @@ _DROP_RESPONSE_HEADERS = {"connection", "keep-alive", "transfer-encoding", "upgr
 REPLICA_HEADER = "x-servelm-replica"
 DISAGG_HEADER = "x-servelm-disagg"  # the split decision's reason (disagg.py)
 PREFILL_REPLICA_HEADER = "x-servelm-prefill-replica"  # where the prompt was computed, when split
+QUERY_TIMEOUT_S = 10.0  # a migration's /detokenize and /v1/models calls (the client's stream waits on them)
 
 
 @dataclass
@@ -62,10 +69,31 @@ class _Failure:
 
 @dataclass
 class _Attempt:
+    """A replica's answer, its first body chunk read; counted in the replica's load until released."""
+
     replica: Replica
     response: httpx.Response
     first_chunk: bytes
     chunks: AsyncIterator[bytes]
+    tokens: int  # what it added to replica.outstanding_tokens
+    prefill: asyncio.Task[float | None] | None = None  # a disaggregated request's prefill call
+    released: bool = False
+
+    async def release(self) -> None:
+        """Close the response (a replica aborts a request whose client left) and uncount it. Once."""
+        if self.released:
+            return
+        self.released = True
+        await self.response.aclose()
+        self.replica.in_flight -= 1
+        self.replica.outstanding_tokens -= self.tokens
+        if self.prefill is not None:
+            self.prefill.cancel()  # no-op once it returned; else the client left (or the decode worker gave up on it)
+
+    @property
+    def is_event_stream(self) -> bool:
+        content_type = self.response.headers.get("content-type", "")
+        return self.response.status_code == 200 and content_type.startswith("text/event-stream")
 
 
 class Proxy:
@@ -87,33 +115,60 @@ class Proxy:
         if not isinstance(body, dict):
             body = {}
         headers = request_headers(request)
-        view = await build_view(self.tokenizer, self.router.options.block_size, request.url.path, body, headers)
-        tried: set[str] = set()
+        path = request.url.path
+        view = await build_view(self.tokenizer, self.router.options.block_size, path, body, headers)
+        migrate = self.router.options.max_migrations > 0 and migratable(path, body)
+        upstream_body = body
+        if migrate and body.get("return_token_ids") is not True:
+            upstream_body = {**body, "return_token_ids": True}
+            raw = json.dumps(upstream_body).encode()
+        routed = await self.route(view, path, raw, upstream_body, headers, exclude=set(), first_reason=None)
+        if isinstance(routed, list):
+            return _give_up(routed)
+        attempt, plan = routed
+        if not (migrate and attempt.is_event_stream):
+            return self._stream(attempt, plan)
+        upstream = _Continuations(self, headers)
+        options = self.router.options
+        stream = MigratingStream(StreamRelay(path, body), attempt, upstream, path, body, upstream_body,
+                                 options.max_migrations, options.upstream_stall_timeout_s, self.router.metrics)  # fmt: skip
+        return _ReleasingStream(stream.body(), stream.release, status_code=attempt.response.status_code,
+                                headers=_response_headers(attempt, plan))  # fmt: skip
+
+    async def route(
+        self, view: RequestView, path: str, raw: bytes, body: dict[str, Any], headers: dict[str, str],
+        exclude: set[str], first_reason: str | None,
+    ) -> tuple[_Attempt, DisaggPlan] | list[_Failure]:  # fmt: skip
+        """Up to max_attempts replicas not in `exclude`, until one answers (its first chunk read).
+        `first_reason` labels the first attempt's decision when it is not the policy's own (a
+        migration); later attempts are retries. Returns the attempt, or why each one failed."""
+        tried = set(exclude)
         failures: list[_Failure] = []
         options = self.router.options
         for attempt in range(options.max_attempts):
             candidates = [r for r in self.router.replicas.healthy() if r.url not in tried]
+            reason = "retry" if attempt > 0 else first_reason
             plan = plan_request(view, candidates, self.router.policy, self.router.cached_blocks,
-                                options.disagg_settings(), options.block_size, retry=attempt > 0)  # fmt: skip
+                                options.disagg_settings(), options.block_size, retry=reason is not None)  # fmt: skip
             if plan is None:
                 break
             tried.add(plan.decode.url)
-            self._record_decision(plan.route, view, retry=attempt > 0)
+            self._record_decision(plan.route, view, reason)
             self.router.metrics.disagg_decisions.labels(plan.decision, plan.reason).inc()
-            result, prefill = await self._dispatch(plan, view, request.url.path, raw, body, headers)
+            result = await self._dispatch(plan, view, path, raw, body, headers)
             if isinstance(result, _Attempt):
-                return self._stream(result, view, plan, prefill)
+                return result, plan
             failures.append(result)
-        return _give_up(failures)
+        return failures
 
     async def _dispatch(
         self, plan: DisaggPlan, view: RequestView, path: str, raw: bytes, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[_Attempt | _Failure, asyncio.Task[float | None] | None]:
+    ) -> _Attempt | _Failure:
         """One attempt: the request whole (its bytes untouched), or split into the prefill call
         (background) and the decode request (awaited to its first byte, as `_try`). The prefill
         is cancelled when the decode attempt fails or this coroutine is cancelled."""
         if plan.prefill is None or plan.prefill.transfer_address is None:
-            return await self._try(plan.decode, view, path, raw, headers), None
+            return await self._try(plan.decode, view, path, raw, headers)
         transfer_id = uuid.uuid4().hex
         prefill_content = json.dumps(prefill_body(body, transfer_id)).encode()
         prefill = self.prefill_calls.start(plan.prefill, path, prefill_content, headers)
@@ -125,17 +180,18 @@ class Proxy:
             raise
         if isinstance(result, _Failure):
             prefill.cancel()
-            return result, None
+            return result
         if prefill.done() and not prefill.cancelled() and (prefill_done := prefill.result()) is not None:
             # The hop the split adds after the prefill: the pull's last blocks and the first step there.
             self.router.metrics.disagg_handoff.observe(max(0.0, time.monotonic() - prefill_done))
-        return result, prefill
+        result.prefill = prefill
+        return result
 
-    def _record_decision(self, decision: Decision, view: RequestView, retry: bool) -> None:
+    def _record_decision(self, decision: Decision, view: RequestView, reason: str | None) -> None:
         metrics = self.router.metrics
-        if retry:
+        if reason == "retry":
             metrics.retries.inc()
-        metrics.decisions.labels("retry" if retry else decision.reason).inc()
+        metrics.decisions.labels(reason or decision.reason).inc()
         metrics.requests.labels(decision.replica.url).inc()
         block_size = self.router.options.block_size
         metrics.prefix_match_tokens.observe(min(decision.matched_blocks * block_size, view.num_prompt_tokens))
@@ -161,24 +217,26 @@ class Proxy:
             else:
                 chunks = response.aiter_raw()
                 first = await anext(chunks, b"")
-                return _Attempt(replica, response, first, chunks)
+                return _Attempt(replica, response, first, chunks, tokens)
         except httpx.HTTPError as exc:
             failure = _Failure(f"{replica.url}: {type(exc).__name__}: {exc}")
             self.router.metrics.failures.labels(replica.url).inc()
             await self.router.mark_down(replica, failure.message)
+        except BaseException:  # cancelled: the client left, or the router stops
+            _uncount(replica, tokens)
+            if response is not None:
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+            raise
         # Failed before any byte reached the client: release and let the caller retry.
         if response is not None:
             await response.aclose()
-        replica.in_flight -= 1
-        replica.outstanding_tokens -= tokens
+        _uncount(replica, tokens)
         logger.warning("attempt failed before the first byte: %s", failure.message)
         return failure
 
-    def _stream(
-        self, attempt: _Attempt, view: RequestView, plan: DisaggPlan, prefill: asyncio.Task[float | None] | None
-    ) -> StreamingResponse:
-        replica, response = attempt.replica, attempt.response
-        tokens = view.num_prompt_tokens + view.num_output_tokens
+    def _stream(self, attempt: _Attempt, plan: DisaggPlan) -> StreamingResponse:
+        """Pass the answer through as it comes."""
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -188,23 +246,12 @@ class Proxy:
                     yield chunk
             except httpx.HTTPError as exc:
                 # Mid-stream: too late to retry; the client sees the stream cut.
-                self.router.metrics.failures.labels(replica.url).inc()
-                await self.router.mark_down(replica, f"stream broke: {type(exc).__name__}: {exc}")
+                self.router.metrics.failures.labels(attempt.replica.url).inc()
+                await self.router.mark_down(attempt.replica, f"stream broke: {type(exc).__name__}: {exc}")
                 raise
 
-        async def release() -> None:
-            await response.aclose()  # a client gone mid-stream: closing aborts the request on the replica
-            replica.in_flight -= 1
-            replica.outstanding_tokens -= tokens
-            if prefill is not None:
-                prefill.cancel()  # no-op once it returned; else the client left (or the decode worker gave up on it)
-
-        headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
-        headers[REPLICA_HEADER] = replica.url
-        headers[DISAGG_HEADER] = plan.reason
-        if plan.prefill is not None:
-            headers[PREFILL_REPLICA_HEADER] = plan.prefill.url
-        return _ReleasingStream(body(), release, status_code=response.status_code, headers=headers)
+        return _ReleasingStream(body(), attempt.release, status_code=attempt.response.status_code,
+                                headers=_response_headers(attempt, plan))  # fmt: skip
 
     async def get_any(self, path: str, headers: dict[str, str]) -> Response:
         """GET a read-only endpoint (/v1/models) from the first healthy replica that answers."""
@@ -219,6 +266,20 @@ class Proxy:
         return error_response(503, "no healthy replica", type=SERVER_ERROR, code="no_replica_available")
 
 
+def _response_headers(attempt: _Attempt, plan: DisaggPlan) -> dict[str, str]:
+    headers = {k: v for k, v in attempt.response.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
+    headers[REPLICA_HEADER] = attempt.replica.url  # the first leg's, for a stream that migrates later
+    headers[DISAGG_HEADER] = plan.reason
+    if plan.prefill is not None:
+        headers[PREFILL_REPLICA_HEADER] = plan.prefill.url
+    return headers
+
+
+def _uncount(replica: Replica, tokens: int) -> None:
+    replica.in_flight -= 1
+    replica.outstanding_tokens -= tokens
+
+
 def _give_up(failures: list[_Failure]) -> Response:
     """Every attempt failed. If every replica tried was merely full (429), so is the fleet: the
     client gets 429 and the shortest Retry-After a replica asked for; anything else is a 503."""
@@ -231,6 +292,65 @@ def _give_up(failures: list[_Failure]) -> Response:
     last = failures[-1].message if failures else "no healthy replica"
     return error_response(503, f"no replica could serve the request: {last}", type=SERVER_ERROR,
                           code="no_replica_available")  # fmt: skip
+
+
+class _Continuations:
+    """The proxy as a migrating stream's Upstream (migration.py), for one request."""
+
+    def __init__(self, proxy: Proxy, headers: dict[str, str]) -> None:
+        self.proxy = proxy
+        self.headers = headers  # the client's: the continuation is its request
+        # Tokenize / model queries carry the client's credentials only.
+        self.query_headers = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+
+    async def send(self, path: str, body: dict[str, Any], exclude: set[str]) -> Leg | None:
+        proxy = self.proxy
+        view = await build_view(proxy.tokenizer, proxy.router.options.block_size, path, body, self.headers)
+        raw = json.dumps(body).encode()
+        routed = await proxy.route(view, path, raw, body, self.headers, exclude, first_reason="migration")
+        if isinstance(routed, list):
+            logger.warning("no replica took the continuation: %s", routed[-1].message if routed else "none healthy")
+            return None
+        attempt, _ = routed
+        if not attempt.is_event_stream:
+            logger.error("%s refused the continuation (%d): %s", attempt.replica.url, attempt.response.status_code,
+                         attempt.first_chunk[:500].decode(errors="replace"))  # fmt: skip
+            await attempt.release()
+            return None
+        return attempt
+
+    async def detokenize(self, url: str, token_ids: list[int], skip_special_tokens: bool) -> str | None:
+        body = {"tokens": token_ids, "skip_special_tokens": skip_special_tokens}
+        try:
+            response = await self.proxy.client.post(f"{url}/detokenize", json=body, headers=self.query_headers,
+                                                    timeout=QUERY_TIMEOUT_S)  # fmt: skip
+            response.raise_for_status()
+            text = response.json()["prompt"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("detokenize on %s failed: %s", url, exc)
+            return None
+        return text if isinstance(text, str) else None
+
+    async def context_window(self, exclude: set[str]) -> int | None:
+        for replica in self.proxy.router.replicas.healthy():
+            if replica.url in exclude:
+                continue
+            try:
+                response = await self.proxy.client.get(f"{replica.url}/v1/models", headers=self.query_headers,
+                                                       timeout=QUERY_TIMEOUT_S)  # fmt: skip
+                window = response.json()["data"][0]["max_model_len"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+                logger.warning("no context window from %s: %s", replica.url, exc)
+                continue
+            if isinstance(window, int):
+                return window
+        return None
+
+    async def broke(self, leg: Leg, reason: str, transport: bool) -> None:
+        router = self.proxy.router
+        router.metrics.failures.labels(leg.replica.url).inc()
+        if transport:
+            await router.mark_down(leg.replica, f"stream broke: {reason}")
 
 
 class _ReleasingStream(StreamingResponse):

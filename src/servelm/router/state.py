@@ -52,6 +52,8 @@ class RouterOptions:
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
     max_attempts: int = 2  # the first try, plus one retry on another replica before the first byte
+    max_migrations: int = 2  # times a stream may move to another replica after its first byte (0: never)
+    upstream_stall_timeout_s: float | None = 60.0  # a migratable stream's replica silent this long is lost (None: never)
     disagg: bool = True  # split long uncached prompts onto prefill workers, when there are any (disagg.py)
     disagg_min_uncached_tokens: int = DisaggSettings.min_uncached_tokens
     disagg_max_prefill_load: int = DisaggSettings.max_prefill_load
@@ -59,6 +61,12 @@ class RouterOptions:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_attempts < 1 or self.health_interval_s <= 0:
             raise ValueError("block_size, max_attempts and health_interval_s must be positive")
+        stall = self.upstream_stall_timeout_s
+        if self.max_migrations < 0 or (stall is not None and stall <= 0):
+            raise ValueError(
+                f"max_migrations must be >= 0 and upstream_stall_timeout_s > 0, got {self.max_migrations}, "
+                f"{self.upstream_stall_timeout_s}"
+            )
         self.policy_settings()  # its own checks, before anything starts
         self.disagg_settings()
 

@@ -100,6 +100,10 @@ class _ChatView:
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, self.gen.num_cached_prompt_tokens),
         }
+        if self.body.return_token_ids:  # vLLM's shape: the prompt's ids on the response, new ids per choice
+            payload["prompt_token_ids"] = self.gen.prompts[0]
+            for choice, entry in zip(self.gen.choices, choices):
+                entry["token_ids"] = tokens[choice.index]
         if done.timeline_dict is not None:
             payload["servelm"] = {"timeline": done.timeline_dict}
         return json_response(payload, headers=done.ttft_header)
@@ -110,12 +114,14 @@ class _ChatView:
             header["usage"] = None
         started: set[int] = set()
         completion_tokens = 0
+        prompt_ids = {"prompt_token_ids": self.gen.prompts[0]} if self.body.return_token_ids else {}
         try:
             async for deltas in self.gen.deltas():
                 entries = [e for e in (self._stream_entry(d, started) for d in deltas) if e is not None]
                 completion_tokens += sum(len(d.token_ids) for d in deltas)
                 if entries:
-                    yield sse({**header, "choices": entries})
+                    yield sse({**header, "choices": entries, **prompt_ids})  # the prompt's ids: first chunk only
+                    prompt_ids = {}
                     if any(d.token_ids for d in deltas):
                         self.gen.timeline.stamp(ApiStamp.FIRST_BYTE_WRITTEN)
             body = self.body
@@ -133,7 +139,11 @@ class _ChatView:
         if delta.text or "role" in message:
             message["content"] = delta.text
         logprobs = self._logprobs(delta.token_ids, delta.logprobs or [])
-        if not message and logprobs is None and delta.finish_reason is None:
+        with_ids = self.body.return_token_ids  # then a delta whose text is held back still carries its ids
+        if not message and logprobs is None and delta.finish_reason is None and not (with_ids and delta.token_ids):
             return None
-        return {"index": delta.choice.index, "delta": message, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
+        entry = {"index": delta.choice.index, "delta": message, "logprobs": logprobs,
+                 "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
+        if with_ids:
+            entry["token_ids"] = delta.token_ids
+        return entry

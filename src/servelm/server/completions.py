@@ -77,6 +77,7 @@ class _Accumulated:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     echoed: bool = False  # the streamed echo prefix went out already
+    ids_started: bool = False  # return_token_ids: the prompt's ids went out already
     text_offset: int = 0
 
 
@@ -161,7 +162,16 @@ class _CompletionView:
             "logprobs": logprobs,
             "finish_reason": state.finish_reason if state else None,
             "stop_reason": state.stop_reason if state else None,
+            **self._token_ids(choice, acc, [] if self.drop_generated else acc.token_ids),
         }
+
+    def _token_ids(self, choice: Choice, acc: _Accumulated, token_ids: list[int]) -> dict[str, list[int]]:
+        """return_token_ids (vLLM's shape): the prompt's ids with a choice's first entry, then its new ids."""
+        if not self.body.return_token_ids:
+            return {}
+        fields = {} if acc.ids_started else {"prompt_token_ids": self.gen.prompts[choice.prompt_index]}
+        acc.ids_started = True
+        return {**fields, "token_ids": token_ids}
 
     def _prompt_tokens(self) -> int:
         return sum(len(p) for p in self.gen.prompts)
@@ -173,7 +183,8 @@ class _CompletionView:
         accumulated = {c.index: _Accumulated() for c in self.gen.choices}
         completion_tokens = 0
         try:
-            plain = not self.body.echo and self.body.logprobs is None and not self.drop_generated
+            plain = not (self.body.echo or self.body.logprobs is not None or self.drop_generated
+                         or self.body.return_token_ids)  # fmt: skip
             async for deltas in self.gen.deltas():
                 if plain:  # the common case, per token of every stream: no awaits, no accumulation
                     entries = [_entry(d, d.text, None) for d in deltas if d.text or d.finish_reason is not None]
@@ -205,6 +216,10 @@ class _CompletionView:
                 acc.text_offset = extend_completion_logprobs(
                     logprobs, delta.token_ids, delta.logprobs or [], strings, acc.text_offset
                 )
-        if not text and logprobs is None and delta.finish_reason is None:
+        # A delta whose text is held back still carries ids when they are asked for.
+        with_ids = self.body.return_token_ids and delta.token_ids
+        if not text and logprobs is None and delta.finish_reason is None and not with_ids:
             return None
-        return _entry(delta, text, logprobs)
+        entry = _entry(delta, text, logprobs)
+        entry.update(self._token_ids(delta.choice, acc, [] if self.drop_generated else delta.token_ids))
+        return entry

@@ -100,6 +100,10 @@ class _GenerationRequest(_Strict):
     # a document many requests will share, "low" for a one-off; absent: its SLO class's (normal).
     kv_retention: Literal["low", "normal", "high"] | None = None
     kv_transfer_params: KVTransferParamsBody | None = None
+    # vLLM's: the prompt's token ids with the first chunk (or the response) and each choice's new ids
+    # in every chunk, as the last fields (completions: per choice; chat: the prompt's at the top
+    # level). The router asks for them to continue a stream on another replica (router/relay.py).
+    return_token_ids: bool = False
     servelm: ServelmOptions | None = None
 
     @property
@@ -304,3 +308,6 @@ class DetokenizeRequest(_Strict):
 
     model: Identifier | None = None
     tokens: list[int]  # within the vocabulary: checked by the engine front
+    # True: special tokens' text left out, as a stream shows it (the router joins a migrated stream's
+    # text with it); False (default): every token's text.
+    skip_special_tokens: bool = False

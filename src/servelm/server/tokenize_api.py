@@ -31,4 +31,4 @@ async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> Response:
 async def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> Response:
     check_model(ctx, body.model)
     check_token_ids(ctx, body.tokens, "tokens")
-    return json_response({"prompt": await ctx.tokenizer.decode(body.tokens)})
+    return json_response({"prompt": await ctx.tokenizer.decode(body.tokens, body.skip_special_tokens)})

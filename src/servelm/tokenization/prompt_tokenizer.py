@@ -110,8 +110,8 @@ class PromptTokenizer:
             return self._render_chat(messages, add_generation_prompt)
         return await self._run(self._render_chat, messages, add_generation_prompt)
 
-    async def decode(self, token_ids: list[int]) -> str:
-        return await self._run(lambda: self.decoder.decode(token_ids, skip_special_tokens=False))
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return await self._run(lambda: self.decoder.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     async def token_strings(self, token_ids: list[int]) -> list[str]:
         return await self._run(self.decoder.token_strings, token_ids)

@@ -1,0 +1,22 @@
+"""Finding a test's child processes (Linux /proc): a server's engine core, to kill it."""
+
+from __future__ import annotations
+
+import os
+
+
+def child_pids(pid: int, cmdline_has: str) -> list[int]:
+    """Child processes of `pid` whose command line contains `cmdline_has`."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().decode(errors="replace")
+            except (OSError, ValueError):
+                continue
+            if parent == pid and cmdline_has in cmdline:
+                children.append(int(entry))
+    return children
