@@ -102,6 +102,7 @@ ROUTES = {
     ("POST", "/tokenize"): False,
     ("POST", "/detokenize"): False,
     ("GET", "/openapi.json"): False,
+    ("GET", "/servelm/model/{path:path}"): False,  # the weights a new replica pulls (peer://): never public
     ("GET", "/health"): True,
     ("GET", "/ready"): True,  # a readiness probe, like /health
     ("GET", "/metrics"): True,  # open unless --protect-metrics, as vLLM and Prometheus expect
@@ -109,6 +110,7 @@ ROUTES = {
 
 
 KEYED_STATUS = {"/v1/kv_transfer": 404}  # past the key: this server has no --kv-role
+REQUESTED = {"/servelm/model/{path:path}": "/servelm/model/servelm-manifest.json"}  # a route's concrete path
 
 
 def test_every_route_but_the_probes_and_metrics_needs_the_key(restricted):
@@ -120,12 +122,13 @@ def test_every_route_but_the_probes_and_metrics_needs_the_key(restricted):
               "/detokenize": {"tokens": [1, 2]}}  # fmt: skip
     with httpx.Client(base_url=restricted.base_url, timeout=30) as client:
         for (method, path), is_open in ROUTES.items():
-            anonymous = client.request(method, path, json=bodies.get(path))
+            anonymous = client.request(method, REQUESTED.get(path, path), json=bodies.get(path))
             if is_open:
                 assert anonymous.status_code == 200, (path, anonymous.text)
             else:
                 assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key", path
-                keyed = client.request(method, path, json=bodies.get(path), headers={"Authorization": f"Bearer {KEY}"})
+                keyed = client.request(method, REQUESTED.get(path, path), json=bodies.get(path),
+                                       headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
                 assert keyed.status_code == KEYED_STATUS.get(path, 200), (path, keyed.text)
         assert client.get("/no/such/route").status_code == 401, "unknown paths reveal nothing without the key"
     assert open_paths(ServerOptions(api_key=KEY, protect_metrics=True)) == {"/health", "/ready"}
