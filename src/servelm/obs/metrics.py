@@ -167,6 +167,9 @@ class ServerMetrics:
             "while a client does not read (its SSE writes block, the engine keeps generating).",
             _BACKLOG_BUCKETS,
         )
+        self.streams_cut = Counter(PREFIX + "streams_cut", "Responses cut because their client took no data for "
+                                   "--stream-stall-timeout-s, or fell --max-stream-backlog outputs behind "
+                                   "(openai_api/stall_guard.py).", ["model_name"], registry=self.registry).labels(model_name)  # fmt: skip
         self.registry.register(_CoreCollector(model_name, core_stats, num_blocks, num_in_api, num_outputs_queued))
         # Observed per output batch of every stream: their labelled children are cached.
         self._itl_by_class = _ByClass(self.itl, model_name)

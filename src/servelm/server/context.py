@@ -10,6 +10,7 @@ from servelm.obs.request_log import RequestLogger
 from servelm.server.admission import Admission
 from servelm.server.kv_transfer_api import KVTransferInfo
 from servelm.server.model_files_api import ModelFiles
+from servelm.server.prompt_limits import PromptLimits
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 
@@ -22,6 +23,7 @@ class ServerContext:
     model_name: str
     kv_transfer: KVTransferInfo  # this server's disaggregation role (kv_role None: none)
     model_files: ModelFiles  # what a new replica pulls with --model peer://this-server
+    prompt_limits: PromptLimits  # prompts refused by their size, before tokenizing
 
     @property
     def tokenizer(self) -> PromptTokenizer:

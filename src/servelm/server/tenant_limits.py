@@ -1,6 +1,7 @@
-"""Per-tenant limits around the generation routes: a request holds its tenant's slot for as long
-as its ASGI call runs, so the slot frees on every path — the whole response sent (a stream's
-last event included), a client that left (the call is cancelled), an error, a shutdown abort.
+"""Limits around the generation routes (tenancy/limits.py): a request holds its slots (in the
+process's, its client address's and its tenant's count of requests in flight) for as long as its
+ASGI call runs, so they free on every path: the whole response sent (a stream's last event
+included), a client that left (the call is cancelled), an error, a shutdown abort, a cut stream.
 
     ApiKeyMiddleware (the tenant) ─▶ TenantLimitsMiddleware ─enter─▶ routes ─▶ handler: lease.reserve(tokens)
                                           └──────────── release (finally) ◀────────┘
@@ -14,10 +15,10 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm.openai_api.auth import CALLER_STATE
+from servelm.openai_api.overload import GENERATION_PATHS, client_address
 from servelm.server.errors import tenant_limit_error
 from servelm.tenancy.limits import LimitExceeded, TenantLimits
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 LEASE_STATE = "servelm_lease"
 
 
@@ -32,7 +33,7 @@ class TenantLimitsMiddleware:
             return
         state = scope.setdefault("state", {})
         try:
-            lease = self.limits.enter(state[CALLER_STATE])
+            lease = self.limits.enter(state[CALLER_STATE], client_address(scope))
         except LimitExceeded as exc:
             await tenant_limit_error(exc).response()(scope, receive, send)
             return
