@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -10,6 +9,7 @@ import httpx
 import pytest
 
 from servelm.server.launcher import ServerProcess
+from servelm.testing.overload import child_pids  # noqa: F401  (the HTTP tests' import of it)
 
 KEY = "test-key-123"  # the `restricted` server's API key
 
@@ -39,20 +39,3 @@ def wait_idle(server: ServerProcess, timeout_s: float = 20.0) -> str:
             return text
         time.sleep(0.1)
     pytest.fail("server did not go idle:\n" + "\n".join(line for line in text.splitlines() if re.match(r"servelm:(num_req|kv_)", line)))
-
-
-def child_pids(pid: int, cmdline_has: str) -> list[int]:
-    """Child processes of `pid` whose command line contains `cmdline_has` (Linux /proc)."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read().decode(errors="replace")
-            except (OSError, ValueError):
-                continue
-            if parent == pid and cmdline_has in cmdline:
-                children.append(int(entry))
-    return children

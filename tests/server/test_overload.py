@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from helpers_http import metric_value, scrape, wait_idle
 from servelm.server.launcher import launch_server
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
-from servelm.testing.slow_clients import HEAVY_STREAM, RssSampler, StalledStream
+from servelm.testing.overload import HEAVY_STREAM, RssSampler, StalledStream
 
 STALL_S = 8.0  # the guarded server's --stream-stall-timeout-s: long enough to hold slots, short for the test
 BACKLOG = 300  # its --max-stream-backlog: HEAVY_STREAM leaves 1600 outputs behind, HELD_STREAM 160

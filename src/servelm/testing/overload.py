@@ -1,4 +1,4 @@
-"""Clients that misbehave on purpose, and a process's memory, for the overload tests and benchmarks.
+"""Clients that misbehave on purpose, and processes' memory, for the overload tests and benchmarks.
 
     stalled = StalledStream.open(port, "/v1/completions", HEAVY_STREAM)   # sends, then never reads
     ...                                                                  # the server's writes back up
@@ -12,6 +12,7 @@ is this machine's, so one test can be several clients by address.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -84,6 +85,24 @@ class StalledStream:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def child_pids(pid: int, cmdline_has: str = "") -> list[int]:
+    """Child processes of `pid` whose command line contains `cmdline_has` (Linux /proc); an engine
+    core spawned by `servelm serve` has "spawn_main" in its command line."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().decode(errors="replace")
+            except (OSError, ValueError):
+                continue
+            if parent == pid and cmdline_has in cmdline:
+                children.append(int(entry))
+    return children
 
 
 def rss_bytes(pid: int) -> int:
