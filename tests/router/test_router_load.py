@@ -19,16 +19,13 @@ import asyncio
 import json
 import resource
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from router_helpers import tiny_fleet
 from servelm.cluster.local import LocalCluster
-from servelm.cluster.ports import free_port_range
-from servelm.cluster.spec import ClusterConfig, ReplicasConfig, RouterConfig
 from servelm.testing.overload import RssSampler, child_pids
-from servelm.testing.tiny_model import write_tiny_checkpoint
 
 NUM_STREAMS = 500
 MAX_TOKENS = 8
@@ -37,20 +34,9 @@ MAX_GROWTH_MB = {"router": 128, "replica": 128, "core": 512}  # per process, pea
 
 @pytest.fixture(scope="module")
 def load_fleet(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("load-fleet")
-    base = free_port_range(1 + 2 * 3)
-    config = ClusterConfig(
-        model=str(write_tiny_checkpoint(root / "model", seed=0)),
-        replicas=ReplicasConfig(
-            count=2, num_threads=1, base_port=base + 1, kv_events_base_port=base + 3,
-            args=("--num-blocks", "2048", "--max-num-seqs", "256", "--max-num-batched-tokens", "4096"),
-        ),
-        router=RouterConfig(port=base, policy="kv", args=("--health-interval", "0.5")),
-    )  # fmt: skip
-    cluster = LocalCluster(config, Path(root / "logs"), startup_timeout_s=240)
-    cluster.start()
-    yield cluster
-    cluster.stop()
+    replica_args = ("--num-blocks", "2048", "--max-num-seqs", "256", "--max-num-batched-tokens", "4096")
+    with tiny_fleet(tmp_path_factory.mktemp("load-fleet"), 2, replica_args, ()) as cluster:
+        yield cluster
 
 
 def _processes(fleet: LocalCluster) -> dict[str, int]:

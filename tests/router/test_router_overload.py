@@ -7,17 +7,14 @@ request long before its own stall timeout."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from router_helpers import tiny_fleet
 from servelm.cluster.local import LocalCluster
-from servelm.cluster.ports import free_port_range
-from servelm.cluster.spec import ClusterConfig, ReplicasConfig, RouterConfig
 from servelm.router.limits import forwarded_for
 from servelm.testing.overload import HEAVY_STREAM, RssSampler, StalledStream
-from servelm.testing.tiny_model import write_tiny_checkpoint
 
 ROUTER_STALL_S = 8.0  # long enough to hold slots while the limits are probed
 HELD_STREAM = {**HEAVY_STREAM, "max_tokens": 10}  # 7 MB at once: nothing reads it, nothing completes it
@@ -39,23 +36,12 @@ def wait_for(condition, timeout_s: float, what: str) -> float:
 
 @pytest.fixture(scope="module")
 def guarded_fleet(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("guarded-fleet")
-    base = free_port_range(2)
-    config = ClusterConfig(
-        model=str(write_tiny_checkpoint(root / "model", seed=0)),
-        replicas=ReplicasConfig(
-            count=1, num_threads=1, base_port=base + 1, kv_events_base_port=None,
-            args=("--num-blocks", "1024", "--max-concurrent-requests-per-client", "1",
-                  "--stream-stall-timeout-s", "120", "--max-stream-backlog", "0"),
-        ),
-        router=RouterConfig(port=base, policy="round_robin", args=(
-            "--health-interval", "0.5", "--max-request-body-mb", "1", "--max-concurrent-requests", "2",
-            "--stream-stall-timeout-s", str(ROUTER_STALL_S))),
-    )  # fmt: skip
-    cluster = LocalCluster(config, Path(root / "logs"), startup_timeout_s=240)
-    cluster.start()
-    yield cluster
-    cluster.stop()
+    replica_args = ("--num-blocks", "1024", "--max-concurrent-requests-per-client", "1", "--stream-stall-timeout-s",
+                    "120", "--max-stream-backlog", "0")  # fmt: skip
+    router_args = ("--max-request-body-mb", "1", "--max-concurrent-requests", "2", "--stream-stall-timeout-s",
+                   str(ROUTER_STALL_S))  # fmt: skip
+    with tiny_fleet(tmp_path_factory.mktemp("guarded-fleet"), 1, replica_args, router_args, "round_robin") as cluster:
+        yield cluster
 
 
 def _urls(fleet: LocalCluster) -> tuple[str, str]:
@@ -139,6 +125,7 @@ def test_a_client_that_never_reads_is_cut_by_the_router(guarded_fleet):
             _, closed = stalled.drain_to_eof(timeout_s=30)
             assert closed
     assert ROUTER_STALL_S - 1 <= cut_s < ROUTER_STALL_S + 30, cut_s
+    print(f"cut after {cut_s:.1f} s; RSS {rss.report()}")
     growth = rss.growth_mb()
     assert growth["router"] < 64, rss.report()  # the router buffers nothing beyond its socket's ~64 kB
     assert growth["replica-0"] < 256, rss.report()

@@ -141,6 +141,7 @@ def test_a_client_that_never_reads_is_cut_and_its_request_aborted(guarded):
             tail, closed = stalled.drain_to_eof(timeout_s=30)
             assert closed and b"data: [DONE]" not in tail
     assert STALL_S <= cut_after_s < STALL_S + 30, cut_after_s
+    print(f"cut after {cut_after_s:.1f} s; RSS {rss.report()}")
     assert "the client took no data for" in guarded.log_tail(20000)
     assert rss.growth_mb()["api"] < 256, rss.report()
 

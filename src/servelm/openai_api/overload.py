@@ -15,9 +15,11 @@ before the body is read. Both apply; a request must pass each.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from starlette.types import Scope
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 DEFAULT_STALL_TIMEOUT_S = 30.0
@@ -67,3 +69,29 @@ def client_address(scope: Scope) -> str:
     a proxy on 127.0.0.1, or one listed in $FORWARDED_ALLOW_IPS)."""
     client = scope.get("client")
     return str(client[0]) if client else ""
+
+
+class GenerationGate:
+    """ASGI middleware that admits each generation request before the app sees it (and before its
+    body is read): `admit` returns the scope to go on with and how to release the request once its
+    call ends (however it ends), or the response that refuses it. Other routes pass untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    def admit(self, scope: Scope) -> tuple[Scope, Callable[[], None]] | Response:
+        raise NotImplementedError
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        admitted = self.admit(scope)
+        if isinstance(admitted, Response):
+            await admitted(scope, receive, send)
+            return
+        scope, release = admitted
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            release()

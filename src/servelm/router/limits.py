@@ -13,38 +13,33 @@ replica sees only its own share of a client's requests.
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from collections.abc import Callable
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Scope
 
 from servelm.openai_api.errors import error_response
-from servelm.openai_api.overload import GENERATION_PATHS, client_address
+from servelm.openai_api.overload import GenerationGate, client_address
 from servelm.tenancy.limits import InFlightLimits, LimitExceeded
 
 FORWARDED_FOR = b"x-forwarded-for"
 
 
-class RouterLimitsMiddleware:
+class RouterLimitsMiddleware(GenerationGate):
     def __init__(self, app: ASGIApp, limits: InFlightLimits) -> None:
-        self.app = app
+        super().__init__(app)
         self.limits = limits
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
+    def admit(self, scope: Scope) -> tuple[Scope, Callable[[], None]] | Response:
         client = client_address(scope)
         try:
             slot = self.limits.enter(client)
         except LimitExceeded as exc:
-            response = error_response(429, exc.message, type="rate_limit_error", code="rate_limit_exceeded",
-                                      headers={"Retry-After": str(exc.retry_after_s)})  # fmt: skip
-            await response(scope, receive, send)
-            return
+            return error_response(429, exc.message, type="rate_limit_error", code="rate_limit_exceeded",
+                                  headers={"Retry-After": str(exc.retry_after_s)})  # fmt: skip
         if client:
             scope = {**scope, "headers": forwarded_for(scope["headers"], client)}
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            slot.release()
+        return scope, slot.release
 
 
 def forwarded_for(headers: list[tuple[bytes, bytes]], client: str) -> list[tuple[bytes, bytes]]:

@@ -12,33 +12,29 @@ once its prompt is tokenized (serving.reserve_tokens).
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from collections.abc import Callable
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Scope
 
 from servelm.openai_api.auth import CALLER_STATE
-from servelm.openai_api.overload import GENERATION_PATHS, client_address
+from servelm.openai_api.overload import GenerationGate, client_address
 from servelm.server.errors import tenant_limit_error
 from servelm.tenancy.limits import LimitExceeded, TenantLimits
 
 LEASE_STATE = "servelm_lease"
 
 
-class TenantLimitsMiddleware:
+class TenantLimitsMiddleware(GenerationGate):
     def __init__(self, app: ASGIApp, limits: TenantLimits) -> None:
-        self.app = app
+        super().__init__(app)
         self.limits = limits
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
+    def admit(self, scope: Scope) -> tuple[Scope, Callable[[], None]] | Response:
         state = scope.setdefault("state", {})
         try:
             lease = self.limits.enter(state[CALLER_STATE], client_address(scope))
         except LimitExceeded as exc:
-            await tenant_limit_error(exc).response()(scope, receive, send)
-            return
+            return tenant_limit_error(exc).response()
         state[LEASE_STATE] = lease
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            lease.release()
+        return scope, lease.release
