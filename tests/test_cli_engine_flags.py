@@ -49,3 +49,14 @@ def test_no_shm_collectives_sends_every_collective_over_gloo() -> None:
     assert engine_config_from_args(build_parser().parse_args(["serve"])).parallel.shared_memory_collectives
     args = build_parser().parse_args(["serve", "-tp", "2", "--no-shm-collectives"])
     assert not engine_config_from_args(args).parallel.shared_memory_collectives
+
+
+def test_delivery_and_kv_event_flags_reach_their_config() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--model", "peer://10.0.0.7:8000", "--download-dir", "/data/models", "--pull-connections", "4",
+         "--kv-events-port", "5557", "--kv-events-host", "0.0.0.0"]
+    )  # fmt: skip
+    config = engine_config_from_args(args)
+    assert config.model.model == "peer://10.0.0.7:8000"
+    assert (config.model.download_dir, config.model.pull_connections) == ("/data/models", 4)
+    assert (config.kv_events.kv_events_port, config.kv_events.kv_events_host) == (5557, "0.0.0.0")

@@ -178,6 +178,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "aging_s",
             "max_step_ms",
             "kv_events_port",
+            "kv_events_host",
             "speculative_config",
         )
         if getattr(args, name, None) is not None
@@ -257,8 +258,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer-threads", type=int, default=2, help="threads that tokenize prompts off the event loop"
     )
     serve.add_argument(
+        "--max-engine-restarts", type=int, default=3,
+        help="restart a dead engine core at most this often within --engine-restart-window-s (backoff 1 s, "
+        "doubling), then stay down with /health 503 (0: never restart)",
+    )  # fmt: skip
+    serve.add_argument("--engine-restart-window-s", type=float, default=300.0,
+                       help="crashes older than this many seconds no longer count against --max-engine-restarts")  # fmt: skip
+    serve.add_argument(
         "--kv-events-port", type=int, default=None,
-        help="publish KV-cache events for a router: PUB on tcp://127.0.0.1:P, snapshots on P+1",
+        help="publish KV-cache events for a router: PUB on tcp://HOST:P, snapshots on P+1",
+    )  # fmt: skip
+    serve.add_argument(
+        "--kv-events-host", default=None,
+        help="address the KV-event sockets bind (default 127.0.0.1; a pod's IP or 0.0.0.0 for a router elsewhere)",
     )  # fmt: skip
     serve.set_defaults(handler=_serve)
 

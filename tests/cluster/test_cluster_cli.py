@@ -3,7 +3,6 @@ serves through the router, and on Ctrl-C (SIGINT) stops every process it started
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -14,17 +13,8 @@ from pathlib import Path
 import httpx
 
 from servelm.cluster.ports import free_port_range
+from servelm.testing.process_tree import alive
 from servelm.testing.tiny_model import write_tiny_checkpoint
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(") ", 1)[1][0] != "Z"
 
 
 def test_cluster_starts_serves_and_tears_down_on_ctrl_c(tmp_path: Path) -> None:
@@ -53,7 +43,7 @@ def test_cluster_starts_serves_and_tears_down_on_ctrl_c(tmp_path: Path) -> None:
         assert response.status_code == 200 and response.json()["choices"][0]["text"]
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(alive(pid) for pid in pids)
     finally:
         if process.poll() is None:
             process.kill()

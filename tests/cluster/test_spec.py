@@ -78,7 +78,7 @@ def test_no_kv_events_means_plain_replica_urls() -> None:
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"replicas": {"cuont": 2}}, "unknown key.*cuont.*valid: args, base_port, count"),
+        ({"replicas": {"cuont": 2}}, "unknown key.*cuont.*valid: args, base_port, context_parallel_size, count"),
         ({"routers": {}}, "unknown key.*routers"),
         ({"replicas": {"count": 0}}, "count and replicas.num_threads must be >= 1"),
     ],
@@ -155,5 +155,53 @@ def test_pools_and_aggregated_replicas_together_with_defaults() -> None:
     ],
 )
 def test_bad_pool_configs_say_what_is_wrong(data: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig.from_dict(data)
+
+
+def test_multi_rank_replicas_and_resource_requests() -> None:
+    config = ClusterConfig.from_dict({
+        "replicas": {"count": 1, "num_threads": 2, "tensor_parallel_size": 2, "context_parallel_size": 2, "num_gpus": 1},
+        "router": {"num_cpus": 0.5},
+    })  # fmt: skip
+    [replica] = config.replica_processes()
+    argv = replica.argv
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--context-parallel-size") + 1] == "2"
+    # Four ranks, each with what the pool asks per rank (CPUs default to its threads).
+    assert (replica.num_ranks, replica.cpus_per_rank, replica.gpus_per_rank) == (4, 2.0, 1)
+    router = config.router_process([replica])
+    assert (router.num_ranks, router.cpus_per_rank, router.gpus_per_rank) == (1, 0.5, 0.0)
+    single = ClusterConfig.from_dict({"replicas": {"count": 1, "num_cpus": 3}}).replica_processes()[0]
+    assert "--tensor-parallel-size" not in single.argv and (single.num_ranks, single.cpus_per_rank) == (1, 3)
+
+
+def test_a_wildcard_host_is_reached_at_each_process_machine() -> None:
+    """A launcher that places processes on other machines passes where each landed: with host
+    0.0.0.0 every process binds all interfaces and is advertised at its machine's address."""
+    data = {"host": "0.0.0.0", "prefill": {}, "decode": {}}
+    addresses = {"prefill-0": "10.0.0.1", "decode-0": "10.0.0.2", "router": "10.0.0.3"}
+    prefill, decode = ClusterConfig.from_dict(data).replica_processes(addresses)
+    assert prefill.argv[prefill.argv.index("--host") + 1] == "0.0.0.0"
+    assert (prefill.url, prefill.kv_events) == ("http://10.0.0.1:8200", "tcp://10.0.0.1:9200")
+    assert prefill.argv[prefill.argv.index("--kv-transfer-host") + 1] == "10.0.0.1"
+    assert decode.argv[decode.argv.index("--kv-transfer-peers") + 1] == "tcp://10.0.0.1:9300"
+    router = ClusterConfig.from_dict(data).router_process([prefill, decode], addresses["router"])
+    assert router.url == "http://10.0.0.3:8000" and "http://10.0.0.2:8300,kv=tcp://10.0.0.2:9400,role=decode" in router.argv
+    # A fixed host wins over where a process landed: the user said where it is reached.
+    [fixed] = ClusterConfig.from_dict({"replicas": {"count": 1}}).replica_processes({"replica-0": "10.0.0.1"})
+    assert fixed.url == "http://127.0.0.1:8100"
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"replicas": {"args": ["-tp", "2"]}}, "replicas.args sets -tp"),
+        ({"replicas": {"tensor_parallel_size": 0}}, "tensor_parallel_size and context_parallel_size must be >= 1"),
+        ({"replicas": {"num_cpus": 0}}, "num_cpus must be > 0 and num_gpus >= 0"),
+        ({"decode": {"num_gpus": -1}}, "decode.num_cpus must be > 0 and num_gpus >= 0"),
+        ({"router": {"num_cpus": 0}}, "router.num_cpus must be > 0"),
+    ],
+)
+def test_bad_placement_configs_say_what_is_wrong(data: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ClusterConfig.from_dict(data)

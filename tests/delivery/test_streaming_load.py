@@ -21,7 +21,7 @@ from servelm.server.launcher import launch_server
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
 CHUNK_BYTES = 256 << 10
-RATE_BYTES_PER_S = 25e6  # the ~40 MB checkpoint takes ~1.6 s to arrive: long enough to see the overlap
+RATE_BYTES_PER_S = 12e6  # the ~43 MB checkpoint takes ~3.6 s to arrive: the metadata's share is small
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_streaming_load_overlaps_the_fetch_and_matches_a_local_load(origin_dir, 
     phases = {record.name: record for record in startup.records}
     fetch, load = phases["fetch"], phases["load"]
     # Loading began while most of the bytes were still on their way, and ended with the last of them.
-    assert load.started_at < fetch.started_at + 0.3 * fetch.seconds, (fetch, load)
+    assert load.started_at < fetch.started_at + 0.5 * fetch.seconds, (fetch, load)
     assert load.ended_at - fetch.ended_at < 0.5 * load.seconds, (fetch, load)
 
     pulled = next((tmp_path / "downloads").iterdir())

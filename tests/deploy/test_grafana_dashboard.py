@@ -2,11 +2,8 @@
 that a real `servelm serve` exports.
 
 A real server on a tiny model serves a few requests (both priority classes, streamed and not),
-then its /metrics is the reference: every metric a panel's PromQL selects must be a sample name
-there (suffixes included, as Prometheus stores them: `_bucket`, `_sum`, `_count`, `_total`),
-every label a selector matches or a `by (...)` groups on must be a label of that metric, and a
-literal label value must be one the server produced. The PromQL is read by a small lexer for
-the subset dashboards use; anything outside it fails loudly rather than passing unchecked.
+then its /metrics is the reference for every panel's PromQL (promql_refs.py: the metrics, labels
+and label values a query names must be exported).
 """
 
 from __future__ import annotations
@@ -14,12 +11,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from promql_refs import Exposition, QueryRefs, parse_exposition, parse_refs, problems
 
 from servelm.server.launcher import launch_server
 from servelm.testing.tiny_model import write_tiny_checkpoint
@@ -36,112 +32,6 @@ REQUIRED_METRICS = {
     "servelm:api_event_loop_lag_seconds_bucket", "servelm:stream_output_backlog_bucket",
     "servelm:num_outputs_queued_in_api",
 }  # fmt: skip
-
-# -- a reader for the PromQL subset the dashboard uses ------------------------------------------
-
-_TOKEN = re.compile(
-    r"""(?P<space>\s+)
-      | (?P<string>"(?:[^"\\]|\\.)*")
-      | (?P<range>\[[^\]]*\])
-      | (?P<number>\d+(?:\.\d+)?)
-      | (?P<ident>[A-Za-z_:][A-Za-z0-9_:]*)
-      | (?P<op>=~|!~|!=|==|<=|>=|[-+*/<>=,(){}])""",
-    re.VERBOSE,
-)
-_AGGREGATIONS = {"sum", "avg", "max", "min", "count", "topk", "bottomk", "quantile", "stddev", "stdvar", "group"}
-_FUNCTIONS = _AGGREGATIONS | {"rate", "irate", "increase", "histogram_quantile", "clamp_min", "clamp_max", "abs"}
-_GROUPING = {"by", "without"}
-_UNSUPPORTED = {"on", "ignoring", "group_left", "group_right", "offset", "bool"}
-
-
-@dataclass
-class Selector:
-    metric: str
-    matchers: list[tuple[str, str, str]] = field(default_factory=list)  # (label, operator, value)
-
-
-@dataclass
-class QueryRefs:
-    """The metrics and labels one PromQL expression refers to."""
-
-    selectors: list[Selector]
-    groupings: list[tuple[list[str], list[str]]]  # (labels of a by/without, metrics of its aggregation)
-
-
-def _lex(expr: str) -> list[tuple[str, str]]:
-    tokens, position = [], 0
-    while position < len(expr):
-        match = _TOKEN.match(expr, position)
-        if match is None:
-            raise ValueError(f"PromQL this test does not read, at {expr[position:]!r} in {expr!r}")
-        if match.lastgroup != "space":
-            tokens.append((match.lastgroup or "", match.group()))
-        position = match.end()
-    return tokens
-
-
-def _closing(tokens: list[tuple[str, str]], start: int) -> int:
-    """Index of the bracket that closes the one at `start`."""
-    depth = 0
-    for index in range(start, len(tokens)):
-        depth += {"(": 1, "{": 1, ")": -1, "}": -1}.get(tokens[index][1], 0) if tokens[index][0] == "op" else 0
-        if depth == 0:
-            return index
-    raise ValueError(f"unbalanced brackets in {tokens}")
-
-
-def parse_refs(expr: str) -> QueryRefs:
-    tokens = _lex(expr)
-    selectors: dict[int, Selector] = {}  # by token index
-    clauses: dict[int, tuple[list[str], int]] = {}  # by/without index → (labels, index after the list)
-    index = 0
-    while index < len(tokens):
-        kind, text = tokens[index]
-        following = tokens[index + 1][1] if index + 1 < len(tokens) else None
-        if kind != "ident":
-            index += 1
-        elif text in _UNSUPPORTED:
-            raise ValueError(f"`{text}` is outside the PromQL subset this test reads: extend it ({expr!r})")
-        elif text in _GROUPING:
-            end = _closing(tokens, index + 1)
-            clauses[index] = ([t for k, t in tokens[index + 2 : end] if k == "ident"], end + 1)
-            index = end + 1
-        elif text in _FUNCTIONS and following in ("(", *_GROUPING):
-            index += 1
-        elif following == "(":
-            raise ValueError(f"unknown PromQL function {text!r} in {expr!r}")
-        else:
-            selector = Selector(text)
-            index += 1
-            if following == "{":
-                end = _closing(tokens, index)
-                inner = [t for t in tokens[index + 1 : end] if t[1] != ","]
-                selector.matchers = [
-                    (inner[i][1], inner[i + 1][1], json.loads(inner[i + 2][1])) for i in range(0, len(inner), 3)
-                ]
-                index = end + 1
-            selectors[index - 1] = selector
-    return QueryRefs(list(selectors.values()), _groupings(tokens, selectors, clauses))
-
-
-def _groupings(
-    tokens: list[tuple[str, str]], selectors: dict[int, Selector], clauses: dict[int, tuple[list[str], int]]
-) -> list[tuple[list[str], list[str]]]:
-    """Each by/without clause with the metrics of the aggregation it belongs to, written either
-    `sum by (l) (body)` or `sum (body) by (l)`."""
-    out = []
-    for index, (kind, text) in enumerate(tokens):
-        if kind != "ident" or text not in _AGGREGATIONS:
-            continue
-        before = clauses.get(index + 1)
-        body_start = before[1] if before else index + 1
-        body_end = _closing(tokens, body_start)
-        after = clauses.get(body_end + 1)
-        clause = before or after
-        if clause is not None:
-            metrics = [s.metric for i, s in selectors.items() if body_start < i < body_end]
-            out.append((clause[0], metrics))
-    return out
 
 
 def _label_values_refs(query: str) -> QueryRefs:
@@ -178,40 +68,6 @@ def _queries(dashboard: dict) -> list[tuple[str, QueryRefs]]:
     return out
 
 
-Exposition = dict[str, list[dict[str, str]]]  # sample name → the label sets it has
-
-
-def _exposition(text: str) -> Exposition:
-    samples: Exposition = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append(sample.labels)
-    return samples
-
-
-def problems(refs: QueryRefs, exposition: Exposition) -> list[str]:
-    """What in `refs` the server does not export (empty: all of it is there)."""
-    found = []
-    labels_of = {name: {label for labels in sets for label in labels} for name, sets in exposition.items()}
-    for selector in refs.selectors:
-        if selector.metric not in exposition:
-            found.append(f"metric {selector.metric} is not exported")
-            continue
-        for label, operator, value in selector.matchers:
-            if label not in labels_of[selector.metric]:
-                found.append(f"{selector.metric} has no label {label}")
-            elif (
-                operator == "=" and "$" not in value and all(s.get(label) != value for s in exposition[selector.metric])
-            ):
-                found.append(f"{selector.metric} never has {label}={value!r}")
-    for labels, metrics in refs.groupings:
-        for metric in metrics:
-            missing = [label for label in labels if metric in labels_of and label not in labels_of[metric]]
-            if missing:
-                found.append(f"{metric} is grouped by {missing}, labels it does not have")
-    return found
-
-
 @pytest.fixture(scope="module")
 def exposition(tmp_path_factory: pytest.TempPathFactory) -> Exposition:
     """/metrics of a real server after streamed and whole requests of both priority classes."""
@@ -239,7 +95,7 @@ def exposition(tmp_path_factory: pytest.TempPathFactory) -> Exposition:
     finally:
         code = server.stop()
     assert code == 0, server.log_tail()
-    return _exposition(text)
+    return parse_exposition(text)
 
 
 # -- tests -----------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The engine core in its own process behind ZMQ: outputs stream back; its death is an error, not a hang."""
+"""The engine core in its own process behind ZMQ: outputs stream back; its death is an error, not a hang,
+and a fresh core can replace it behind the same client."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest, FinishReason
-from servelm.engine.async_client import AsyncEngineClient, EngineDeadError
+from servelm.engine.async_client import AsyncEngineClient, EngineDeadError, lost_with_core
 from servelm.sampling_params import SamplingParams
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
@@ -61,22 +62,34 @@ def test_requests_stream_back_and_abort_frees_blocks(tiny_dir):
     asyncio.run(scenario())
 
 
-def test_core_death_fails_every_request(tiny_dir):
+def test_core_death_fails_every_request_and_a_restart_serves_again(tiny_dir):
     async def scenario():
         client = AsyncEngineClient(EngineConfig.from_flat(model=str(tiny_dir), num_blocks=64, num_threads=1))
         await client.start()
         try:
+            with pytest.raises(RuntimeError):
+                await client.restart()  # only a dead core is replaced
+            expected, _ = await _collect(await client.add_request(_request("before", 8)))
             queues = [await client.add_request(_request(f"r{i}", 5000)) for i in range(3)]
             await asyncio.wait_for(queues[0].get(), timeout=60)
-            os.kill(client.process_pid, signal.SIGKILL)
+            first_pid = client.process_pid
+            os.kill(first_pid, signal.SIGKILL)
             for queue in queues:
                 while True:
                     output = await asyncio.wait_for(queue.get(), timeout=10)
                     if output.finish_reason is not None:
                         break
                 assert output.finish_reason == FinishReason.ERROR and "died" in output.error
+                assert lost_with_core(output.error)
             with pytest.raises(EngineDeadError):
                 await client.add_request(_request("late", 1))
+            ended = await asyncio.wait_for(client.wait_exit(), timeout=10)
+            assert ended.exit_code == -signal.SIGKILL and ended.traceback is None
+            assert client.stats.num_used_blocks == 0 and client.num_in_flight == 0
+            ready = await client.restart()
+            assert ready.num_blocks == 64 and client.process_pid != first_pid and client.dead_error is None
+            tokens, last = await _collect(await client.add_request(_request("after", 8)))
+            assert tokens == expected and last.finish_reason == FinishReason.LENGTH
         finally:
             await client.shutdown()
 

@@ -89,7 +89,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_model_dir):
 
 
 def test_engine_death_fails_requests_fast_and_health_says_so(tiny_model_dir):
-    server = launch_server(tiny_model_dir, ["--num-blocks", "512", "--num-threads", "1"])
+    # No restarts: the first death is final (test_engine_supervision.py has the restarts).
+    server = launch_server(tiny_model_dir, ["--num-blocks", "512", "--num-threads", "1", "--max-engine-restarts", "0"])
     try:
         with httpx.Client(base_url=server.base_url, timeout=30) as client:
             body = {"prompt": "Doomed", "max_tokens": 900, "ignore_eos": True, "stream": True}
@@ -103,7 +104,8 @@ def test_engine_death_fails_requests_fast_and_health_says_so(tiny_model_dir):
             assert '"server_error"' in events[-2] and events[-1] == "data: [DONE]", events[-3:]
             late = client.post("/v1/completions", json={"prompt": "after", "max_tokens": 2})
             assert late.status_code == 503 and late.json()["error"]["code"] == "service_unavailable"
-            assert client.get("/health").status_code == 503
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["message"].startswith("engine crashed once")
     finally:
         server.stop()
 

@@ -4,10 +4,14 @@
     host: 127.0.0.1
     api_key: null                   # the router's and every replica's --api-key
     block_size: 16                  # every replica's and the router's --block-size (omit: their default)
-    placement: local                # who starts the processes (only "local" today)
+    placement: local                # who starts the processes: local | ray (`servelm cluster --backend` overrides)
     replicas:                       # aggregated replicas (plain: no --kv-role)
       count: 2
       num_threads: 1
+      tensor_parallel_size: 1       # ranks per replica: --tensor-parallel-size x --context-parallel-size,
+      context_parallel_size: 1      #   placed together (on Ray: one placement group, a bundle per rank)
+      num_cpus: 1                   # Ray: logical CPUs per rank (omit: num_threads)
+      num_gpus: 0                   # Ray: GPUs per rank
       base_port: 8100               # replica i serves HTTP on base_port + i
       kv_events_base_port: 9100     # replica i publishes on 9100 + 2i (snapshot on the next port)
       args: ["--max-num-seqs", "64"]  # more `servelm serve` flags, for every replica
@@ -19,6 +23,7 @@
     router:
       port: 8000
       policy: kv
+      num_cpus: 1                   # Ray: logical CPUs for the router
       args: ["--load-weight", "1.0"]  # more `servelm router` flags
 
 Any of replicas / prefill / decode may be left out (a file with none of them gets the
@@ -27,8 +32,10 @@ pulls KV. The router is given every replica and learns each one's role from the 
 
 The spec resolves into one `ProcessSpec` per process (a role, a command line, the ports it
 will listen on). A launcher turns those into processes: `local` as children of
-`servelm cluster`; a Ray or Kubernetes launcher would place the same specs on other
-machines, changing only hosts. The router never sees any of this: it gets URLs.
+`servelm cluster`; `ray` as Ray actors (cluster/ray_backend.py), which places the same specs on
+other machines, changing only the addresses they are reached at (with a wildcard `host`, such
+as 0.0.0.0, each process is advertised at its node's address). The router never sees any of
+this: it gets URLs.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 import sys
 import tomllib
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,9 +51,12 @@ from typing import Any
 import yaml
 
 _SECTIONS = {"model", "host", "api_key", "block_size", "placement", "replicas", "prefill", "decode", "router"}
-_REPLICA_KEYS = {"count", "num_threads", "base_port", "kv_events_base_port", "args"}
+_REPLICA_KEYS = {
+    "count", "num_threads", "base_port", "kv_events_base_port", "args",
+    "tensor_parallel_size", "context_parallel_size", "num_cpus", "num_gpus",
+}  # fmt: skip
 _PREFILL_KEYS = _REPLICA_KEYS | {"transfer_base_port"}
-_ROUTER_KEYS = {"port", "policy", "args"}
+_ROUTER_KEYS = {"port", "policy", "args", "num_cpus"}
 # Pool defaults where the file leaves a key out (aggregated replicas: ReplicasConfig's own).
 _POOL_DEFAULTS: dict[str, dict[str, Any]] = {
     "replicas": {},
@@ -53,7 +64,12 @@ _POOL_DEFAULTS: dict[str, dict[str, Any]] = {
     "decode": {"count": 1, "base_port": 8300, "kv_events_base_port": 9400},
 }
 # Flags the launcher sets itself from the config (one value for the whole cluster, or per role).
-_OWNED_SERVE_FLAGS = ("--block-size", "--kv-role", "--kv-transfer-port", "--kv-transfer-host", "--kv-transfer-peers")
+_OWNED_SERVE_FLAGS = (
+    "--block-size", "--kv-role", "--kv-transfer-port", "--kv-transfer-host", "--kv-transfer-peers",
+    "--tensor-parallel-size", "-tp", "--context-parallel-size", "-cp",
+)  # fmt: skip
+# Hosts that mean "every interface": such a process is reached at its machine's address.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,15 @@ class ReplicasConfig:
     kv_events_base_port: int | None = 9100  # None: no KV events (then only cache-blind or prefix routing)
     args: tuple[str, ...] = ()
     transfer_base_port: int | None = None  # prefill pool only: worker i's KV transfer server on this + i
+    tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+    # Resource requests per rank where a scheduler places the processes (Ray); `local` ignores them.
+    num_cpus: float | None = None  # logical CPUs; None: num_threads
+    num_gpus: float = 0.0
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tensor_parallel_size * self.context_parallel_size
 
 
 @dataclass(frozen=True)
@@ -73,6 +98,7 @@ class RouterConfig:
     port: int = 8000
     policy: str = "kv"
     args: tuple[str, ...] = ()
+    num_cpus: float = 1.0  # logical CPUs where a scheduler places it (Ray)
 
 
 @dataclass(frozen=True)
@@ -85,6 +111,10 @@ class ProcessSpec:
     url: str  # where its HTTP API will answer
     kv_events: str | None = None  # replicas: their PUB address
     kv_role: str | None = None  # replicas: prefill | decode, None for an aggregated one
+    # What a scheduler must reserve for it, all on one machine (its ranks talk over loopback).
+    num_ranks: int = 1
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +138,13 @@ class ClusterConfig:
                 raise ValueError(
                     f"{name}.count and {name}.num_threads must be >= 1, got {pool.count}, {pool.num_threads}"
                 )
+            if pool.tensor_parallel_size < 1 or pool.context_parallel_size < 1:
+                raise ValueError(
+                    f"{name}.tensor_parallel_size and context_parallel_size must be >= 1, "
+                    f"got {pool.tensor_parallel_size}, {pool.context_parallel_size}"
+                )
+            if (pool.num_cpus is not None and pool.num_cpus <= 0) or pool.num_gpus < 0:
+                raise ValueError(f"{name}.num_cpus must be > 0 and num_gpus >= 0, got {pool.num_cpus}, {pool.num_gpus}")
             if (pool.transfer_base_port is None) == (name == "prefill"):
                 raise ValueError(
                     "prefill.transfer_base_port is required"
@@ -123,6 +160,8 @@ class ClusterConfig:
             )
         if any(arg == "--block-size" or arg.startswith("--block-size=") for arg in self.router.args):
             raise ValueError("router.args sets --block-size: set block_size at the top level (every process uses it)")
+        if self.router.num_cpus <= 0:
+            raise ValueError(f"router.num_cpus must be > 0, got {self.router.num_cpus}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         taken = Counter(self._ports())
@@ -159,24 +198,45 @@ class ClusterConfig:
         named = {"replicas": self.replicas, "prefill": self.prefill, "decode": self.decode}
         return {name: pool for name, pool in named.items() if pool is not None}
 
-    def transfer_addresses(self) -> list[str]:
-        """Every prefill worker's KV transfer server (what decode workers connect to at start-up)."""
+    def transfer_addresses(self, addresses: Mapping[str, str] | None = None) -> list[str]:
+        """Every prefill worker's KV transfer server (what decode workers connect to at start-up).
+        `addresses`: as in `replica_processes`."""
         if self.prefill is None or self.prefill.transfer_base_port is None:
             return []
-        return [f"tcp://{self.host}:{self.prefill.transfer_base_port + i}" for i in range(self.prefill.count)]
+        return [
+            f"tcp://{self._address(f'prefill-{i}', addresses)}:{self.prefill.transfer_base_port + i}"
+            for i in range(self.prefill.count)
+        ]
 
-    def replica_processes(self) -> list[ProcessSpec]:
-        """Every `servelm serve` process: aggregated replicas, prefill workers, decode workers."""
+    def replica_processes(self, addresses: Mapping[str, str] | None = None) -> list[ProcessSpec]:
+        """Every `servelm serve` process: aggregated replicas, prefill workers, decode workers.
+
+        `addresses`: process name -> the address of the machine it was placed on, for a launcher
+        that places processes on other machines. Used only with a wildcard `host` (the process
+        binds every interface and is reached at its machine's address); otherwise, and for a
+        name left out, each process is reached at `host`.
+        """
         specs = []
         for name, pool in self.pools().items():
             kv_role = None if name == "replicas" else name
             for i in range(pool.count):
-                specs.append(self._replica_process(pool, kv_role, i))
+                specs.append(self._replica_process(pool, kv_role, i, addresses))
         return specs
 
-    def _replica_process(self, pool: ReplicasConfig, kv_role: str | None, i: int) -> ProcessSpec:
+    def _address(self, name: str, addresses: Mapping[str, str] | None) -> str:
+        if self.host in WILDCARD_HOSTS and addresses and name in addresses:
+            return addresses[name]
+        return self.host
+
+    def _replica_process(
+        self, pool: ReplicasConfig, kv_role: str | None, i: int, addresses: Mapping[str, str] | None
+    ) -> ProcessSpec:
+        name = f"{kv_role or 'replica'}-{i}"
+        address = self._address(name, addresses)
         port = pool.base_port + i
         argv = ["serve", "--host", self.host, "--port", str(port), "--num-threads", str(pool.num_threads)]
+        argv += ["--tensor-parallel-size", str(pool.tensor_parallel_size)] if pool.tensor_parallel_size > 1 else []
+        argv += ["--context-parallel-size", str(pool.context_parallel_size)] if pool.context_parallel_size > 1 else []
         argv += ["--model", self.model] if self.model else []
         argv += ["--api-key", self.api_key] if self.api_key else []
         argv += ["--block-size", str(self.block_size)] if self.block_size is not None else []
@@ -184,19 +244,22 @@ class ClusterConfig:
         if pool.kv_events_base_port is not None:
             kv_port = pool.kv_events_base_port + 2 * i  # two ports each: PUB and snapshot
             argv += ["--kv-events-port", str(kv_port)]
-            kv_events = f"tcp://{self.host}:{kv_port}"
+            kv_events = f"tcp://{address}:{kv_port}"
         if kv_role == "prefill" and pool.transfer_base_port is not None:
-            argv += ["--kv-role", "prefill", "--kv-transfer-host", self.host]
+            argv += ["--kv-role", "prefill", "--kv-transfer-host", address]
             argv += ["--kv-transfer-port", str(pool.transfer_base_port + i)]
         elif kv_role == "decode":
             argv += ["--kv-role", "decode"]
-            peers = self.transfer_addresses()
+            peers = self.transfer_addresses(addresses)
             argv += ["--kv-transfer-peers", ",".join(peers)] if peers else []
-        name = f"{kv_role or 'replica'}-{i}"
-        url = f"http://{self.host}:{port}"
-        return ProcessSpec(name, "replica", tuple(argv) + pool.args, url, kv_events, kv_role)
+        url = f"http://{address}:{port}"
+        cpus = float(pool.num_threads if pool.num_cpus is None else pool.num_cpus)
+        return ProcessSpec(
+            name, "replica", tuple(argv) + pool.args, url, kv_events, kv_role, pool.num_ranks, cpus, pool.num_gpus
+        )
 
-    def router_process(self, replicas: list[ProcessSpec]) -> ProcessSpec:
+    def router_process(self, replicas: list[ProcessSpec], address: str | None = None) -> ProcessSpec:
+        """`address`: the router's machine, as in `replica_processes` (used with a wildcard `host`)."""
         argv = ["router", "--host", self.host, "--port", str(self.router.port), "--policy", self.router.policy]
         argv += ["--model", self.model] if self.model else []
         argv += ["--api-key", self.api_key] if self.api_key else []
@@ -205,7 +268,8 @@ class ClusterConfig:
             options = f",kv={replica.kv_events}" if replica.kv_events else ""
             options += f",role={replica.kv_role}" if replica.kv_role else ""
             argv += ["--replica", replica.url + options]
-        return ProcessSpec("router", "router", tuple(argv) + self.router.args, f"http://{self.host}:{self.router.port}")
+        url = f"http://{self._address('router', {'router': address} if address else None)}:{self.router.port}"
+        return ProcessSpec("router", "router", tuple(argv) + self.router.args, url, cpus_per_rank=self.router.num_cpus)
 
     def _ports(self) -> list[int]:
         ports = [self.router.port]

@@ -8,9 +8,13 @@ Contract (all methods called from the API process's event loop):
 - `add_request()` returns a queue that receives that request's EngineOutputs in order;
   the last one has a finish_reason. Calling it twice with one id is an error.
 - `abort()` is safe to call for finished or unknown ids, and twice.
-- If the core process dies, every open queue receives an EngineOutput with
-  finish_reason ERROR and the error text, and later add_request() calls raise
-  EngineDeadError: never a hang.
+- If the core process dies, every open queue receives an EngineOutput with finish_reason ERROR
+  and an error that `lost_with_core()` recognises, and later add_request() calls raise
+  EngineDeadError: never a hang. `wait_exit()` returns once the dead process is gone (how it
+  ended: exit code or signal, its traceback if it sent one); `restart()` then launches a fresh
+  core (an empty KV pool) behind the same client: the queues, the callbacks and the API
+  process's state stay. Each launch has its own sockets, so nothing sent to the dead core can
+  reach the new one. Deciding whether to restart is not this class's job (engine.supervisor).
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import signal
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -44,9 +51,40 @@ from servelm.schemas.core_stats import CoreStats
 
 logger = logging.getLogger(__name__)
 
+# The start of the error every in-flight request gets when its core dies (lost_with_core).
+CORE_LOST = "engine core lost"
+# After a CoreFailed the core exits by itself (it re-raises); one still there after this long is killed.
+EXIT_GRACE_S = 5.0
+
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+def lost_with_core(error: str | None) -> bool:
+    """Whether a request's error says its engine core died under it (rather than that the core
+    refused or failed that request alone)."""
+    return error is not None and error.startswith(CORE_LOST)
+
+
+@dataclass(frozen=True)
+class CoreExit:
+    """How a core process ended."""
+
+    exit_code: int | None  # negative: killed by that signal (multiprocessing's convention); None: never started
+    traceback: str | None = None  # what it sent with CoreFailed, if it did (or why it could not start)
+
+    def describe(self) -> str:
+        if self.exit_code is None:
+            how = "never started"
+        elif self.exit_code < 0:
+            try:
+                how = f"killed by {signal.Signals(-self.exit_code).name}"
+            except ValueError:
+                how = f"killed by signal {-self.exit_code}"
+        else:
+            how = f"exit code {self.exit_code}"
+        return how if self.traceback is None else f"{how}, after it failed:\n{self.traceback}"
 
 
 def _not_first_token(output: EngineOutput) -> bool:
@@ -64,7 +102,7 @@ def _core_process_entry(config: EngineConfig, input_address: str, output_address
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0) -> None:
-        self.config = config
+        self.config = config  # what the next launch gets (restart() may replace it)
         self.startup_timeout_s = startup_timeout_s
         self.ready: CoreReady | None = None
         self.stats = CoreStats()
@@ -75,53 +113,99 @@ class AsyncEngineClient:
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._ipc_dir = tempfile.mkdtemp(prefix="servelm-ipc-")
         self._context = zmq.asyncio.Context()
-        self._to_core = self._context.socket(zmq.PUSH)
-        self._from_core = self._context.socket(zmq.PULL)
+        self._to_core: zmq.asyncio.Socket | None = None  # this launch's sockets
+        self._from_core: zmq.asyncio.Socket | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._tasks: list[asyncio.Task] = []
+        self._traceback: str | None = None  # the current core's CoreFailed, if it sent one
+        self._exit: asyncio.Future[CoreExit] | None = None  # the current core's end, once it ended
 
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
 
     async def start(self) -> CoreReady:
+        return await self._launch()
+
+    async def restart(self, config: EngineConfig | None = None) -> CoreReady:
+        """Launch a fresh core (with `config`, else the last one) after the current one died: ready
+        on return, or EngineDeadError (that core's end then comes from `wait_exit()`). Until it is
+        ready, add_request() keeps raising EngineDeadError. RuntimeError while a core runs."""
+        if self.dead_error is None:
+            raise RuntimeError("the engine core is running: only a dead one is restarted")
+        await self._reap()
+        self._close_launch()
+        if config is not None:
+            self.config = config
+        ready = await self._launch()
+        self.dead_error = None
+        return ready
+
+    async def wait_exit(self) -> CoreExit:
+        """Return once the current core has died and its process is gone (never while it serves)."""
+        assert self._exit is not None, "the engine core was never launched"
+        return await asyncio.shield(self._exit)
+
+    async def _launch(self) -> CoreReady:
+        self.ready, self.stats, self._traceback = None, CoreStats(), None
+        self._exit = asyncio.get_running_loop().create_future()
+        try:
+            self._process = self._spawn()
+        except Exception as exc:  # no process to watch: this launch ends here (wait_exit says how)
+            self._exit.set_result(CoreExit(None, traceback.format_exc(limit=4)))
+            raise EngineDeadError(f"engine core could not be launched: {exc}") from exc
+        assert self._from_core is not None
+        try:
+            self.ready = await self._wait_ready(self._from_core)
+        except EngineDeadError:
+            self._tasks = [asyncio.create_task(self._watch_process(self._process), name="engine-watchdog")]
+            raise
+        self._tasks = [
+            asyncio.create_task(self._output_loop(self._from_core), name="engine-outputs"),
+            asyncio.create_task(self._watch_process(self._process), name="engine-watchdog"),
+        ]
+        return self.ready
+
+    def _spawn(self) -> multiprocessing.process.BaseProcess:
+        """This launch's sockets, bound, and its core process, started."""
+        os.makedirs(self._ipc_dir, exist_ok=True)  # a /tmp cleaner may have removed it since the last launch
         input_address = f"ipc://{self._ipc_dir}/input-{uuid.uuid4().hex[:8]}"
         output_address = f"ipc://{self._ipc_dir}/output-{uuid.uuid4().hex[:8]}"
+        self._to_core = self._context.socket(zmq.PUSH)
+        self._from_core = self._context.socket(zmq.PULL)
         self._to_core.bind(input_address)
         self._from_core.bind(output_address)
         spawn = multiprocessing.get_context("spawn")
-        self._process = spawn.Process(
+        process = spawn.Process(
             target=_core_process_entry,
             args=(self.config, input_address, output_address),
             name="servelm-engine-core",
             daemon=True,
         )
-        self._process.start()
-        self.ready = await self._wait_ready()
-        self._tasks = [
-            asyncio.create_task(self._output_loop(), name="engine-outputs"),
-            asyncio.create_task(self._watch_process(), name="engine-watchdog"),
-        ]
-        return self.ready
+        process.start()
+        return process
 
-    async def _wait_ready(self) -> CoreReady:
+    async def _wait_ready(self, from_core: zmq.asyncio.Socket) -> CoreReady:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
-            if await self._from_core.poll(timeout=200):
-                message = from_core_decoder.decode(await self._from_core.recv())
+            if await from_core.poll(timeout=200):
+                message = from_core_decoder.decode(await from_core.recv())
                 if isinstance(message, CoreReady):
                     return message
                 if isinstance(message, CoreStarting) and self.on_phase is not None:
                     self.on_phase(message.phase)
                 if isinstance(message, CoreFailed):
+                    self._traceback = message.error
                     raise EngineDeadError(f"engine core failed to start:\n{message.error}")
             if self._process is not None and not self._process.is_alive():
                 raise EngineDeadError(f"engine core exited during start-up (exit code {self._process.exitcode})")
+        if self._process is not None:
+            self._process.kill()  # a start-up that hangs is abandoned: wait_exit() then hears of it
         raise EngineDeadError(f"engine core not ready after {self.startup_timeout_s:.0f} s")
 
     async def add_request(self, request: EngineRequest) -> asyncio.Queue[EngineOutput]:
-        if self.dead_error is not None:
-            raise EngineDeadError(self.dead_error)
+        if self.dead_error is not None or self._to_core is None:
+            raise EngineDeadError(self.dead_error or "the engine core is not running")
         if request.request_id in self._queues:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
@@ -131,14 +215,17 @@ class AsyncEngineClient:
 
     async def abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._queues.pop(rid, None) is not None]
-        if live and self.dead_error is None:
+        if live and self.dead_error is None and self._to_core is not None:
             await self._to_core.send(to_core_encoder.encode(AbortRequests(request_ids=live)))
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, from_core: zmq.asyncio.Socket) -> None:
         while True:
-            message = from_core_decoder.decode(await self._from_core.recv())
+            message = from_core_decoder.decode(await from_core.recv())
+            if self.dead_error is not None:
+                return  # sent just before the core died: its requests have failed already
             if isinstance(message, CoreFailed):
-                self._fail_all(f"engine core failed: {message.error}")
+                self._traceback = message.error
+                self._fail_all(f"{CORE_LOST}: the engine core failed:\n{message.error}")
                 return
             if not isinstance(message, OutputBatch):
                 continue
@@ -157,15 +244,25 @@ class AsyncEngineClient:
                     del self._queues[output.request_id]
                 queue.put_nowait(output)
 
-    async def _watch_process(self) -> None:
-        while self._process is not None and self._process.is_alive():
+    async def _watch_process(self, process: multiprocessing.process.BaseProcess) -> None:
+        """Until `process` (this launch's core) is gone: then fail what it held and resolve its exit.
+        A core that reported CoreFailed but lingers past EXIT_GRACE_S is killed."""
+        failed_at: float | None = None
+        while process.is_alive():
             await asyncio.sleep(0.2)
+            if self.dead_error is not None or self.ready is None:  # failed (CoreFailed), or failed to start
+                failed_at = failed_at if failed_at is not None else time.monotonic()
+                if time.monotonic() - failed_at > EXIT_GRACE_S:
+                    process.kill()
+        ended = CoreExit(process.exitcode, self._traceback)
         if self.dead_error is None:
-            code = self._process.exitcode if self._process is not None else None
-            self._fail_all(f"engine core process died (exit code {code})")
+            self._fail_all(f"{CORE_LOST}: the engine core process died ({ended.describe()})")
+        if self._exit is not None and not self._exit.done():
+            self._exit.set_result(ended)
 
     def _fail_all(self, error: str) -> None:
         self.dead_error = error
+        self.stats = CoreStats()  # the dead core's blocks and requests are gone with it
         logger.error(error)
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(
@@ -173,13 +270,29 @@ class AsyncEngineClient:
             )
         self._queues.clear()
 
+    async def _reap(self) -> None:
+        """Wait for the current core process to be gone (it is dead or dying: killed past the grace)."""
+        if self._exit is not None:
+            await self.wait_exit()
+        if self._process is not None:
+            self._process.join(timeout=1.0)  # exited already: collects its status
+
+    def _close_launch(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        for socket in (self._to_core, self._from_core):
+            if socket is not None:
+                socket.close(linger=0)  # what was queued for a dead core is dropped with it
+        self._to_core = self._from_core = None
+
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core: Shutdown, then a kill after `timeout_s`. A core still starting reads no
         messages until it is ready: it is terminated at once (its start-up is abandoned)."""
         for task in self._tasks:
             task.cancel()
         if self._process is not None and self._process.is_alive():
-            if self.ready is None:
+            if self.ready is None or self.dead_error is not None or self._to_core is None:
                 self._process.terminate()
             else:
                 await self._to_core.send(to_core_encoder.encode(Shutdown()))
@@ -188,8 +301,7 @@ class AsyncEngineClient:
                 await asyncio.sleep(0.05)
             if self._process.is_alive():
                 self._process.kill()
-        self._to_core.close(linger=0)
-        self._from_core.close(linger=0)
+        self._close_launch()
         self._context.term()
         for name in os.listdir(self._ipc_dir):
             os.unlink(os.path.join(self._ipc_dir, name))

@@ -107,11 +107,6 @@ class AsyncLLM:
         return cls(client, PromptTokenizer(tokenizer, max_workers=tokenizer_threads))
 
     @property
-    def dead_error(self) -> str | None:
-        """Why the engine core is not running, or None while it is."""
-        return self.client.dead_error
-
-    @property
     def num_outputs_queued(self) -> int:
         """Engine outputs received here that their streams have not taken yet (the output backlog, now)."""
         return sum(stream.num_outputs_queued for stream in self._live_streams.values())

@@ -68,6 +68,9 @@ PRODUCER_HOST_TIER_BYTES = 1 << 30
 FAULT_KV_CORRUPT_ENV = "SERVELM_FAULT_KV_CORRUPT_EVERY"
 # Fault injection for end-to-end tests: seconds slept at the start of the load phase (a slow start-up).
 FAULT_STARTUP_DELAY_ENV = "SERVELM_FAULT_STARTUP_DELAY_S"
+# Fault injection for end-to-end tests: while the file this names exists, start-up fails in the load
+# phase (a core that crashes on every restart: create the file once the first core is up).
+FAULT_FAIL_START_ENV = "SERVELM_FAULT_FAIL_START_IF_EXISTS"
 
 
 @dataclass
@@ -106,7 +109,7 @@ def build_engine(
         build_kernels(device, dtype)
     opened = open_model(config.model, startup)  # a remote model: pulled while it loads (the `fetch` phase)
     with startup.phase("load"):
-        _injected_startup_delay()
+        _injected_startup_faults()
         checkpoint = load_checkpoint(opened.path, config.model.hf_overrides, opened.before_read)
         model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend)
         del checkpoint.weights  # the model holds its own copies now
@@ -122,11 +125,14 @@ def build_kernels(device: torch.device, dtype: torch.dtype) -> None:
         cpu_kernels.load()
 
 
-def _injected_startup_delay() -> None:
+def _injected_startup_faults() -> None:
     delay_s = float(os.environ.get(FAULT_STARTUP_DELAY_ENV, "0") or 0)
     if delay_s > 0:
         logger.warning("%s: sleeping %.1f s in the load phase", FAULT_STARTUP_DELAY_ENV, delay_s)
         time.sleep(delay_s)
+    marker = os.environ.get(FAULT_FAIL_START_ENV)
+    if marker and os.path.exists(marker):
+        raise RuntimeError(f"{FAULT_FAIL_START_ENV}: {marker} exists, so this start-up fails (fault injection)")
 
 
 def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelArchConfig, tokenizer: Any,
@@ -226,7 +232,7 @@ def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline) -> 
     with startup.phase("kernel_build"):
         build_kernels(device, dtype)
     with startup.phase("load"):
-        _injected_startup_delay()
+        _injected_startup_faults()
         checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)  # lazy: rank 0 reads its shard
     arch, tokenizer, source = checkpoint.arch, checkpoint.tokenizer, checkpoint.source
     layout = layout_of(config)

@@ -12,7 +12,9 @@ Two sources:
 - the API process's own health: its event loop's lag (obs.loop_lag) and the output backlog,
   engine outputs that wait in the API for a client (or the API itself) to take them;
 - how the start-up went: `startup_seconds` per phase (obs.startup), filled in once the engine is
-  ready (`starting_metrics` is what /metrics answers before that).
+  ready (`starting_metrics` is what /metrics answers before that); `engine_restarts_total`, dead
+  engine cores replaced (engine.supervisor). A replacement core's own counters (prefix cache,
+  preemptions) start again from 0: Prometheus reads that as a counter reset.
 
 Each server owns its own CollectorRegistry: two servers in one process (tests) never collide.
 """
@@ -170,6 +172,9 @@ class ServerMetrics:
         self.streams_cut = Counter(PREFIX + "streams_cut", "Responses cut because their client took no data for "
                                    "--stream-stall-timeout-s, or fell --max-stream-backlog outputs behind "
                                    "(openai_api/stall_guard.py).", ["model_name"], registry=self.registry).labels(model_name)  # fmt: skip
+        self.engine_restarts = Counter(PREFIX + "engine_restarts", "Engine cores launched to replace a dead one "
+                                       "(engine.supervisor), whether or not they came up.", ["model_name"],
+                                       registry=self.registry).labels(model_name)  # fmt: skip
         self.registry.register(_CoreCollector(model_name, core_stats, num_blocks, num_in_api, num_outputs_queued))
         # Observed per output batch of every stream: their labelled children are cached.
         self._itl_by_class = _ByClass(self.itl, model_name)
@@ -189,6 +194,9 @@ class ServerMetrics:
         for num_tokens, seconds in stats.recent_steps:
             self.step_tokens.observe(num_tokens)
             self.step_seconds.observe(seconds)
+
+    def observe_engine_restart(self) -> None:
+        self.engine_restarts.inc()
 
     def observe_token_gap(self, slo: RequestSlo, gap_s: float) -> None:
         self._itl_by_class.observe(slo, gap_s)

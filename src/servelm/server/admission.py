@@ -12,7 +12,8 @@ A request's own engine requests count as waiting (the limit bounds the queue it 
 The second term covers a burst the core has not reported yet: whatever exceeds the core's
 sequence slots waits for sure. A burst that fits in free slots is all admitted; the core's
 count then catches up within a step if KV blocks, not slots, are what is short. While the
-server drains for shutdown, or after the engine died, every new request gets 503 instead.
+server drains for shutdown, or while the engine is down (restarting, or given up: the
+supervisor's EngineDown), every new request gets 503 with its reason and Retry-After instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from servelm.server.errors import ENGINE_DOWN_MESSAGE, overloaded, too_large_to_queue, unavailable
+from servelm.engine.supervisor import EngineDown
+from servelm.server.errors import overloaded, too_large_to_queue, unavailable
 
 
 @dataclass
@@ -30,7 +32,7 @@ class Admission:
     num_tokenizing: Callable[[], int]
     num_engine_in_flight: Callable[[], int]
     num_core_waiting: Callable[[], int]
-    engine_error: Callable[[], str | None]
+    engine_down: Callable[[], EngineDown | None]
     draining: bool = False
     retry_after_s: int = 1
 
@@ -44,8 +46,9 @@ class Admission:
         """Raise the 503/400/429 APIError when the request may not enter; return when it may."""
         if self.draining:
             raise unavailable("The server is shutting down and takes no new requests.")
-        if self.engine_error() is not None:
-            raise unavailable(ENGINE_DOWN_MESSAGE, retry_after_s=30)
+        down = self.engine_down()
+        if down is not None:
+            raise unavailable(down.message, retry_after_s=down.retry_after_s)
         # A request counts as waiting itself. One larger than the limit never fits: 400, split it.
         # A single engine request is never "too large": with a limit of 0 (admit nothing, the
         # always-full replica routers are tested with) it is a 429 like any full server's.

@@ -55,6 +55,7 @@ from servelm.config import EngineConfig
 from servelm.delivery.source import PEER_MODEL_PREFIX, PEER_SCHEME
 from servelm.delivery.streaming import remote_model_name
 from servelm.engine.async_llm import AsyncLLM
+from servelm.engine.supervisor import EngineSupervisor, RestartPolicy
 from servelm.obs.loop_lag import EventLoopLagMonitor
 from servelm.obs.metrics import ServerMetrics, starting_metrics
 from servelm.obs.request_log import RequestLogger
@@ -113,6 +114,8 @@ class ServerOptions:
     ssl_keyfile: str | None = None  # HTTPS: uvicorn's, as vLLM passes them
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None  # CA bundle to verify client certificates against
+    max_engine_restarts: int = 3  # a dead engine core is restarted at most this often within the window
+    engine_restart_window_s: float = 300.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -174,13 +177,15 @@ async def _start_context(
                             num_in_api=lambda: client.num_in_flight, num_outputs_queued=lambda: engine.num_outputs_queued,
                             startup_seconds=StartupTimeline(list(ready.startup)).seconds_by_phase())  # fmt: skip
     client.on_stats = metrics.observe_steps
+    policy = RestartPolicy(options.max_engine_restarts, options.engine_restart_window_s)
+    supervisor = EngineSupervisor(client, policy, on_restart=metrics.observe_engine_restart)
     admission = Admission(
         max_waiting=options.max_waiting_requests,
         max_num_seqs=engine_config.scheduler.max_num_seqs,
         num_tokenizing=lambda: engine.tokenizer.num_pending,
         num_engine_in_flight=lambda: client.num_in_flight,
         num_core_waiting=lambda: client.stats.num_waiting,
-        engine_error=lambda: client.dead_error,
+        engine_down=supervisor.down,
     )
     logger.info(
         "serving %s (%s): context %d tokens, %d KV blocks", name, ready.source, ready.max_model_len, ready.num_blocks
@@ -194,6 +199,7 @@ async def _start_context(
         kv_transfer=KVTransferInfo(engine_config.kv_transfer.kv_role, ready.kv_transfer_address, ready.block_size),
         model_files=ModelFiles.of_source(ready.source),
         prompt_limits=PromptLimits.for_tokenizer(engine.tokenizer.tokenizer, ready.max_model_len),
+        supervisor=supervisor,
     )
 
 
@@ -211,6 +217,7 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
         gc.freeze()  # start-up objects (tokenizer, modules) never need scanning again: shorter GC pauses
         loop_lag.append(EventLoopLagMonitor(ctx.metrics.observe_loop_lag))
         loop_lag[0].start()
+        ctx.supervisor.start()
         return ctx
 
     @asynccontextmanager
@@ -227,6 +234,7 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
             for monitor in loop_lag:
                 monitor.stop()
             if lifecycle.ctx is not None:
+                await lifecycle.ctx.supervisor.wait_closed()  # drain() closed it: no restart races the shutdown
                 await lifecycle.ctx.engine.shutdown()
 
     app = FastAPI(title="servelm", lifespan=lifespan, docs_url=None, redoc_url=None)

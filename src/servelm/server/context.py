@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servelm.engine.async_llm import AsyncLLM
+from servelm.engine.supervisor import EngineSupervisor
 from servelm.obs.metrics import ServerMetrics
 from servelm.obs.request_log import RequestLogger
 from servelm.server.admission import Admission
@@ -24,6 +25,7 @@ class ServerContext:
     kv_transfer: KVTransferInfo  # this server's disaggregation role (kv_role None: none)
     model_files: ModelFiles  # what a new replica pulls with --model peer://this-server
     prompt_limits: PromptLimits  # prompts refused by their size, before tokenizing
+    supervisor: EngineSupervisor  # restarts a dead engine core; says why the engine is down
 
     @property
     def tokenizer(self) -> PromptTokenizer:

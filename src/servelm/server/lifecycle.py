@@ -1,16 +1,23 @@
 """Where the server stands between listening and serving: the engine starts behind a live HTTP server.
 
     uvicorn listens ──▶ starting (phase: what the core is doing) ──▶ ready ──▶ draining (SIGTERM)
-                              │                                        └──▶ engine died
+                              │                                      ▲   │ the core died
+                              │                            restarted │   ▼ (engine.supervisor)
+                              │                                   restarting ──▶ gave up: stays down
                               └──▶ failed: logged, uvicorn stopped, the process exits non-zero
 
 What each route answers (liveness and readiness as Kubernetes probes mean them):
 
-    state       /health  /ready                     /v1/*, /tokenize, /detokenize   /metrics
+    state       /health  /ready                     completions, chat               /metrics
     starting    200      503 "starting: <phase>"    503 (Retry-After)               startup family only
     ready       200      200                        served                          everything
     draining    503      503                        503 (admission)                 everything
-    failed/dead 503      503                        503                             as it was
+    restarting  503      503                        503 (admission, Retry-After)    everything
+    gave up     503      503                        503 (admission, Retry-After)    everything
+    failed      503      503                        503                             as it was
+
+Restarting says "engine restarting (attempt k of N)"; gave up says "engine crashed C times in T s
+(...); not restarting" and stays so: the process does not exit (engine.supervisor says why).
 
 One per server (`app.state.lifecycle`); written by the start-up task and the signal handler, read
 by the routes, all on the event loop.
@@ -49,12 +56,14 @@ class ServerLifecycle:
     on_failed: Callable[[], None] | None = None  # run_server's: stop uvicorn once start-up failed
 
     def liveness_problem(self) -> str | None:
-        """Why /health is 503: draining, or the engine failed to start or died; None while alive."""
+        """Why /health is 503: draining, the engine failed to start, or it is down (restarting, or
+        the supervisor gave up); None while alive."""
         if self.draining:
             return SHUTTING_DOWN
-        if self.failure is not None or (self.ctx is not None and self.ctx.engine.dead_error is not None):
+        if self.failure is not None:
             return ENGINE_DOWN_MESSAGE
-        return None
+        down = self.ctx.supervisor.down() if self.ctx is not None else None
+        return down.message if down is not None else None
 
     def readiness_problem(self) -> str | None:
         """Why /ready is 503 (the liveness problems, or "starting: <phase>"); None while serving."""
@@ -77,6 +86,7 @@ class ServerLifecycle:
         self.draining = True
         if self.ctx is not None:
             self.ctx.admission.draining = True
+            self.ctx.supervisor.close()  # a core that dies now is not restarted
 
     async def start(self, start_context: StartContext) -> None:
         """The start-up task: run `start_context`, tracking its phases; on failure log why and call
@@ -96,6 +106,7 @@ class ServerLifecycle:
             log_startup(ctx.engine.client.ready.startup, launched_at)
         if self.draining:
             ctx.admission.draining = True  # a signal arrived while the last step awaited
+            ctx.supervisor.close()
         self.ctx = ctx
 
     def _enter_phase(self, phase: str) -> None:

@@ -17,8 +17,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive
 
 from servelm.datatypes import RequestSlo
-from servelm.engine.async_client import EngineDeadError
+from servelm.engine.async_client import EngineDeadError, lost_with_core
 from servelm.engine.async_llm import GenerationStream, PromptError
+from servelm.engine.supervisor import RESTARTING_RETRY_AFTER_S
 from servelm.obs.timeline import ApiStamp, RequestTimeline
 from servelm.openai_api.auth import CALLER_STATE
 from servelm.openai_api.stall_guard import stream_watch
@@ -40,6 +41,8 @@ from servelm.tenancy.registry import request_slo
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
+# The error code of a request whose engine core died under it (503, or its stream's error event).
+ENGINE_CORE_DIED = "engine_core_died"
 TTFT_HEADER = "x-servelm-ttft-breakdown"
 _json = msgspec.json.Encoder()
 
@@ -212,12 +215,16 @@ def engine_error(gen: GenerationStream) -> str | None:
 def engine_failure_message(gen: GenerationStream) -> str:
     """What the client hears of an engine failure: no detail (it may be a traceback), the request id
     to find it by; the detail goes to the server log, once per request."""
+    if lost_with_core(gen.error):  # the core died under it: logged once for all by the client and supervisor
+        return (f"The engine core died while running request {gen.request_id}; it is restarted unless it "
+                "crashed too often (GET /health says which): retry the request.")  # fmt: skip
     logger.error("request %s failed in the engine: %s", gen.request_id, gen.error)
     return f"The engine failed while running request {gen.request_id}; the server log has the details."
 
 
 def stream_error_event(gen: GenerationStream) -> bytes:
-    return sse(error_body(engine_failure_message(gen), "server_error"))
+    code = ENGINE_CORE_DIED if lost_with_core(gen.error) else None
+    return sse(error_body(engine_failure_message(gen), "server_error", code=code))
 
 
 async def until_disconnect(http_request: Request, work: Awaitable[T], gen: GenerationStream) -> T | None:
@@ -250,10 +257,15 @@ async def start_generation(gen: GenerationStream) -> None:
         await gen.start()
     except EngineDeadError as exc:
         logger.error("request %s: the engine is not running: %s", gen.request_id, exc)
-        raise unavailable(ENGINE_DOWN_MESSAGE, retry_after_s=30) from exc
+        raise unavailable(ENGINE_DOWN_MESSAGE, retry_after_s=RESTARTING_RETRY_AFTER_S) from exc
 
 
 def api_error_from_engine(gen: GenerationStream) -> APIError:
+    """A non-streaming request's engine failure: 503 (Retry-After) when the core died under it, a
+    request the client may send again; else 500."""
+    if lost_with_core(gen.error):
+        return APIError(503, engine_failure_message(gen), type="server_error", code=ENGINE_CORE_DIED,
+                        headers={"Retry-After": str(RESTARTING_RETRY_AFTER_S)})  # fmt: skip
     return APIError(500, engine_failure_message(gen), type="server_error")
 
 
