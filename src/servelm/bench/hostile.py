@@ -139,7 +139,7 @@ def _size_cases() -> list[HostileCase]:
     and lists of bad items, to be refused at the first (not with one error object per item)."""
     ids = json.dumps({**COMPLETION, "prompt": [1000] * 1_000_000}).encode()
     text = _with_raw(COMPLETION, ["prompt"], json.dumps("hello " * (8 * MEGABYTE // 6)))
-    many = json.dumps({**CHAT, "messages": CHAT["messages"] * 100_000}).encode()
+    many = json.dumps({**CHAT, "messages": [{"role": "user", "content": "hi"}] * 100_000}).encode()
     bad_items = _with_raw(COMPLETION, ["prompt"], "[1, " + ", ".join(['"x"'] * 200_000) + "]")
     return [
         HostileCase("/v1/completions prompt=8MB text", "/v1/completions", text, "prompt"),
