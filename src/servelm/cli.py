@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from servelm.openai_api.overload import add_overload_arguments  # argparse only
+
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
@@ -234,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, 429")
+    add_overload_arguments(serve)
+    serve.add_argument(
+        "--max-stream-backlog", type=int, default=4096, metavar="N",
+        help="cut a stream (and abort its request) once N engine outputs wait for its client (0: no bound)",
+    )  # fmt: skip
     serve.add_argument(
         "--max-request-body-mb", type=float, default=32.0, dest="max_request_body_mb",
         help="larger request bodies get 413 before they are parsed",

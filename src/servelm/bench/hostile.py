@@ -2,7 +2,8 @@
 
 Each case is a request a client should never send: integers beyond 64 bits, non-finite floats,
 megabyte strings with NUL or lone UTF-16 surrogates, oversize bodies, bodies that are not
-declared JSON, a user message without content. A hardened server answers each with a 4xx in
+declared JSON, a user message without content, prompts no context holds (8 MB of text, 1M token
+ids, 100k messages), a list of 200k bad items. A hardened server answers each with a 4xx in
 OpenAI's error shape, never a 5xx or a 2xx, and keeps the keep-alive connection usable: the
 runner sends a normal request on the same connection right after each case.
 
@@ -133,9 +134,24 @@ def _envelope_cases(max_body_bytes: int) -> list[HostileCase]:
     return cases
 
 
+def _size_cases() -> list[HostileCase]:
+    """Prompts no context holds, within the body limit: to be refused without tokenizing them,
+    and lists of bad items, to be refused at the first (not with one error object per item)."""
+    ids = json.dumps({**COMPLETION, "prompt": [1000] * 1_000_000}).encode()
+    text = _with_raw(COMPLETION, ["prompt"], json.dumps("hello " * (8 * MEGABYTE // 6)))
+    many = json.dumps({**CHAT, "messages": [{"role": "user", "content": "hi"}] * 100_000}).encode()
+    bad_items = _with_raw(COMPLETION, ["prompt"], "[1, " + ", ".join(['"x"'] * 200_000) + "]")
+    return [
+        HostileCase("/v1/completions prompt=8MB text", "/v1/completions", text, "prompt"),
+        HostileCase("/v1/completions prompt=1M token ids", "/v1/completions", ids, "prompt"),
+        HostileCase("/v1/chat/completions messages=100k", "/v1/chat/completions", many, "messages"),
+        HostileCase("/v1/completions prompt=200k bad items", "/v1/completions", bad_items, "prompt"),
+    ]
+
+
 def hostile_cases(max_body_bytes: int = 32 * MEGABYTE) -> list[HostileCase]:
     """Every case; `max_body_bytes`: the server's body limit (the oversize case exceeds it by 1 MB)."""
-    return _numeric_cases() + _string_cases() + _envelope_cases(max_body_bytes)
+    return _numeric_cases() + _string_cases() + _envelope_cases(max_body_bytes) + _size_cases()
 
 
 @dataclass

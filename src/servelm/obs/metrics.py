@@ -169,6 +169,9 @@ class ServerMetrics:
             "while a client does not read (its SSE writes block, the engine keeps generating).",
             _BACKLOG_BUCKETS,
         )
+        self.streams_cut = Counter(PREFIX + "streams_cut", "Responses cut because their client took no data for "
+                                   "--stream-stall-timeout-s, or fell --max-stream-backlog outputs behind "
+                                   "(openai_api/stall_guard.py).", ["model_name"], registry=self.registry).labels(model_name)  # fmt: skip
         self.engine_restarts = Counter(PREFIX + "engine_restarts", "Engine cores launched to replace a dead one "
                                        "(engine.supervisor), whether or not they came up.", ["model_name"],
                                        registry=self.registry).labels(model_name)  # fmt: skip

@@ -11,7 +11,11 @@
 
 With an API key, everything but /health, /ready and /metrics requires `Authorization: Bearer KEY`
 (as the server does); the client's Authorization header is forwarded to the replicas unchanged.
-Admin bodies must be JSON (415 otherwise); generation bodies are checked by the replica.
+Admin bodies must be JSON (415 otherwise); generation bodies are checked by the replica, but
+their size here (--max-request-body-mb: 413). Overload (router/limits.py): requests in flight in
+all and per client (429), and a client that stops reading is cut after --stream-stall-timeout-s,
+its upstream request with it (openai_api/stall_guard.py; until then the router reads from the
+replica only as fast as the client reads, so nothing piles up here).
 """
 
 from __future__ import annotations
@@ -31,13 +35,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from servelm.openai_api.auth import ApiKeyMiddleware, single_key
+from servelm.openai_api.body_limit import BodyLimitMiddleware
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
 from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_response
+from servelm.openai_api.open_files import raise_open_files_limit
+from servelm.openai_api.overload import GENERATION_PATHS, OverloadOptions
+from servelm.openai_api.stall_guard import StallGuardMiddleware
 from servelm.router.health import HealthChecker
 from servelm.router.kv_index import TIERS_NEAREST_FIRST
+from servelm.router.limits import RouterLimitsMiddleware
 from servelm.router.proxy import Proxy, request_headers
 from servelm.router.replicas import ReplicaSpec
 from servelm.router.state import Router, RouterOptions
+from servelm.tenancy.limits import InFlightLimits
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,6 +63,8 @@ class RouterServerOptions:
     api_key: str | None = None
     model: str | None = None  # whose tokenizer to hash prompts with (the replicas' model)
     replicas: Sequence[ReplicaSpec] = ()
+    max_request_body_mb: float = 32.0  # larger generation bodies get 413, unread
+    overload: OverloadOptions = OverloadOptions()
 
 
 def _load_tokenizer(model: str | None) -> PromptTokenizer:
@@ -95,6 +107,17 @@ def create_router_app(router_options: RouterOptions, options: RouterServerOption
 
     app = FastAPI(title="servelm router", lifespan=lifespan, docs_url=None, redoc_url=None)
     _add_routes(app)
+    # The last added runs first: the key, the limits (before the body is read), the body's size.
+    overload = options.overload
+
+    def record_cut() -> None:
+        app.state.router.metrics.streams_cut.inc()
+
+    app.add_middleware(StallGuardMiddleware, paths=GENERATION_PATHS, stall_timeout_s=overload.stream_stall_timeout_s,
+                       record_cut=record_cut)  # fmt: skip
+    app.add_middleware(BodyLimitMiddleware, paths=GENERATION_PATHS, max_bytes=int(options.max_request_body_mb * 2**20))
+    limits = InFlightLimits(overload.max_concurrent_requests, overload.max_concurrent_requests_per_client)
+    app.add_middleware(RouterLimitsMiddleware, limits=limits)
     app.add_middleware(ApiKeyMiddleware, authenticate=single_key(options.api_key), open_paths=_OPEN_PATHS)
     return app
 
@@ -191,6 +214,7 @@ def run_router(router_options: RouterOptions, options: RouterServerOptions) -> i
     """Serve until SIGINT/SIGTERM. In-flight streams are given a few seconds to finish."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request and health poll otherwise
     app = create_router_app(router_options, options)
+    raise_open_files_limit()
     config = uvicorn.Config(
         app, host=options.host, port=options.port, loop="asyncio", http="h11", lifespan="on",
         access_log=False, timeout_graceful_shutdown=10, log_level="info",

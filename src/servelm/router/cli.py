@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from servelm import envs
+from servelm.openai_api.overload import OverloadOptions, add_overload_arguments
 from servelm.router.disagg import DisaggSettings
 from servelm.router.policies import LOAD_METRICS, POLICIES, PolicySettings
 
@@ -64,6 +65,11 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     router.add_argument("--prefix-index-blocks", type=int, default=65536, help="per replica (prefix policy)")
     router.add_argument("--prefix-index-ttl", type=float, default=600.0, dest="prefix_index_ttl_s")
     router.add_argument("--kv-index-blocks", type=int, default=1 << 20, help="per replica and medium (kv policy)")
+    router.add_argument(
+        "--max-request-body-mb", type=float, default=32.0, dest="max_request_body_mb",
+        help="larger generation request bodies get 413 before they are read",
+    )  # fmt: skip
+    add_overload_arguments(router)
     router.set_defaults(handler=run_from_args)
     return router
 
@@ -85,9 +91,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             upstream_stall_timeout_s=args.upstream_stall_timeout_s or None,
         )  # fmt: skip
         replicas = [ReplicaSpec.parse(text) for text in args.replica]
+        overload = OverloadOptions.from_args(args)
     except ValueError as error:
         raise SystemExit(f"servelm router: {error}") from None
     options = RouterServerOptions(
         host=args.host, port=args.port, api_key=args.api_key or envs.api_key(), model=args.model, replicas=replicas,
+        max_request_body_mb=args.max_request_body_mb, overload=overload,
     )  # fmt: skip
     return run_router(router_options, options)

@@ -97,6 +97,10 @@ class RouterMetrics:
             "event written to the client (the continuation's prefill included).", buckets=HANDOFF_BUCKETS,
             registry=self.registry,
         )  # fmt: skip
+        self.streams_cut = Counter(
+            PREFIX + "streams_cut", "Responses cut because their client took no data for --stream-stall-timeout-s "
+            "(openai_api/stall_guard.py); the upstream request is closed with them.", registry=self.registry,
+        )  # fmt: skip
         self.registry.register(_ReplicaGauges(replicas))
 
     def render(self) -> bytes:

@@ -18,21 +18,26 @@ from servelm.router.policies import RequestView
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 SESSION_HEADER = "x-session-id"
+# Prompts longer than these are routed on load alone, untokenized and unhashed: tokenizing 4 MiB of
+# text takes the router's tokenizer a second or more and ~1M tokens' worth of memory, hashing
+# 1M ids ~0.1 s of the event loop, and no context servelm serves holds either (the replica says so).
+MAX_ROUTED_PROMPT_CHARS = 4 << 20
+MAX_ROUTED_PROMPT_TOKENS = 1 << 20
 
 
 async def prompt_token_ids(tokenizer: PromptTokenizer, path: str, body: dict[str, Any]) -> list[int]:
-    """The (first) prompt's token ids, [] when the body has none we understand."""
+    """The (first) prompt's token ids, [] when the body has none we understand or it is too long to route on."""
     if path.endswith("/chat/completions"):
         messages = template_messages_from_json(body.get("messages"))
-        if not messages:
+        if not messages or sum(len(m["content"]) for m in messages) > MAX_ROUTED_PROMPT_CHARS:
             return []
         return await tokenizer.apply_chat_template(messages, bool(body.get("add_generation_prompt", True)))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: route on its first prompt (they usually share the prefix)
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and len(prompt) <= MAX_ROUTED_PROMPT_CHARS:
         return (await tokenizer.encode_many([prompt]))[0]
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and len(prompt) <= MAX_ROUTED_PROMPT_TOKENS and all(isinstance(t, int) for t in prompt):
         return prompt
     return []
 

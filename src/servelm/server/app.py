@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: app factory, routes, and `servelm serve`'s entry point.
 
-    uvicorn ─▶ _ArrivalStamp ─▶ ApiKeyMiddleware ─▶ TenantLimitsMiddleware ─▶ InternalErrorMiddleware ─▶ FastAPI routes
-                                (the tenant)      (in flight, tokens/min)                           ─▶ completions / chat
-                                                                  └▶ AsyncEngineClient ─ZMQ─▶ engine core process
+    uvicorn ─▶ _ArrivalStamp ─▶ ApiKeyMiddleware ─▶ TenantLimitsMiddleware ─▶ StallGuardMiddleware ─▶ InternalErrorMiddleware
+                                (the tenant)      (in flight, tokens/min)    (slow clients cut)      ─▶ FastAPI routes
+                                                                  ─▶ completions / chat ─▶ AsyncEngineClient ─ZMQ─▶ engine core
 
 The server listens at once and the engine starts behind it (server/lifecycle.py): /health says
 the process is alive, /ready that it serves; until then every engine route answers 503.
@@ -13,6 +13,13 @@ route needs one but /health and /ready (probes, load balancers) and, unless --pr
 so is /openapi.json. A key names its tenant: its SLO class, priority range and limits. A POST body must be JSON
 (`Content-Type: application/json`, else 415: a browser page cannot send one cross-origin
 without a CORS preflight) and at most --max-request-body-mb (else 413).
+
+Overload (openai_api/overload.py): --max-concurrent-requests and its per-client twin refuse a
+generation request with 429 before its body is read; --max-waiting-requests (admission.py) once it
+is parsed, by what waits for the engine; a prompt that cannot fit the context is a 400 before it
+is tokenized (prompt_limits.py); a client that stops reading its stream is cut after
+--stream-stall-timeout-s, or as soon as --max-stream-backlog outputs wait for it, and its request
+aborted (openai_api/stall_guard.py).
 
 Shutdown (SIGTERM or SIGINT): new requests get 503 at once and uvicorn stops accepting
 connections; in-flight requests run to completion for up to `--shutdown-timeout` seconds
@@ -54,7 +61,11 @@ from servelm.obs.metrics import ServerMetrics, starting_metrics
 from servelm.obs.request_log import RequestLogger
 from servelm.obs.startup import StartupTimeline
 from servelm.openai_api.auth import ApiKeyMiddleware
+from servelm.openai_api.body_limit import body_too_large_message
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
+from servelm.openai_api.open_files import raise_open_files_limit
+from servelm.openai_api.overload import DEFAULT_STALL_TIMEOUT_S, GENERATION_PATHS, OverloadOptions
+from servelm.openai_api.stall_guard import StallGuardMiddleware
 from servelm.server.admission import Admission
 from servelm.server.chat import create_chat_completion
 from servelm.server.completions import create_completion
@@ -69,12 +80,13 @@ from servelm.server.errors import (
 from servelm.server.kv_transfer_api import KVTransferInfo
 from servelm.server.lifecycle import ServerLifecycle
 from servelm.server.model_files_api import ModelFiles, peer_served_name
+from servelm.server.prompt_limits import PromptLimits
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import json_response
 from servelm.server.tenant_limits import TenantLimitsMiddleware
 from servelm.server.tokenize_api import detokenize, tokenize
 from servelm.tenancy.config import TenantsConfigError, load_tenants
-from servelm.tenancy.limits import TenantLimits
+from servelm.tenancy.limits import InFlightLimits, TenantLimits
 from servelm.tenancy.registry import TenantRegistry
 
 logger = logging.getLogger(__name__)
@@ -90,6 +102,10 @@ class ServerOptions:
     served_model_name: str | None = None
     max_waiting_requests: int = 1024
     max_request_body_mb: float = 32.0
+    max_concurrent_requests: int | None = None  # openai_api/overload.py
+    max_concurrent_requests_per_client: int | None = None
+    stream_stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S  # None (0 on the command line): never
+    max_stream_backlog: int | None = 4096  # engine outputs waiting for one stream's client; None: no bound
     protect_metrics: bool = False
     log_requests: bool = False
     shutdown_timeout_s: int = 30
@@ -108,7 +124,20 @@ class ServerOptions:
         values = {name: getattr(args, name) for name in names}
         if values.get("api_key") is None:
             values["api_key"] = envs.api_key()
+        for name in ("stream_stall_timeout_s", "max_stream_backlog"):
+            if values.get(name) == 0:
+                values[name] = None  # 0 on the command line: off
         return cls(**values)
+
+    def __post_init__(self) -> None:
+        _ = self.overload  # its own checks, before anything starts
+        if self.max_stream_backlog is not None and self.max_stream_backlog < 1:
+            raise ValueError(f"--max-stream-backlog must be at least 1 (0: no bound), got {self.max_stream_backlog}")
+
+    @property
+    def overload(self) -> OverloadOptions:
+        return OverloadOptions(self.max_concurrent_requests, self.max_concurrent_requests_per_client,
+                               self.stream_stall_timeout_s)  # fmt: skip
 
 
 def model_name_for(engine_config: EngineConfig, options: ServerOptions) -> str:
@@ -169,6 +198,7 @@ async def _start_context(
         model_name=name,
         kv_transfer=KVTransferInfo(engine_config.kv_transfer.kv_role, ready.kv_transfer_address, ready.block_size),
         model_files=ModelFiles.of_source(ready.source),
+        prompt_limits=PromptLimits.for_tokenizer(engine.tokenizer.tokenizer, ready.max_model_len),
         supervisor=supervisor,
     )
 
@@ -214,8 +244,17 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
     install_error_handlers(app)
     _add_routes(app)
     # The last added runs first: the arrival is stamped before the key is checked, the key (the
-    # tenant) before the tenant's limits.
-    app.add_middleware(TenantLimitsMiddleware, limits=TenantLimits(registry.tenants))
+    # tenant) before the limits, and a request holds its slot until the stall guard let it go.
+    overload = options.overload
+
+    def record_cut() -> None:
+        if lifecycle.ctx is not None:
+            lifecycle.ctx.metrics.streams_cut.inc()
+
+    app.add_middleware(StallGuardMiddleware, paths=GENERATION_PATHS, stall_timeout_s=overload.stream_stall_timeout_s,
+                       max_backlog=options.max_stream_backlog, record_cut=record_cut)  # fmt: skip
+    in_flight = InFlightLimits(overload.max_concurrent_requests, overload.max_concurrent_requests_per_client)
+    app.add_middleware(TenantLimitsMiddleware, limits=TenantLimits(registry.tenants, in_flight=in_flight))
     app.add_middleware(ApiKeyMiddleware, authenticate=registry.authenticate, open_paths=open_paths(options))
     app.add_middleware(_ArrivalStamp)
     return app
@@ -265,8 +304,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def body_too_large(limit: int) -> APIError:
-    return APIError(413, f"The request body is larger than this server accepts ({limit} bytes).",
-                    code="request_too_large")  # fmt: skip
+    return APIError(413, body_too_large_message(limit), code="request_too_large")
 
 
 def _add_routes(app: FastAPI) -> None:
@@ -357,12 +395,13 @@ class _Server(uvicorn.Server):
 def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
     """`servelm serve`: serve until SIGTERM/SIGINT; 0 after a clean drain (also one during start-up),
     1 if start-up failed (the engine, the tokenizer: logged, then the server stops)."""
-    options = ServerOptions.from_args(args)
     try:
+        options = ServerOptions.from_args(args)
         app = create_app(engine_config, options)
-    except TenantsConfigError as exc:
+    except (TenantsConfigError, ValueError) as exc:  # a bad tenants file or flag: one line, no traceback
         logger.error("%s", exc)
         return 2
+    raise_open_files_limit()
     config = uvicorn.Config(
         app,
         host=options.host,

@@ -37,8 +37,10 @@ from servelm.server.serving import (
 async def create_chat_completion(ctx: ServerContext, http_request: Request, body: ChatCompletionRequest) -> Response:
     request_id, timeline, params = begin_request(ctx, http_request, "chatcmpl", body)
     kv_transfer = kv_transfer_for(ctx.kv_transfer, body.kv_transfer_params, body.n)
+    messages = body.chat_messages()
+    ctx.prompt_limits.check_messages([m["content"] for m in messages])  # before the template renders them
     ctx.admission.admit(body.n)
-    prompt = await render_chat(ctx, body.chat_messages(), body.add_generation_prompt)
+    prompt = await render_chat(ctx, messages, body.add_generation_prompt)
     check_prompts(ctx, [prompt], params, "messages")
     timeline.stamp(ApiStamp.TOKENIZED)
     priority, slo = tenant_priority(http_request, body.priority, body.kv_retention)

@@ -43,9 +43,15 @@ async def create_completion(ctx: ServerContext, http_request: Request, body: Com
     request_id, timeline, params = begin_request(ctx, http_request, "cmpl", body)
     prompts = _prompt_list(body.prompt)
     kv_transfer = kv_transfer_for(ctx.kv_transfer, body.kv_transfer_params, len(prompts) * body.n)
+    # Sizes first, before anything is tokenized (prompt_limits.py); a request that can never fit
+    # is a 400 even when the server is full.
+    texts = [p for p in prompts if isinstance(p, str)]
+    ctx.prompt_limits.check_texts(texts, "prompt")
+    check_prompts(ctx, [p for p in prompts if not isinstance(p, str)], params, "prompt", client_ids=True)
     ctx.admission.admit(len(prompts) * body.n)
     token_ids = await ctx.engine.encode_prompts(prompts)
-    check_prompts(ctx, token_ids, params, "prompt", client_ids=not all(isinstance(p, str) for p in prompts))
+    if texts:
+        check_prompts(ctx, [ids for ids, p in zip(token_ids, prompts) if isinstance(p, str)], params, "prompt")
     timeline.stamp(ApiStamp.TOKENIZED)
     priority, slo = tenant_priority(http_request, body.priority, body.kv_retention)
     request = GenerationRequest(

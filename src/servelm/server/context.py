@@ -11,6 +11,7 @@ from servelm.obs.request_log import RequestLogger
 from servelm.server.admission import Admission
 from servelm.server.kv_transfer_api import KVTransferInfo
 from servelm.server.model_files_api import ModelFiles
+from servelm.server.prompt_limits import PromptLimits
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 
@@ -23,6 +24,7 @@ class ServerContext:
     model_name: str
     kv_transfer: KVTransferInfo  # this server's disaggregation role (kv_role None: none)
     model_files: ModelFiles  # what a new replica pulls with --model peer://this-server
+    prompt_limits: PromptLimits  # prompts refused by their size, before tokenizing
     supervisor: EngineSupervisor  # restarts a dead engine core; says why the engine is down
 
     @property

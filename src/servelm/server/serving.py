@@ -22,6 +22,7 @@ from servelm.engine.async_llm import GenerationStream, PromptError
 from servelm.engine.supervisor import RESTARTING_RETRY_AFTER_S
 from servelm.obs.timeline import ApiStamp, RequestTimeline
 from servelm.openai_api.auth import CALLER_STATE
+from servelm.openai_api.stall_guard import stream_watch
 from servelm.sampling_params import SamplingParams
 from servelm.server.context import ServerContext
 from servelm.server.errors import (
@@ -99,10 +100,14 @@ def begin_request(
 
 
 async def respond(http_request: Request, gen: GenerationStream, view: GenerationView, streaming: bool) -> Response:
-    """Start the generation and answer with its stream, or with the whole response; a client
-    that leaves a non-streaming request early gets 499 (nginx's "client closed request")."""
+    """Start the generation and answer with its stream (watched by the stall guard: what waits
+    for the client, how to stop), or with the whole response; a client that leaves a
+    non-streaming request early gets 499 (nginx's "client closed request")."""
     await start_generation(gen)
     if streaming:
+        watch = stream_watch(http_request.state)
+        if watch is not None:  # a cut aborts the request in the core at once: its KV blocks free
+            watch.attach(backlog=lambda: gen.num_outputs_queued, on_cut=gen.close)
         return sse_response(view.stream())
     response = await until_disconnect(http_request, view.collect(), gen)
     return response if response is not None else Response(status_code=499)

@@ -1,6 +1,7 @@
-"""Per-tenant limits around the generation routes: a request holds its tenant's slot for as long
-as its ASGI call runs, so the slot frees on every path — the whole response sent (a stream's
-last event included), a client that left (the call is cancelled), an error, a shutdown abort.
+"""Limits around the generation routes (tenancy/limits.py): a request holds its slots (in the
+process's, its client address's and its tenant's count of requests in flight) for as long as its
+ASGI call runs, so they free on every path: the whole response sent (a stream's last event
+included), a client that left (the call is cancelled), an error, a shutdown abort, a cut stream.
 
     ApiKeyMiddleware (the tenant) ─▶ TenantLimitsMiddleware ─enter─▶ routes ─▶ handler: lease.reserve(tokens)
                                           └──────────── release (finally) ◀────────┘
@@ -11,33 +12,29 @@ once its prompt is tokenized (serving.reserve_tokens).
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from collections.abc import Callable
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Scope
 
 from servelm.openai_api.auth import CALLER_STATE
+from servelm.openai_api.overload import GenerationGate, client_address
 from servelm.server.errors import tenant_limit_error
 from servelm.tenancy.limits import LimitExceeded, TenantLimits
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 LEASE_STATE = "servelm_lease"
 
 
-class TenantLimitsMiddleware:
+class TenantLimitsMiddleware(GenerationGate):
     def __init__(self, app: ASGIApp, limits: TenantLimits) -> None:
-        self.app = app
+        super().__init__(app)
         self.limits = limits
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
+    def admit(self, scope: Scope) -> tuple[Scope, Callable[[], None]] | Response:
         state = scope.setdefault("state", {})
         try:
-            lease = self.limits.enter(state[CALLER_STATE])
+            lease = self.limits.enter(state[CALLER_STATE], client_address(scope))
         except LimitExceeded as exc:
-            await tenant_limit_error(exc).response()(scope, receive, send)
-            return
+            return tenant_limit_error(exc).response()
         state[LEASE_STATE] = lease
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            lease.release()
+        return scope, lease.release

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 
-def child_pids(pid: int, cmdline_has: str) -> list[int]:
-    """Child processes of `pid` whose command line contains `cmdline_has`."""
+def child_pids(pid: int, cmdline_has: str = "") -> list[int]:
+    """Child processes of `pid` whose command line contains `cmdline_has` (an engine core spawned
+    by `servelm serve` has "spawn_main" in its command line)."""
     children = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
