@@ -59,14 +59,14 @@ def build_phases(flat: dict[str, Any]) -> dict[str, tuple[float, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-gb", type=float, default=2.0)
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--hidden-size", type=int, default=2048, help="a multiple of 256 (smaller: smoke runs)")
     parser.add_argument("--rate-mb-s", type=float, default=200.0)
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "servelm-bench-delivery")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    model = checkpoint(args.cache_dir, args.model_gb, args.hidden)
+    model = checkpoint(args.cache_dir, args.model_gb, args.hidden_size)
     model_bytes = sum(p.stat().st_size for p in model.iterdir() if p.is_file())
     port = free_port()
     origin = subprocess.Popen([sys.executable, "-m", "servelm.delivery.file_server", str(model), "--port", str(port),

@@ -2,22 +2,21 @@
 system, its table and JSON (the script itself checks that every node holds a complete copy)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from servelm.testing.benchmark_script import run_benchmark_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_delivery_benchmark_compares_the_swarm_with_naive_pulls(tmp_path):
     out = tmp_path / "delivery.json"
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "delivery.py"), "--model-gb", "0.04", "--hidden-size", "256",
+    completed = run_benchmark_script(
+        ROOT / "benchmarks" / "delivery.py",
+        ["--model-gb", "0.04", "--hidden-size", "256",
          "--nodes", "2", "--rate-mb-s", "100", "--cache-dir", str(tmp_path / "cache"), "--disk-test-mb", "16",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=180, env=environment,
+        timeout_s=180,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(out.read_text())

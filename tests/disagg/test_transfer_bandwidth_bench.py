@@ -2,21 +2,20 @@
 transports, a memcpy baseline, its JSON (the script checks the pulled bytes itself)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from servelm.testing.benchmark_script import run_benchmark_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_bandwidth_benchmark_pulls_over_tcp_and_ipc_and_writes_its_json(tmp_path):
     out = tmp_path / "kv-transfer.json"
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kv_transfer_bandwidth.py"), "--num-blocks", "4", "--reps", "2",
+    completed = run_benchmark_script(
+        ROOT / "benchmarks" / "kv_transfer_bandwidth.py",
+        ["--num-blocks", "4", "--reps", "2",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=120, env=environment,
+        timeout_s=120,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-2000:]
     report = json.loads(out.read_text())
