@@ -26,10 +26,15 @@ def _stream(server, path: str, body: dict) -> list[dict]:
     return [json.loads(d) for d in data[:-1]]
 
 
+NEVER_STOP = "\x00" + "never" * 60 + "\x00"
+
+
 def test_completion_stream_carries_every_id_once(server):
     prompt_ids = _post(server, "/tokenize", {"prompt": PROMPT})["tokens"]
-    # A stop string that never matches makes the server hold text back: those ids must come anyway.
-    body = {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stop": ["\x00never\x00"],
+    # A stop string that never matches makes the server hold text back (its length less one character,
+    # here longer than all 24 tokens' text, so even chunks coalesced under load hold it): those ids must
+    # come anyway.
+    body = {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stop": [NEVER_STOP],
             "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
     chunks = _stream(server, "/v1/completions", body)
     choices = [c["choices"][0] for c in chunks if c["choices"]]
