@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +44,9 @@ class RemoteModel:
     puller: Puller
     started_at: float  # wall clock, for the fetch phase
     verify_seconds: float = 0.0  # re-hashing what an interrupted pull held
-    _ranges: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (file, tensor) -> bytes
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # (file, tensor) -> its bytes; filled by wait_for_metadata before the loader is handed before_read,
+    # and only read after that (no lock needed).
+    _ranges: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
 
     @property
     def directory(self) -> Path:
@@ -79,11 +79,10 @@ class RemoteModel:
             f.seek(_HEADER_LENGTH_BYTES)
             header = json.loads(f.read(length))
         base = _HEADER_LENGTH_BYTES + length
-        with self._lock:
-            for name, info in header.items():
-                if name != "__metadata__":
-                    start, end = info["data_offsets"]
-                    self._ranges[(path, name)] = (base + start, base + end)
+        for name, info in header.items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                self._ranges[(path, name)] = (base + start, base + end)
 
     def _wait_bytes(self, path: str, start: int, end: int) -> None:
         chunks = self.manifest.chunks_covering(path, start, end)
@@ -93,8 +92,7 @@ class RemoteModel:
     def _load_order(self) -> list[ChunkRef]:
         """Every weights chunk in the order the model reads its tensors: unlayered ones first
         (embeddings, final norm, head), then layer by layer; within a layer, by file offset."""
-        with self._lock:
-            ordered = sorted(self._ranges.items(), key=lambda item: (_layer_of(item[0][1]), item[0][0], item[1][0]))
+        ordered = sorted(self._ranges.items(), key=lambda item: (_layer_of(item[0][1]), item[0][0], item[1][0]))
         chunks: dict[str, ChunkRef] = {}
         for (path, _), (start, end) in ordered:
             for chunk in self.manifest.chunks_covering(path, start, end):
@@ -102,14 +100,10 @@ class RemoteModel:
         return list(chunks.values())
 
     def before_read(self, file: Path, tensor: str) -> None:
-        """The loader's hook: block until `tensor`'s bytes in `file` are held (asking for them first)."""
+        """The loader's hook (after wait_for_metadata): block until `tensor`'s bytes in `file` are held,
+        asking for them first."""
         path = file.relative_to(self.directory).as_posix()
-        with self._lock:
-            byte_range = self._ranges.get((path, tensor))
-        if byte_range is None:  # a header not read yet (wait_for_metadata was skipped): read it now
-            self._read_header(path)
-            byte_range = self._ranges[(path, tensor)]
-        self._wait_bytes(path, *byte_range)
+        self._wait_bytes(path, *self._ranges[(path, tensor)])
 
     def finish(self) -> PullStats:
         """Wait for the whole pull (the bytes no tensor needed: other files, padding) and return its stats."""
