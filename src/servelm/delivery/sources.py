@@ -14,6 +14,8 @@ import re
 import urllib.parse
 from collections.abc import Callable, Mapping
 
+from typing_extensions import TypeIs
+
 from servelm.delivery.http_source import HttpSource
 from servelm.delivery.local_source import LocalSource
 from servelm.delivery.s3_source import S3Source
@@ -47,9 +49,10 @@ def _scheme(spec: str) -> str | None:
     return found[1].lower() if found else None
 
 
-def is_remote(spec: str) -> bool:
-    """Whether `spec` names a source elsewhere (a URL of any scheme), not a local path."""
-    return _scheme(spec) is not None
+def is_remote(spec: str | None) -> TypeIs[str]:
+    """Whether `spec` names a source elsewhere (a URL of any scheme), not a local path (nor None,
+    the embedded default model)."""
+    return spec is not None and _scheme(spec) is not None
 
 
 def open_source(spec: str, connections: int = 8, headers: Mapping[str, str] | None = None) -> ChunkSource:

@@ -91,7 +91,7 @@ class AsyncLLM:
         `on_phase` hears each start-up phase the core enters (servelm.obs.startup)."""
         client = AsyncEngineClient(config)
         client.on_phase = on_phase
-        remote = config.model.model is not None and is_remote(config.model.model)
+        remote = is_remote(config.model.model)
         tokenizer_load = None if remote else asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
         try:
             await client.start()

@@ -59,7 +59,7 @@ def open_model(config: ModelConfig, startup: StartupTimeline | None = None, stre
     `stream`: load while the pull runs (safetensors); False waits for the whole pull first (the
     ranks of a multi-rank worker each read the finished directory)."""
     spec = config.model
-    if spec is None or not is_remote(spec):
+    if not is_remote(spec):
         return OpenedModel(spec)
     headers = {"Authorization": f"Bearer {key}"} if spec.startswith(PEER_SCHEME) and (key := envs.peer_api_key()) else None
     source = open_source(spec, connections=config.pull_connections, headers=headers)

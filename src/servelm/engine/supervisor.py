@@ -98,7 +98,7 @@ class CrashWindow:
 def restart_config(config: EngineConfig, ready: CoreReady) -> EngineConfig:
     """What a replacement core gets: `config` with what the first start (`ready`) resolved pinned."""
     model = config.model
-    if model.model is not None and is_remote(model.model):
+    if is_remote(model.model):
         config = replace(config, model=replace(model, model=ready.source))  # pulled there already
     transfer = config.kv_transfer
     if transfer.is_producer and transfer.kv_transfer_port == 0 and ready.kv_transfer_address:
