@@ -185,6 +185,64 @@ class AttentionBackend(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DecodeGraphBuffers:
+    """Persistent inputs of a pure-decode step (one new token per request), sized for the largest
+    batch a captured graph serves; every tensor lives on the model's device.
+
+    A CUDA graph replays the kernels it captured on the same memory, so a captured decode step
+    reads its inputs from these buffers and the graph runner (worker/cuda_graphs.py) refills
+    rows [0, batch) before each replay. Rows past the real batch are padding: they decode token 0
+    at position 0 of a request whose only block is `padding_block_id` (a pool block the scheduler
+    never hands out), with seq_len 1 and slot `padding_block_id * block_size`, so every kernel runs
+    unchanged on them and their K/V writes land where nobody reads.
+    """
+
+    input_ids: torch.Tensor  # [max_batch] long
+    positions: torch.Tensor  # [max_batch] long
+    slot_mapping: torch.Tensor  # [max_batch] long: pool slot of each row's new token
+    seq_lens: torch.Tensor  # [max_batch] int32: context after this step (cached + 1)
+    block_table: torch.Tensor  # [max_batch, max_blocks_per_seq] int32
+    block_size: int
+    padding_block_id: int
+
+    @property
+    def max_batch(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class DecodeGraphBackend(Protocol):
+    """A backend whose pure-decode metadata can be built from `DecodeGraphBuffers` alone.
+
+    `build_decode_metadata(buffers, batch, ...)` returns metadata for rows [0, batch).
+
+    - `graph_capturable` True: the metadata's tensors are views of the buffers (never copies,
+      never host values read from them), so one metadata object per batch size stays valid for
+      every later refill, and its decode `forward` neither synchronises with the host nor
+      allocates anything whose shape depends on the buffers' values (what CUDA graph capture
+      needs). The Triton backend.
+    - False: the metadata may read the buffers' values when built, so the graph runner builds it
+      again after every refill and runs the step eagerly. The torch reference; this is how CPU
+      tests check the graph runner's bookkeeping (buckets, padding, buffer reuse) on the real model.
+    """
+
+    graph_capturable: bool
+
+    def build_decode_metadata(
+        self,
+        buffers: DecodeGraphBuffers,
+        batch: int,  # rows [0, batch) of the buffers, padding rows included
+        *,
+        dtype: torch.dtype,  # the model's compute dtype
+        kv_dtype: torch.dtype,  # what the pool stores
+    ) -> AttentionMetadata: ...
+
+
+def supports_decode_graphs(backend: object) -> bool:
+    """Whether `backend` implements DecodeGraphBackend (a graph runner may drive its decodes)."""
+    return callable(getattr(backend, "build_decode_metadata", None)) and hasattr(backend, "graph_capturable")
+
+
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 
 
