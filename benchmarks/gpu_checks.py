@@ -1,34 +1,46 @@
-"""The GPU checks of the engine issue, in one prepared run for a lent device (or a CPU smoke run).
+"""The GPU checks of the GPU-path issue, in one prepared run for a lent device (or a CPU smoke run).
 
-    1. exactness  the tiny random Llama through the real engine (batching, paging, chunked
-                  prefill) on the device, against transformers on the same device:
+    1. exactness  the real engine (batching, paging, chunked prefill, the default attention backend
+                  and CUDA graphs) against transformers on the same device and weights:
+                  the tiny random Llama and the default model (SmolLM2-135M, its GGUF dequantised);
                   float32 — greedy tokens identical, prompt logits within 1e-4 relative;
                   bfloat16 — every token servelm picks is within `--bf16-tol` nats of the
                   float32 reference's best choice at that position (bf16 may break near-ties).
-    2. roofline   a random-weight Llama of a 1B-class shape (Llama-3.2-1B: hidden 2048,
-                  16 layers, 32/8 heads, intermediate 8192, vocab 128256) in bfloat16: decode
-                  step time at several batch sizes against the HBM roofline, i.e. (weight bytes
-                  + KV bytes read per step) / `--hbm-tbps`.
-    3. offline    the offline workload of benchmarks/offline_throughput.py (64 prompts of
+    2. kernels    every Triton kernel (paged decode and prefill attention, the KV write, fused
+                  RMSNorm+residual, rotary) against its torch reference on fresh random inputs.
+    3. syncs      host synchronisations per decode step (torch's sync debug mode; target: 1).
+    4. decode     a random-weight Llama of a 1B-class shape (Llama-3.2-1B: hidden 2048, 16 layers,
+                  32/8 heads, intermediate 8192, vocab 128256) in bfloat16: engine step time at
+                  several batch sizes against the HBM roofline ((weight bytes + KV bytes read per
+                  step) / bandwidth): the batch-1 share is the model-bandwidth utilisation (MBU,
+                  target >= 60%), batch 64 gives decode throughput.
+    5. prefill    the same model prefilling 16 x 1,024-token prompts: FLOP/s as a share of the
+                  bf16 dense peak.
+    6. offline    the offline workload of benchmarks/offline_throughput.py (64 prompts of
                   128-512 tokens, 128 output tokens each) on that model: total tokens/s.
 
-    python benchmarks/gpu_checks.py                                   # CUDA, everything (~2-4 min on an H200)
+    python benchmarks/gpu_checks.py                                   # CUDA, everything (< 8 min on an H200)
     python benchmarks/gpu_checks.py --device cpu --shape tiny         # the CPU smoke run the tests use
 
-Writes a markdown report to stdout and, if $OUT is set (the device tool), to $OUT/gpu_checks.md.
-Exit status 1 if an exactness check fails.
+On the lent machine use benchmarks/gpu_run.sh (it installs what the device image lacks first).
+Writes a markdown report to stdout and, if $OUT is set (the device tool), gpu_checks.md and
+gpu_checks.json (every number) there. Exit status 1 if a correctness check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+import warnings
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,51 +62,105 @@ SHAPES = {
              "num_key_value_heads": 2, "vocab_size": 4096, "tie_word_embeddings": False, "rope_theta": 10000.0},
 }  # fmt: skip
 
+# H200 SXM datasheet figures; the measured copy bandwidth is reported beside them.
+H200_HBM_TBPS = 4.8
+H200_BF16_DENSE_TFLOPS = 989.4
+
+
+@dataclass
+class Report:
+    """Every number the run measured (the JSON) and the markdown lines that present them."""
+
+    results: dict[str, Any] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    ok: bool = True
+
+    def table(self, header: list[str], rows: list[list[Any]]) -> None:
+        self.lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        self.lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+        self.lines.append("")
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
 
 # -- 1. exactness --------------------------------------------------------------------------
 
 
-def exactness(device: str, bf16_tol: float, lines: list[str]) -> bool:
+@dataclass
+class ExactnessCase:
+    model: str
+    dtype: str
+    prompts: int
+    identical: int
+    measure: str  # what `value` is
+    value: float
+    limit: float
+    passed: bool
+
+
+def exactness(device: str, bf16_tol: float, with_default_model: bool, report: Report) -> None:
     import transformers
 
+    cases: list[ExactnessCase] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
         reference = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
-        reference.eval()
         rng = random.Random(0)
-        vocab = reference.config.vocab_size
-        prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 40, 300, 700)]
-        max_tokens = 24
-        expected = [_hf_greedy(reference, p, max_tokens, device) for p in prompts]
+        prompts = [[rng.randrange(reference.config.vocab_size) for _ in range(n)] for n in (5, 40, 300, 700)]
+        cases += _exactness_of("tiny", str(model_dir), reference.eval(), prompts, 24, device, bf16_tol)
+        del reference
+    if with_default_model:
+        from servelm.default_model import default_model_path
 
-        ok = True
-        # Small budget and pool: chunked prefill, paging and batching all take part.
-        engine_flags = {"device": device, "num_blocks": 256, "max_num_batched_tokens": 256}
-        llm = LLM(model=str(model_dir), dtype="float32", **engine_flags)
-        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        same = sum(g == e for g, e in zip(got, expected))
-        worst = _max_relative_logit_error(llm, reference, prompts, device)
-        fp32_ok = same == len(prompts) and worst <= 1e-4
-        ok &= fp32_ok
-        lines.append(f"| float32 | greedy tokens identical for {same}/{len(prompts)} prompts (lengths 5-700, "
-                     f"{max_tokens} tokens each); prompt logits max relative error {worst:.2e} (limit 1e-4) | "
-                     f"{'PASS' if fp32_ok else 'FAIL'} |")  # fmt: skip
-        del llm
+        path = default_model_path()
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
+        ).to(device)
+        tokenizer = load_tokenizer(str(path))
+        questions = ["What is the capital of France?", "Write one sentence about the ocean.",
+                     "Give me three tips for staying healthy.", "Explain what a computer does, briefly."]  # fmt: skip
+        prompts = [
+            list(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )  # fmt: skip
+            for q in questions
+        ]
+        cases += _exactness_of("SmolLM2-135M (GGUF)", str(path), reference.eval(), prompts, 32, device, bf16_tol)
+        del reference
+    report.results["exactness"] = [asdict(c) for c in cases]
+    report.ok &= all(c.passed for c in cases)
+    report.table(["model", "dtype", "greedy identical", "measure", "value", "limit", "verdict"],
+                 [[c.model, c.dtype, f"{c.identical}/{c.prompts}", c.measure, f"{c.value:.3g}", c.limit,
+                   _verdict(c.passed)] for c in cases])  # fmt: skip
 
-        llm = LLM(model=str(model_dir), dtype="bfloat16", **engine_flags)
-        outputs = llm.generate(prompts, greedy)
-        worst_gap, identical = 0.0, 0
-        for prompt, output, exp in zip(prompts, outputs, expected):
-            tokens = output.outputs[0].token_ids
-            identical += tokens == exp
-            worst_gap = max(worst_gap, _reference_regret(reference, prompt, tokens, device))
-        bf16_ok = worst_gap <= bf16_tol
-        ok &= bf16_ok
-        lines.append(f"| bfloat16 | {identical}/{len(prompts)} prompts token-identical to float32; largest "
-                     f"float32-logprob gap between servelm's pick and the best token {worst_gap:.3f} nats "
-                     f"(limit {bf16_tol}) | {'PASS' if bf16_ok else 'FAIL'} |")  # fmt: skip
-        return ok
+
+def _exactness_of(name: str, model: str, reference, prompts: list[list[int]], max_tokens: int, device: str,
+                  bf16_tol: float) -> list[ExactnessCase]:  # fmt: skip
+    expected = [_hf_greedy(reference, p, max_tokens, device) for p in prompts]
+    # Small budget and pool: chunked prefill, paging and batching all take part.
+    engine_flags = {"device": device, "num_blocks": 512, "max_num_batched_tokens": 256}
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM(model=model, dtype="float32", **engine_flags)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    same = sum(g == e for g, e in zip(got, expected))
+    worst = _max_relative_logit_error(llm, reference, prompts, device)
+    fp32 = ExactnessCase(name, "float32", len(prompts), same, "prompt logits max relative error", worst, 1e-4,
+                         same == len(prompts) and worst <= 1e-4)  # fmt: skip
+    del llm
+    llm = LLM(model=model, dtype="bfloat16", **engine_flags)
+    outputs = llm.generate(prompts, greedy)
+    worst_gap, identical = 0.0, 0
+    for prompt, output, exp in zip(prompts, outputs, expected):
+        tokens = output.outputs[0].token_ids
+        identical += tokens == exp
+        worst_gap = max(worst_gap, _reference_regret(reference, prompt, tokens, device))
+    bf16 = ExactnessCase(name, "bfloat16", len(prompts), identical, "largest fp32-logprob gap of a pick (nats)",
+                         worst_gap, bf16_tol, worst_gap <= bf16_tol)  # fmt: skip
+    return [fp32, bf16]
 
 
 def _hf_greedy(model, prompt: list[int], max_tokens: int, device: str) -> list[int]:
@@ -102,7 +168,7 @@ def _hf_greedy(model, prompt: list[int], max_tokens: int, device: str) -> list[i
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens,
                              attention_mask=torch.ones_like(ids))  # fmt: skip
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def _max_relative_logit_error(llm: LLM, reference, prompts: list[list[int]], device: str) -> float:
@@ -128,7 +194,7 @@ def _reference_regret(reference, prompt: list[int], tokens: list[int], device: s
     return (rows.max(dim=1).values - chosen).max().item()
 
 
-# -- 2./3. a random-weight model of a real shape ----------------------------------------
+# -- 4./5./6. a random-weight model of a real shape ----------------------------------------
 
 
 def random_engine(shape: str, device: str, dtype: torch.dtype, kv_gib: float) -> tuple[BuiltEngine, int]:
@@ -141,7 +207,9 @@ def random_engine(shape: str, device: str, dtype: torch.dtype, kv_gib: float) ->
         if len(size) == 1:  # norm weights: near 1 so activations stay sane
             weights[name] = torch.ones(size, dtype=dtype, device=device)
         else:
-            weights[name] = (torch.randn(size, generator=generator, device=device, dtype=torch.float32) * 0.02).to(dtype)
+            weights[name] = (torch.randn(size, generator=generator, device=device, dtype=torch.float32) * 0.02).to(
+                dtype
+            )
     # Bytes a decode step reads: every weight once, except an untied embedding table (only the
     # batch's rows of it are read; tied, it is read whole as the lm_head).
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -160,35 +228,115 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _add_random_requests(built: BuiltEngine, tag: str, count: int, prompt_len: int, max_tokens: int, seed: int) -> None:
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(count):
+        prompt = [rng.randrange(built.arch.vocab_size) for _ in range(prompt_len)]
+        built.core.add_request(EngineRequest(request_id=f"{tag}-{i}", prompt_token_ids=prompt, sampling_params=params))
+
+
+def _decode_step_times(built: BuiltEngine, batch: int, device: str, tag: str, steps: int = 32) -> list[float]:
+    """Wall time of every engine step in which all `batch` requests decoded one token each."""
+    core = built.core
+    _add_random_requests(built, tag, batch, 128, steps + 8, seed=batch)
+    times: list[float] = []
+    while core.has_work():
+        _sync(device)
+        started = time.perf_counter()
+        running_before = core.scheduler.num_running
+        outputs = core.step()
+        _sync(device)
+        if running_before == batch and len(outputs) == batch and all(len(o.new_token_ids) == 1 for o in outputs):
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def host_syncs(built: BuiltEngine, device: str, report: Report) -> None:
+    """Synchronising calls per decode step, as torch's sync debug mode reports them (CUDA only)."""
+    if not device.startswith("cuda"):
+        report.results["host_syncs"] = {"skipped": "CUDA only"}
+        return
+    core = built.core
+    _add_random_requests(built, "sync", 8, 64, 24, seed=7)
+    decoding: set[str] = set()
+    while len(decoding) < 8:  # every request past its prompt: the steps below are pure decodes
+        decoding.update(o.request_id for o in core.step() if o.new_token_ids)
+    counts: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(8):
+                before = len(caught)
+                core.step()
+                counts.append(len(caught) - before)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    while core.has_work():
+        core.step()
+    per_step = statistics.median(counts)
+    where = sorted({str(w.message).splitlines()[0][:120] for w in caught})[:5]
+    report.results["host_syncs"] = {"per_decode_step_median": per_step, "per_step": counts, "target": 1,
+                                    "examples": where}  # fmt: skip
+    report.lines += [f"Host synchronisations per decode step (batch 8): median **{per_step}** (target 1); "
+                     f"per step {counts}.", ""]  # fmt: skip
+
+
 def decode_roofline(built: BuiltEngine, weight_bytes: int, device: str, hbm_tbps: float, batches: list[int],
-                    lines: list[str]) -> None:  # fmt: skip
-    arch, core = built.arch, built.core
-    rng = random.Random(1)
-    prompt_len, steps = 128, 32
+                    report: Report) -> None:  # fmt: skip
+    arch = built.arch
     kv_bytes_per_token = arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * 2  # bf16 K and V
+    rows, results = [], []
     for batch in batches:
-        for i in range(batch):
-            prompt = [rng.randrange(arch.vocab_size) for _ in range(prompt_len)]
-            params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-            core.add_request(EngineRequest(request_id=f"d{batch}-{i}", prompt_token_ids=prompt, sampling_params=params))
-        times: list[float] = []
-        while core.has_work():
-            _sync(device)
-            started = time.perf_counter()
-            running_before = core.scheduler.num_running
-            outputs = core.step()
-            _sync(device)
-            if running_before == batch and all(o.new_token_ids for o in outputs) and len(outputs) == batch:
-                times.append(time.perf_counter() - started)
+        times = _decode_step_times(built, batch, device, f"d{batch}")
         step_s = statistics.median(times[2:]) if len(times) > 4 else float("nan")
-        context = prompt_len + steps / 2
+        context = 128 + 32 / 2
         bytes_read = weight_bytes + batch * context * kv_bytes_per_token
         roofline_s = bytes_read / (hbm_tbps * 1e12)
-        lines.append(f"| {batch} | {step_s * 1000:.2f} | {batch / step_s:.0f} | {bytes_read / 1e9:.2f} | "
-                     f"{roofline_s * 1000:.3f} | {100 * roofline_s / step_s:.0f}% |")  # fmt: skip
+        share = roofline_s / step_s
+        results.append({"batch": batch, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s,
+                        "bytes_read": bytes_read, "roofline_ms": roofline_s * 1e3, "share_of_roofline": share})  # fmt: skip
+        rows.append([batch, f"{step_s * 1e3:.3f}", f"{batch / step_s:.0f}", f"{bytes_read / 1e9:.3f}",
+                     f"{roofline_s * 1e3:.3f}", f"{100 * share:.0f}%"])  # fmt: skip
+    report.results["decode"] = {"hbm_tbps": hbm_tbps, "batches": results}
+    mbu = next((r["share_of_roofline"] for r in results if r["batch"] == 1), None)
+    if mbu is not None:
+        report.results["decode"]["mbu_batch1"] = mbu
+    report.table(["batch", "engine step (ms)", "tokens/s", "bytes read per step (GB)", "roofline (ms)",
+                  "% of roofline (batch 1: MBU)"], rows)  # fmt: skip
 
 
-def offline_throughput(built: BuiltEngine, lines: list[str]) -> None:
+def prefill_throughput(built: BuiltEngine, weight_bytes: int, device: str, peak_tflops: float, report: Report) -> None:
+    """16 prompts of 1,024 tokens, one output token each: FLOP/s over the whole prefill."""
+    arch = built.arch
+    count, length = 16, 1024
+    _add_random_requests(built, "warm", 2, 256, 1, seed=3)  # kernels compiled before the clock starts
+    while built.core.has_work():
+        built.core.step()
+    _sync(device)
+    started = time.perf_counter()
+    _add_random_requests(built, "p", count, length, 1, seed=4)
+    while built.core.has_work():
+        built.core.step()
+    _sync(device)
+    seconds = time.perf_counter() - started
+    # Matmul FLOPs: 2 per weight per token, the embedding table excepted (a lookup; the LM head
+    # runs only for each prompt's last row); causal attention: 2 matmuls x 2 FLOPs x heads x
+    # head_dim per (query, earlier key) pair.
+    params = weight_bytes // 2 - arch.vocab_size * arch.hidden_size
+    attention = 4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim * (length * (length + 1) // 2)
+    flops = count * (2 * params * length + attention + 2 * arch.vocab_size * arch.hidden_size)
+    tflops = flops / seconds / 1e12
+    report.results["prefill"] = {"prompts": count, "prompt_len": length, "seconds": seconds,
+                                 "tokens_per_s": count * length / seconds, "tflops": tflops,
+                                 "peak_tflops": peak_tflops, "share_of_peak": tflops / peak_tflops}  # fmt: skip
+    report.lines += [f"Prefill: {count} x {length} tokens in {seconds:.3f} s = {count * length / seconds:.0f} tokens/s, "
+                     f"{tflops:.1f} TFLOP/s = **{100 * tflops / peak_tflops:.1f}% of the bf16 dense peak** "
+                     f"({peak_tflops} TFLOP/s).", ""]  # fmt: skip
+
+
+def offline_throughput(built: BuiltEngine, report: Report) -> None:
     core, vocab = built.core, built.arch.vocab_size
     rng = random.Random(2)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(128, 512))] for _ in range(64)]
@@ -201,48 +349,99 @@ def offline_throughput(built: BuiltEngine, lines: list[str]) -> None:
         produced += sum(len(o.new_token_ids) for o in core.step())
     seconds = time.perf_counter() - started
     prompt_tokens = sum(len(p) for p in prompts)
-    lines.append(f"64 prompts ({prompt_tokens} tokens), {produced} output tokens in {seconds:.2f} s: "
-                 f"{prompt_tokens / seconds:.0f} prompt + {produced / seconds:.0f} output = "
-                 f"**{(prompt_tokens + produced) / seconds:.0f} total tokens/s**.")  # fmt: skip
+    total = (prompt_tokens + produced) / seconds
+    report.results["offline"] = {"prompt_tokens": prompt_tokens, "output_tokens": produced, "seconds": seconds,
+                                 "total_tokens_per_s": total}  # fmt: skip
+    report.lines += [f"Offline: 64 prompts ({prompt_tokens} tokens), {produced} output tokens in {seconds:.2f} s: "
+                     f"**{total:.0f} total tokens/s**.", ""]  # fmt: skip
+
+
+def copy_bandwidth_tbps(device: str) -> float | None:
+    """A device-to-device copy's bytes read + written per second (the practical HBM ceiling)."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.randn(2**30 // 4, device=device)  # 1 GiB of float32
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 10
+    return 2 * src.numel() * 4 / seconds / 1e12
+
+
+# -- main ----------------------------------------------------------------------------------
+
+SECTIONS = ("exactness", "syncs", "roofline", "prefill", "offline")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
-    parser.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the roofline (H200: 4.8)")
+    parser.add_argument("--hbm-tbps", type=float, default=H200_HBM_TBPS, help="HBM bandwidth for the roofline")
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="bf16 dense peak")
     parser.add_argument("--bf16-tol", type=float, default=0.1, help="nats; see the module doc")
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--kv-gib", type=float, default=16.0)
-    parser.add_argument("--skip", default="", help="comma-separated: exactness, roofline, offline")
+    parser.add_argument("--no-default-model", action="store_true", help="exactness on the tiny model only")
+    parser.add_argument("--skip", default="", help=f"comma-separated, of: {', '.join(SECTIONS)}")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    unknown = skip - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown --skip {sorted(unknown)}; valid: {', '.join(SECTIONS)}")
     device = args.device
-    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "CPU"
-    lines = [f"### {time.strftime('%Y-%m-%d %H:%M')} — {name}, torch {torch.__version__}", ""]
-    ok = True
+    on_cuda = device.startswith("cuda")
+    name = torch.cuda.get_device_name(0) if on_cuda else "CPU"
+    report = Report()
+    report.results["environment"] = {"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
+                                     "triton": _version("triton"), "shape": args.shape}  # fmt: skip
+    report.lines += [f"### {time.strftime('%Y-%m-%d %H:%M')} — {name}, torch {torch.__version__}, "
+                     f"triton {_version('triton')}", ""]  # fmt: skip
+    started = time.perf_counter()
     if "exactness" not in skip:
-        lines += ["| dtype | exactness vs transformers on the same device | verdict |", "|---|---|---|"]
-        ok = exactness(device, args.bf16_tol, lines)
-        lines.append("")
-    if not {"roofline", "offline"} <= skip:
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        exactness(device, args.bf16_tol, not args.no_default_model, report)
+    if not {"syncs", "roofline", "prefill", "offline"} <= skip:
+        dtype = torch.bfloat16 if on_cuda else torch.float32
         built, weight_bytes = random_engine(args.shape, device, dtype, args.kv_gib)
-        lines.append(f"Random-weight {args.shape} Llama, {dtype}, {weight_bytes / 1e9:.2f} GB of weights read per step.")
-        lines.append("")
+        measured = copy_bandwidth_tbps(device)
+        report.results["model"] = {"shape": args.shape, "dtype": str(dtype), "weight_bytes_per_step": weight_bytes,
+                                   "copy_bandwidth_tbps": measured}  # fmt: skip
+        report.lines += [f"Random-weight {args.shape} Llama, {dtype}, {weight_bytes / 1e9:.2f} GB of weights read "
+                         f"per step; device copy bandwidth {measured or float('nan'):.2f} TB/s "
+                         f"(roofline uses {args.hbm_tbps}).", ""]  # fmt: skip
+        if "syncs" not in skip:
+            host_syncs(built, device, report)
         if "roofline" not in skip:
-            lines += ["| batch | decode step (ms) | tokens/s | bytes read per step (GB) | roofline (ms) | % of roofline |",
-                      "|---|---|---|---|---|---|"]  # fmt: skip
-            decode_roofline(built, weight_bytes, device, args.hbm_tbps, [int(b) for b in args.batches.split(",")], lines)
-            lines.append("")
+            decode_roofline(
+                built, weight_bytes, device, args.hbm_tbps, [int(b) for b in args.batches.split(",")], report
+            )
+        if "prefill" not in skip:
+            prefill_throughput(built, weight_bytes, device, args.peak_tflops, report)
         if "offline" not in skip:
-            offline_throughput(built, lines)
-            lines.append("")
-    report = "\n".join(lines)
-    print(report)
+            offline_throughput(built, report)
+    report.results["seconds"] = time.perf_counter() - started
+    report.results["passed"] = report.ok
+    text = "\n".join(report.lines)
+    print(text)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_checks.md").write_text(report + "\n")
-    return 0 if ok else 1
+        Path(os.environ["OUT"], "gpu_checks.md").write_text(text + "\n")
+        Path(os.environ["OUT"], "gpu_checks.json").write_text(json.dumps(report.results, indent=2) + "\n")
+    return 0 if report.ok else 1
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 if __name__ == "__main__":

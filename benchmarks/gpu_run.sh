@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# ON the lent GPU machine, from the repo root, with .whl carried (benchmarks/gpu_wheels.sh makes it):
+#   bash benchmarks/gpu_run.sh [gpu_checks.py flags]
+# Installs the carried wheels beside the image's packages, then runs every GPU check within the
+# device tool's per-call limit; the report, the JSON and the log land in $OUT.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT="${OUT:-/tmp/gpu_out}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/nvidia_smi.csv"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+timeout 480 python3 benchmarks/gpu_checks.py "$@" 2>&1 | tee "$OUT/gpu_checks.log"
+exit "${PIPESTATUS[0]}"
