@@ -10,16 +10,28 @@ runner and the scheduler are the real ones; the backend is subclassed only to re
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import time
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from servelm.attention.backend import CommonAttentionInputs, DecodeGraphBuffers, register_backend
+from servelm.attention.kv_storage import block_tensors
 from servelm.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from servelm.config import CudaGraphConfig, EngineConfig
-from servelm.datatypes import CachedRequestData, EngineRequest, NewRequestData, SchedulerOutput
+from servelm.datatypes import (
+    CachedRequestData,
+    EngineRequest,
+    KVLoad,
+    KVMedium,
+    KVSave,
+    KVTransfers,
+    NewRequestData,
+    SchedulerOutput,
+)
 from servelm.engine.builder import build_engine
 from servelm.models.factory import build_model
 from servelm.models.loader import load_checkpoint
@@ -32,6 +44,7 @@ from servelm.worker.cuda_graphs import (
     resolve_capture_sizes,
 )
 from servelm.worker.kv_cache import allocate_kv_caches
+from servelm.worker.kv_offload import KVOffloader
 from servelm.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -126,9 +139,10 @@ class Harness:
         num_tokens = {rid: len(prompt) for rid, prompt in prompts.items()}
         self._step(SchedulerOutput(new, [], num_tokens, sum(num_tokens.values())))
 
-    def decode(self, request_ids: list[str]) -> None:
+    def decode(self, request_ids: list[str], transfers: KVTransfers | None = None) -> None:
         diffs = [CachedRequestData(rid, self.unseen.pop(rid, []), [], self.computed[rid]) for rid in request_ids]
-        self._step(SchedulerOutput([], diffs, dict.fromkeys(request_ids, 1), len(request_ids)))
+        so = SchedulerOutput([], diffs, dict.fromkeys(request_ids, 1), len(request_ids))
+        self._step(dataclasses.replace(so, kv_transfers=transfers or KVTransfers()))
 
     def _step(self, so: SchedulerOutput) -> None:
         output = self.runner.execute(so)
@@ -143,7 +157,7 @@ def checkpoint(tiny_dir):
     return load_checkpoint(tiny_dir)
 
 
-def _harness(checkpoint, graphs: bool, sizes: tuple[int, ...] = (1, 2, 4)) -> Harness:
+def _harness(checkpoint, graphs: bool, sizes: tuple[int, ...] = (1, 2, 4), offloader: bool = False) -> Harness:
     model = build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu", "test-recording-torch")
     backend = model.decoder_layers[0].self_attn.backend
     assert isinstance(backend, RecordingTorchBackend)
@@ -155,7 +169,8 @@ def _harness(checkpoint, graphs: bool, sizes: tuple[int, ...] = (1, 2, 4)) -> Ha
         decode_graphs = DecodeGraphRunner(model, kv, DecodeGraphMode.EAGER_BUFFERS, sizes, BLOCKS_PER_REQUEST,
                                           BLOCK_SIZE, padding_block_id=NUM_BLOCKS)  # fmt: skip
     runner = ModelRunner(model, kv, BLOCK_SIZE, (), torch.device("cpu"), max_num_seqs=8, max_model_len=max_model_len,
-                         decode_graphs=decode_graphs)  # fmt: skip
+                         decode_graphs=decode_graphs,
+                         kv_offloader=KVOffloader(block_tensors(kv), disk_store=None) if offloader else None)  # fmt: skip
     return Harness(runner, backend)
 
 
@@ -230,6 +245,29 @@ def test_metadata_is_built_again_from_the_buffers_after_every_refill(checkpoint)
     assert h.backend.decode_builds == [[6, 10], [7, 11], [8, 12], [13]]
     assert h.backend.num_eager_builds == 1  # the prefill
     assert h.tokens == eager.tokens
+
+
+def test_no_step_takes_the_graph_path_while_a_kv_load_is_in_flight(checkpoint):
+    h = _harness(checkpoint, graphs=True, offloader=True)
+    offloader, graphs = h.runner.kv_offloader, h.graphs
+    assert offloader is not None and graphs is not None
+    try:
+        h.prefill({"a": PROMPTS["a"], "b": PROMPTS["b"]})
+        host = (KVMedium.HOST,)
+        h.decode(["a", "b"], KVTransfers(saves=[KVSave(0, b"block-0", host)]))  # a save does not matter
+        assert graphs.stats().steps == {2: 1}
+        # Block 0 loaded back into block 31 for a request still waiting for it (no request reads 31).
+        h.decode(["a", "b"], KVTransfers(loads=[KVLoad("waiting", [31], [b"block-0"], list(host))]))
+        assert graphs.stats().steps == {2: 1} and h.backend.num_eager_builds == 2
+        deadline = time.monotonic() + 10
+        while offloader.has_loads_in_flight:  # steps with nothing to compute collect the load's result
+            assert time.monotonic() < deadline, "the load did not end"
+            h.runner.execute(SchedulerOutput([], [], {}, 0))
+        h.decode(["a", "b"])
+        assert graphs.stats().steps == {2: 2}
+        assert torch.equal(h.runner.kv_caches[0][:, 31], h.runner.kv_caches[0][:, 0])
+    finally:
+        offloader.close()
 
 
 # -- the engine ----------------------------------------------------------------------------
