@@ -10,6 +10,7 @@ runner and the scheduler are the real ones; the backend is subclassed only to re
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import random
 import time
@@ -21,6 +22,7 @@ import torch
 from servelm.attention.backend import CommonAttentionInputs, DecodeGraphBuffers, register_backend
 from servelm.attention.kv_storage import block_tensors
 from servelm.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from servelm.cli import add_engine_arguments, engine_config_from_args
 from servelm.config import CudaGraphConfig, EngineConfig
 from servelm.datatypes import (
     CachedRequestData,
@@ -90,6 +92,14 @@ def test_capture_sizes_are_vllms_buckets_closed_by_the_largest():
     assert resolve_capture_sizes(CudaGraphConfig(max_cudagraph_capture_size=16), max_num_seqs=6) == (1, 2, 4, 6)
     with pytest.raises(ValueError, match="positive"):
         CudaGraphConfig(max_cudagraph_capture_size=0)
+
+
+def test_vllm_flags_set_the_graph_settings():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    settings = engine_config_from_args(parser.parse_args(["--enforce-eager", "--max-cudagraph-capture-size", "16"]))
+    assert settings.cuda_graphs == CudaGraphConfig(enforce_eager=True, max_cudagraph_capture_size=16)
+    assert engine_config_from_args(parser.parse_args([])).cuda_graphs == CudaGraphConfig()
 
 
 class CapturableTorchBackend(TorchAttentionBackend):

@@ -192,16 +192,18 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
                 "drop --no-prefix-caching"
             )
         tiers, offloader = _kv_tiers(config, arch, source, block_tensors([*kv_caches, *draft_kv]))
+    decode_graphs = None
+    if with_padding_block:
+        sizes = resolve_capture_sizes(config.cuda_graphs, config.scheduler.max_num_seqs)
+        decode_graphs = DecodeGraphRunner(model, kv_caches, graph_mode, sizes, block_table.max_blocks_per_request,
+                                          block_size, padding_block_id=num_blocks)  # fmt: skip
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
         proposer=proposer if speculative is not None else None,
         max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
         block_table=block_table, kv_offloader=offloader,
-        decode_graphs=None if not with_padding_block else DecodeGraphRunner(
-            model, kv_caches, graph_mode, resolve_capture_sizes(config.cuda_graphs, config.scheduler.max_num_seqs),
-            block_table.max_blocks_per_request, block_size, padding_block_id=num_blocks,
-        ),
+        decode_graphs=decode_graphs,
     )  # fmt: skip
     with startup.phase("warmup"):
         warm_up(runner)
