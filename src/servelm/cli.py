@@ -105,6 +105,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-shm-collectives", action="store_false", dest="shared_memory_collectives", default=None,
         help="with -tp/-cp on CPU, send every collective over gloo (default: small ones through shared memory)",
     )  # fmt: skip
+    group.add_argument(
+        "--enforce-eager", action="store_true", default=None,
+        help="never use CUDA graphs (default: pure-decode steps replay them on CUDA with a graph-capturable backend)",
+    )  # fmt: skip
+    group.add_argument(
+        "--max-cudagraph-capture-size", type=int, default=None,
+        help="largest decode batch a CUDA graph serves; larger ones run eagerly (default: min(--max-num-seqs, 512))",
+    )  # fmt: skip
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=None, help="requests per step at most")
     group.add_argument(
@@ -170,6 +178,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "distributed_timeout_s",
             "threads_per_rank",
             "shared_memory_collectives",
+            "enforce_eager",
+            "max_cudagraph_capture_size",
             "max_num_batched_tokens",
             "max_num_seqs",
             "max_num_partial_prefills",

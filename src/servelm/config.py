@@ -318,6 +318,33 @@ class KVEventsConfig:
         return self.kv_events_port is not None
 
 
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """CUDA graphs for pure-decode steps (servelm.worker.cuda_graphs), single-rank engines.
+
+    Default: on when the model runs on CUDA with a graph-capturable attention backend, else off.
+    """
+
+    enforce_eager: bool = False  # vLLM's --enforce-eager: every step eager, no graphs
+    # vLLM's --max-cudagraph-capture-size: the largest decode batch a graph serves (larger ones run
+    # eagerly); None: min(max_num_seqs, 512).
+    max_cudagraph_capture_size: int | None = None
+    # Run pure decodes through the graph runner even where nothing can be captured (CPU, a backend
+    # that is not graph_capturable): eagerly, through its persistent buffers, the metadata rebuilt
+    # every step. For tests of its bookkeeping on CPU; it buys no speed.
+    force_decode_buffers: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size > 0,
+            f"max_cudagraph_capture_size must be positive, got {self.max_cudagraph_capture_size}",
+        )
+        _require(
+            not (self.enforce_eager and self.force_decode_buffers),
+            "enforce_eager and force_decode_buffers contradict each other: set at most one",
+        )
+
+
 # -- speculative decoding ----------------------------------------------------------------
 # Given as JSON on the command line in vLLM's shape:
 #     --speculative-config '{"method": "ngram", "num_speculative_tokens": 5,
@@ -439,6 +466,7 @@ class EngineConfig:
     kv_tiers: KVTierConfig = KVTierConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
     parallel: ParallelConfig = ParallelConfig()
+    cuda_graphs: CudaGraphConfig = CudaGraphConfig()
 
     def scheduler_for(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler slice with the context window the engine builder resolved from
@@ -467,7 +495,7 @@ class EngineConfig:
             overrides["disk_path"] = overrides.pop("kv_disk_path")
         slices: dict[type, dict[str, Any]] = {
             ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}, KVEventsConfig: {}, KVTierConfig: {},
-            KVTransferConfig: {}, ParallelConfig: {},
+            KVTransferConfig: {}, ParallelConfig: {}, CudaGraphConfig: {},
         }  # fmt: skip
         settable = {c: {f.name for f in fields(c)} - _RESOLVED_BY_BUILDER.get(c, set()) for c in slices}
         for key, value in overrides.items():
@@ -485,4 +513,5 @@ class EngineConfig:
             kv_tiers=KVTierConfig(**slices[KVTierConfig]),
             kv_transfer=KVTransferConfig(**slices[KVTransferConfig]),
             parallel=ParallelConfig(**slices[ParallelConfig]),
+            cuda_graphs=CudaGraphConfig(**slices[CudaGraphConfig]),
         )

@@ -28,7 +28,13 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from servelm.attention.backend import AttentionMetadata, CommonAttentionInputs, register_backend, slots_of
+from servelm.attention.backend import (
+    AttentionMetadata,
+    CommonAttentionInputs,
+    DecodeGraphBuffers,
+    register_backend,
+    slots_of,
+)
 from servelm.attention.kv_storage import LayerKVCache, QuantizedKV, gather_kv, write_kv
 from servelm.kernels import cpu as cpu_kernels
 
@@ -267,6 +273,9 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 class TorchAttentionBackend:
     name = "torch"
+    # Its decode metadata holds host copies of the buffers' lengths and tables (the CPU kernel's
+    # prepared batch, SDPA's gather slots): built again after every refill, never captured.
+    graph_capturable = False
 
     def build_metadata(self, common: CommonAttentionInputs) -> TorchAttentionMetadata:
         """See `AttentionBackend.build_metadata`: once per step, pure."""
@@ -279,6 +288,25 @@ class TorchAttentionBackend:
         in_decodes = set(decode_indices.tolist()) if decodes is not None else set()
         chunk_indices = [i for i in range(common.num_requests) if i not in in_decodes]
         return TorchAttentionMetadata(common.slot_mapping, decodes, _build_chunks(common, chunk_indices))
+
+    def build_decode_metadata(
+        self, buffers: DecodeGraphBuffers, batch: int, *, dtype: torch.dtype, kv_dtype: torch.dtype
+    ) -> TorchAttentionMetadata:
+        """See `DecodeGraphBackend`: the decode plan of rows [0, batch) as the buffers hold them now
+        (read to the host), through `build_metadata`; valid until the next refill."""
+        seq_lens = buffers.seq_lens[:batch].cpu()  # [batch] int32
+        width = (int(seq_lens.max()) + buffers.block_size - 1) // buffers.block_size  # the columns any row reaches
+        common = CommonAttentionInputs.from_lens(
+            torch.ones(batch, dtype=torch.int32),
+            seq_lens,
+            slot_mapping=buffers.slot_mapping[:batch],
+            block_table=buffers.block_table[:batch, :width].cpu(),
+            block_size=buffers.block_size,
+            device=buffers.input_ids.device,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+        )
+        return self.build_metadata(common)
 
     def forward(
         self,

@@ -39,6 +39,7 @@ from servelm.parallel.groups import GroupMember
 from servelm.scheduler.scheduler import Scheduler
 from servelm.spec.proposer import Proposer, build_proposer
 from servelm.worker.block_table import BlockTable
+from servelm.worker.cuda_graphs import DecodeGraphMode, DecodeGraphRunner, decode_graph_mode, resolve_capture_sizes
 from servelm.worker.draft_model import DraftModel, load_draft_model
 from servelm.worker.draft_proposer import DraftModelProposer
 from servelm.worker.kv_cache import (
@@ -50,7 +51,7 @@ from servelm.worker.kv_cache import (
     resolve_kv_dtype,
 )
 from servelm.worker.kv_offload import KVOffloader
-from servelm.worker.model_runner import ModelRunner
+from servelm.worker.model_runner import ModelRunner, attention_backend_of
 from servelm.worker.multi_rank import (
     StepBroadcaster,
     build_shard,
@@ -163,7 +164,11 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
                 max_model_len,
             )
             max_model_len = num_blocks * block_size
-        kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device)
+        graph_mode = decode_graph_mode(config.cuda_graphs, device, attention_backend_of(model))
+        # The decode graphs' padding rows write to one more block, id num_blocks: the scheduler's pool
+        # (num_blocks) never hands it out.
+        with_padding_block = graph_mode is not DecodeGraphMode.OFF
+        kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device, padding_block=with_padding_block)
     eos_ids = eos_token_ids(arch, tokenizer)
     # One table for the runner and a draft-model proposer: the draft's K/V sit in the same blocks.
     block_table = BlockTable.for_requests(config.scheduler.max_num_seqs, max_model_len, block_size)
@@ -187,12 +192,18 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
                 "drop --no-prefix-caching"
             )
         tiers, offloader = _kv_tiers(config, arch, source, block_tensors([*kv_caches, *draft_kv]))
+    decode_graphs = None
+    if with_padding_block:
+        sizes = resolve_capture_sizes(config.cuda_graphs, config.scheduler.max_num_seqs)
+        decode_graphs = DecodeGraphRunner(model, kv_caches, graph_mode, sizes, block_table.max_blocks_per_request,
+                                          block_size, padding_block_id=num_blocks)  # fmt: skip
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
         proposer=proposer if speculative is not None else None,
         max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
         block_table=block_table, kv_offloader=offloader,
+        decode_graphs=decode_graphs,
     )  # fmt: skip
     with startup.phase("warmup"):
         warm_up(runner)

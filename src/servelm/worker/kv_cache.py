@@ -101,11 +101,14 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
     num_kv_heads: int | None = None,
+    padding_block: bool = False,
 ) -> list[LayerKVCache]:
     """One zeroed pool per layer storing `dtype`: a plain tensor, or a QuantizedKV for int8 / fp8.
-    `num_kv_heads`: the KV heads this rank stores (local_num_kv_heads); None: all of the model's."""
+    `num_kv_heads`: the KV heads this rank stores (local_num_kv_heads); None: all of the model's.
+    `padding_block`: one block more, id `num_blocks`, that the scheduler (whose pool has `num_blocks`)
+    never hands out: the decode graphs' padding rows write their K/V there (worker/cuda_graphs.py)."""
     kv_heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
-    shape = (2, num_blocks, block_size, kv_heads, arch.head_dim)
+    shape = (2, num_blocks + int(padding_block), block_size, kv_heads, arch.head_dim)
     if dtype not in QUANTIZED_MAX:
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
     return [

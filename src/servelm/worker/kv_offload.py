@@ -180,6 +180,12 @@ class KVOffloader:
             else:
                 self._load_queue.put(job)
 
+    @property
+    def has_loads_in_flight(self) -> bool:
+        """A load (or pull) was started and its result not yet taken: its copies into the pool may
+        still run on another thread."""
+        return bool(self._jobs)
+
     def take_served(self) -> list[str]:
         """Producer: exports whose pull ended since the last call (the scheduler lets go of them)."""
         return self._exports.take_served() if self._exports is not None else []

@@ -3,6 +3,7 @@
     SchedulerOutput ──▶ update mirrors (request states + block table rows)
                     ──▶ build inputs (ids, positions, slots: vectorised over the persistent table)
                     ──▶ backend.build_metadata (once) ──▶ model.forward
+                        (a pure-decode step: the decode graph runner's buffers and graph instead)
                     ──▶ logits of rows that sample (+ prompt-logprob rows) ──▶ Sampler ──▶ ModelOutput
 
 The runner owns tensors (model, KV pool, block table) and decides nothing: which tokens
@@ -24,6 +25,7 @@ from servelm.models.llama import LlamaForCausalLM
 from servelm.parallel.context_backend import ContextParallelBackend, ContextParallelMetadata
 from servelm.spec.proposer import DraftRequest, Proposer
 from servelm.worker.block_table import BlockTable
+from servelm.worker.cuda_graphs import DecodeGraphRunner
 from servelm.worker.kv_offload import KVOffloader
 from servelm.worker.multi_rank import RankFailedError, StepBroadcaster
 from servelm.worker.prompt_logprobs import chunk_prompt_logprobs
@@ -50,7 +52,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] long, on device
     positions: torch.Tensor  # [T] long, on device
     common: CommonAttentionInputs  # what the backend built `metadata` from
-    metadata: AttentionMetadata  # the backend's own, built once for every layer
+    # The backend's own, built once for every layer; None on a step the decode graph runner runs
+    # (it builds its own from its buffers).
+    metadata: AttentionMetadata | None
     # Requests whose last scheduled token is their last token (and drafts after it, if any),
     # with their sampler rows: the last 1 + k rows of their tokens, k = drafts verified.
     samples: list[VerificationRows]
@@ -116,7 +120,11 @@ class ModelRunner:
         kv_offloader: KVOffloader | None = None,  # KV tiers: moves blocks to/from host memory and disk
         # Multi-rank workers (rank 0 only): every step goes to the other ranks before it runs here.
         followers: StepBroadcaster | None = None,
+        # Pure-decode steps through persistent buffers and CUDA graphs (cuda_graphs.py); single rank only.
+        decode_graphs: DecodeGraphRunner | None = None,
     ) -> None:
+        if decode_graphs is not None and followers is not None:
+            raise ValueError("decode graphs run on a single rank: the other ranks would see unpadded batches")
         self.model = model
         self.attention_backend = attention_backend_of(model)
         self.kv_caches = kv_caches
@@ -138,6 +146,7 @@ class ModelRunner:
         self.max_draft_tokens = max_draft_tokens
         self.kv_offloader = kv_offloader
         self.followers = followers
+        self.decode_graphs = decode_graphs
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Run one step; the output carries how long that took (the runner is the one that knows)."""
@@ -180,7 +189,7 @@ class ModelRunner:
         self._update_mirrors(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelOutput(sampled_token_ids={})
-        inputs = self._prepare_inputs(scheduler_output)
+        inputs = self._prepare_inputs(scheduler_output, self._is_graph_step(scheduler_output))
         hidden = self._forward(inputs)
         output = ModelOutput(sampled_token_ids={rid: [] for rid in inputs.request_ids})
         output.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
@@ -195,11 +204,28 @@ class ModelRunner:
         rank computes only its rows (every cp-th position of each request) and the rows are
         gathered back, so sampling and prompt logprobs see the whole batch on every rank."""
         backend, metadata = self.attention_backend, inputs.metadata
+        if metadata is None:
+            assert self.decode_graphs is not None  # _is_graph_step
+            return self.decode_graphs.forward(inputs.input_ids, inputs.positions, inputs.common)
         if not isinstance(backend, ContextParallelBackend) or not isinstance(metadata, ContextParallelMetadata):
             return self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
         local = metadata.local_token_index
         hidden = self.model(inputs.input_ids[local], inputs.positions[local], metadata, self.kv_caches)
         return backend.gather_hidden(hidden, metadata)
+
+    def _is_graph_step(self, so: SchedulerOutput) -> bool:
+        """Whether the decode graph runner runs this step: every request a plain decode (one token, no
+        drafts, no prompt logprobs), the batch within its largest bucket, and no KV load in flight
+        (started before or by this step: a capture must not overlap the loader thread's copies)."""
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.fits(len(so.num_scheduled_tokens)) or so.scheduled_draft_token_ids:
+            return False
+        if self.kv_offloader is not None and self.kv_offloader.has_loads_in_flight:
+            return False
+        return all(
+            num_tokens == 1 and self.requests[rid].sampling_params.prompt_logprobs is None
+            for rid, num_tokens in so.num_scheduled_tokens.items()
+        )
 
     # -- mirrors -----------------------------------------------------------------------
 
@@ -221,7 +247,7 @@ class ModelRunner:
 
     # -- inputs ------------------------------------------------------------------------
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, so: SchedulerOutput, graph_step: bool = False) -> StepInputs:
         request_ids = list(so.num_scheduled_tokens)
         states = [self.requests[rid] for rid in request_ids]
         num_computed = torch.tensor([s.num_computed_tokens for s in states], dtype=torch.long)  # [R]
@@ -254,7 +280,7 @@ class ModelRunner:
             input_ids=torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True),
             positions=positions.to(self.device, non_blocking=True),
             common=common,
-            metadata=self.attention_backend.build_metadata(common),
+            metadata=None if graph_step else self.attention_backend.build_metadata(common),
             samples=samples,
             sample_rows=sample_rows,
         )
