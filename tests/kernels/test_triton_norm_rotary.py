@@ -14,6 +14,9 @@ bfloat16 by truncation where the GPU and torch round to nearest even.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,6 +152,15 @@ def test_rotary_rejects_angles_of_another_dtype(triton_ops):
     cos, sin = RotaryEmbedding(16, 10000.0, None).to(DEVICE).cos_sin(torch.arange(2, device=DEVICE), torch.float32)
     with pytest.raises(ValueError, match="cos is torch.float32"):
         triton_ops.rotate(x, cos, sin)
+
+
+def test_kernels_compile_for_sm90_and_the_rotary_keeps_its_roundings():
+    """The GPU compiler, on CPU (see triton_norm_rotary_compile.py): what the interpreter cannot show."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = Path(__file__).with_name("triton_norm_rotary_compile.py")
+    result = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ok   sm_90") == 9, result.stdout
 
 
 def test_the_factory_gives_triton_on_cuda_and_torch_elsewhere(monkeypatch):

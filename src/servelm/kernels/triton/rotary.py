@@ -11,9 +11,9 @@
 The angles come from the model's own cos/sin (computed once per forward from its scaled inverse
 frequencies, models/rotary.py), so every RoPE scaling it supports is already in them and nothing
 is recomputed here. Each product is rounded to x's dtype before the sum, exactly as the torch
-path (`apply_rotary`, four separate elementwise ops in the dtype) rounds it, so the two agree
-bit for bit wherever the compiler keeps the roundings (the interpreter, and bf16/fp16 on GPU; a
-GPU may fuse a float32 multiply-add, a difference of one rounding).
+path (`apply_rotary`, four separate elementwise ops in the dtype) rounds it, and the launch turns
+off multiply-add contraction, so the two agree bit for bit (on sm_90 the PTX is mul.rn, then
+sub.rn / add.rn, in the dtype).
 
 One program per (token, group of heads): x is read once and written once in place; the torch path
 reads it twice and writes four half-size temporaries and the output.
@@ -78,5 +78,8 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     _rotary_kernel[grid](
         x, x.stride(0), x.stride(1), cos, cos.stride(0), sin, sin.stride(0), num_heads, half,
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, num_warps=4,
+        # No multiply-add contraction: it would skip the rounding of one product (fma.rn.bf16 on
+        # sm_90), where torch rounds both; memory-bound, the kernel loses nothing by it.
+        enable_fp_fusion=False,
     )  # fmt: skip
     return x
