@@ -9,6 +9,7 @@ import torch
 import servelm.attention.torch_backend  # noqa: F401  (registers "torch")
 from servelm.attention.backend import AttentionBackend, get_backend
 from servelm.models.arch import ModelArchConfig
+from servelm.models.fused_ops import select_ops
 from servelm.models.linear_methods import DENSE, LinearMethod, choose_linear_method
 from servelm.models.llama import LlamaForCausalLM
 from servelm.models.rotary import RotaryEmbedding, inverse_frequencies
@@ -78,4 +79,5 @@ def build_model(
         if isinstance(module, RotaryEmbedding):
             # Frequencies stay float32 whatever the compute dtype, as in the reference.
             module.inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling).to(device)
+    model.norm_rotary_ops = select_ops(device)  # fused Triton kernels on CUDA, torch elsewhere
     return model.eval()

@@ -31,8 +31,9 @@ from torch import nn
 from servelm.attention.backend import AttentionBackend, AttentionMetadata
 from servelm.attention.kv_storage import LayerKVCache
 from servelm.models.arch import ModelArchConfig
+from servelm.models.fused_ops import TORCH_OPS, NormRotaryOps, Rotate, torch_rms_norm
 from servelm.models.linear_methods import DENSE, LinearMethod, LinearMethodChooser, all_dense
-from servelm.models.rotary import RotaryEmbedding, apply_rotary
+from servelm.models.rotary import RotaryEmbedding
 from servelm.models.sharding import ModelShard, whole
 from servelm.models.weights import CheckpointWeights, Weight, dense_tensor
 from servelm.parallel.groups import SINGLE_RANK, GroupMember, all_gather_last_dim, all_reduce_sum
@@ -97,14 +98,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the compute dtype, as the reference does:
-        #   weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)
-        # torch's fused rms_norm is bitwise that in fp32 (one pass instead of five).
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return torch_rms_norm(x, self.weight, self.eps)
+
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ops: NormRotaryOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual) by `ops` (one fused pass on the Triton set);
+        residual None (the first layer): (self(x), x)."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -154,12 +157,13 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,  # [T, hidden]
         kv_cache: LayerKVCache | None,
         metadata: AttentionMetadata,
+        rotate: Rotate,  # NormRotaryOps.rotate (may rotate qkv's q|k columns in place)
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) * D]: q | k | v
         qk_size = self.q_size + self.kv_size
         # q and k sit side by side, so one rotation covers both heads' worth: [T, H + KVH, D].
-        qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = rotate(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, H, D]
@@ -194,9 +198,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch, f"{prefix}.mlp", linear_method, shard)
 
-    def forward(self, rope, hidden, kv_cache, metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: LayerKVCache | None, metadata: AttentionMetadata,
+                ops: NormRotaryOps) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """hidden: the previous layer's MLP output (the embedding at layer 0, with residual None);
+        residual: the running sum before it. Returns (this layer's MLP output, the sum before it):
+        the residual add of each sublayer is fused into the norm that reads its result."""
+        normed, residual = self.input_layernorm.add(hidden, residual, ops)
+        attn = self.self_attn(rope, normed, kv_cache, metadata, ops.rotate)
+        normed, residual = self.post_attention_layernorm.add(attn, residual, ops)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -221,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
                               linear_method(head_parts, None), rows=(vocab,))  # fmt: skip
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Who computes the norms and rotations; the factory picks by device (fused_ops.select_ops).
+        self.norm_rotary_ops = TORCH_OPS
 
     @torch.inference_mode()
     def forward(
@@ -234,9 +247,11 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # Every layer rotates by the same angles: computed once per forward, not once per layer.
         rope = self.decoder_layers[0].self_attn.rotary.cos_sin(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.decoder_layers[:num_layers]):
-            hidden = layer(rope, hidden, None if kv_caches is None else kv_caches[i], metadata)
-        return self.norm(hidden)
+            kv_cache = None if kv_caches is None else kv_caches[i]
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata, self.norm_rotary_ops)
+        return self.norm.add(hidden, residual, self.norm_rotary_ops)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
