@@ -137,18 +137,20 @@ def test_quantized_write_equals_the_torch_path_bit_for_bit(code_dtype):
 # -- decode ------------------------------------------------------------------------------------
 
 DECODE_CASES = [
-    # heads, kv_heads, block_size, dtype, seq_lens, num_splits
-    (4, 2, 16, torch.float32, [1, 37, 64, 130], 1),
-    (9, 3, 12, torch.float32, [200, 1, 77], 4),  # not a power of two: block and group
-    (8, 1, 32, torch.bfloat16, [90, 3], 2),
-    (4, 2, 8, torch.bfloat16, [300, 17], 8),  # more splits than some rows have tiles: empty splits
+    # heads, kv_heads, head_dim, block_size, dtype, seq_lens, num_splits
+    (4, 2, 32, 16, torch.float32, [1, 37, 64, 130], 1),
+    (9, 3, 24, 12, torch.float32, [200, 1, 77], 4),  # not a power of two: head_dim, block and group
+    (8, 1, 32, 32, torch.bfloat16, [90, 3], 2),
+    (4, 2, 32, 8, torch.bfloat16, [300, 17], 8),  # more splits than some rows have tiles: empty splits
 ]
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "block_size", "dtype", "seq_lens", "num_splits"), DECODE_CASES)
-def test_decode_matches_reference(heads, kv_heads, block_size, dtype, seq_lens, num_splits):
-    case = PagedCase(seq_lens, block_size, kv_heads, 32, dtype, seed=len(seq_lens) + heads)
-    query = torch.randn(len(seq_lens), heads, 32, generator=case.generator).to(dtype)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "dtype", "seq_lens", "num_splits"), DECODE_CASES
+)
+def test_decode_matches_reference(heads, kv_heads, head_dim, block_size, dtype, seq_lens, num_splits):
+    case = PagedCase(seq_lens, block_size, kv_heads, head_dim, dtype, seed=len(seq_lens) + heads)
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=case.generator).to(dtype)
     out = torch.full_like(query, float("nan"))
     paged_decode_attention(out, query, case.pool, case.block_table, case.seq_lens, 0.3, num_splits=num_splits)
     for r in range(len(seq_lens)):
@@ -198,19 +200,19 @@ def test_split_choice_fills_the_device_and_keeps_splits_long():
 # -- prefill -----------------------------------------------------------------------------------
 
 PREFILL_CASES = [
-    # heads, kv_heads, block_size, dtype, (context, query_len) per request
-    (4, 2, 16, torch.float32, [(0, 37), (20, 5), (33, 1)]),  # a fresh prompt, a chunk after a prefix, 1 token
-    (9, 3, 12, torch.float32, [(17, 20), (0, 3)]),
-    (8, 1, 32, torch.bfloat16, [(40, 18), (0, 1)]),  # 8 heads per KV head: the widest tile
+    # heads, kv_heads, head_dim, block_size, dtype, (context, query_len) per request
+    (4, 2, 32, 16, torch.float32, [(0, 37), (20, 5), (33, 1)]),  # a fresh prompt, a chunk after a prefix, 1 token
+    (9, 3, 24, 12, torch.float32, [(17, 20), (0, 3)]),
+    (8, 1, 32, 32, torch.bfloat16, [(40, 18), (0, 1)]),  # 8 heads per KV head: the widest tile
 ]
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "block_size", "dtype", "chunks"), PREFILL_CASES)
-def test_prefill_after_cached_context_matches_reference(heads, kv_heads, block_size, dtype, chunks):
-    case = PagedCase([c + q for c, q in chunks], block_size, kv_heads, 32, dtype, seed=heads + block_size)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "dtype", "chunks"), PREFILL_CASES)
+def test_prefill_after_cached_context_matches_reference(heads, kv_heads, head_dim, block_size, dtype, chunks):
+    case = PagedCase([c + q for c, q in chunks], block_size, kv_heads, head_dim, dtype, seed=heads + block_size)
     query_lens = torch.tensor([q for _, q in chunks], dtype=torch.int32)
     query_start_loc = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(query_lens, 0, dtype=torch.int32)])
-    query = torch.randn(int(query_lens.sum()), heads, 32, generator=case.generator).to(dtype)
+    query = torch.randn(int(query_lens.sum()), heads, head_dim, generator=case.generator).to(dtype)
     tile_requests, tile_starts = plan_tiles(query_lens, torch.arange(len(chunks)))
     out = torch.full_like(query, float("nan"))
     paged_prefill_attention(out, query, case.pool, case.block_table, query_start_loc, case.seq_lens, tile_requests,
