@@ -13,6 +13,10 @@ from servelm.testing.tiny_model import write_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without a GPU the Triton kernels (the triton attention backend) run under Triton's interpreter;
+# it must be on before triton defines them (servelm imports them only when a model asks for them).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

@@ -60,3 +60,11 @@ def test_delivery_and_kv_event_flags_reach_their_config() -> None:
     assert config.model.model == "peer://10.0.0.7:8000"
     assert (config.model.download_dir, config.model.pull_connections) == ("/data/models", 4)
     assert (config.kv_events.kv_events_port, config.kv_events.kv_events_host) == (5557, "0.0.0.0")
+
+
+def test_attention_backend_flag_reaches_the_model_config() -> None:
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).model.attention_backend == "auto"
+    args = build_parser().parse_args(["serve", "--attention-backend", "triton"])
+    assert engine_config_from_args(args).model.attention_backend == "triton"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--attention-backend", "flash"])

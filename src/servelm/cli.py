@@ -30,6 +30,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pull-connections", type=int, default=None, help="parallel reads of a remote --model (default 8)")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    group.add_argument(
+        "--attention-backend", default=None, choices=["auto", "torch", "triton"],
+        help="attention kernels: auto (triton on CUDA, torch elsewhere), torch (the reference) or triton",
+    )  # fmt: skip
     group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine core")
     group.add_argument(
@@ -152,6 +156,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         for name in (
             "dtype",
             "device",
+            "attention_backend",
             "max_model_len",
             "num_threads",
             "hf_overrides",

@@ -234,7 +234,8 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    attention_backend: str = "torch"
+    # auto | torch | triton (auto: triton on CUDA when it imports, else torch; attention/selection.py)
+    attention_backend: str = "auto"
     num_threads: int | None = None  # torch CPU threads in the engine core; None: torch's default
     # Hugging Face config keys replacing the checkpoint's (vLLM's --hf-overrides), e.g. RoPE scaling
     # with a larger max_position_embeddings to run past the trained context.

@@ -18,6 +18,7 @@ XDG_CACHE_HOME = "XDG_CACHE_HOME"
 CACHE_DIR = "SERVELM_CACHE_DIR"
 API_KEY = "SERVELM_API_KEY"
 PEER_API_KEY = "SERVELM_PEER_API_KEY"
+TRITON_INTERPRET = "TRITON_INTERPRET"
 
 
 class KernelsMode(str, enum.Enum):
@@ -65,3 +66,9 @@ def peer_api_key() -> str | None:
     """SERVELM_PEER_API_KEY, else SERVELM_API_KEY: the bearer token sent to a running replica that
     `--model peer://HOST:PORT` takes its weights from (replicas of one deployment share a key)."""
     return os.environ.get(PEER_API_KEY) or api_key()
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET: Triton's own switch (it reads it when a kernel is defined) that runs its
+    kernels under the interpreter on CPU tensors; true for 1/true/yes/on, as Triton reads it."""
+    return os.environ.get(TRITON_INTERPRET, "").strip().lower() in ("1", "true", "yes", "on")

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-import servelm.attention.torch_backend  # noqa: F401  (registers "torch")
 from servelm.attention.backend import AttentionBackend, get_backend
+from servelm.attention.selection import resolve_backend_name
 from servelm.models.arch import ModelArchConfig
 from servelm.models.fused_ops import select_ops
 from servelm.models.linear_methods import DENSE, LinearMethod, choose_linear_method
@@ -43,7 +43,8 @@ def build_model(
     weights: Mapping[str, Weight],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    attention_backend: str | AttentionBackend = "torch",  # a registered name, or an instance (context parallelism)
+    # A registered name ("auto": by device, attention/selection.py), or an instance (context parallelism).
+    attention_backend: str | AttentionBackend = "auto",
     int8_linears: bool = True,
     tp: GroupMember = SINGLE_RANK,
 ) -> LlamaForCausalLM:
@@ -68,7 +69,10 @@ def build_model(
     # Built on the meta device and given its dtype there, so the one allocation is `to_empty`'s:
     # no random init, no float32 copy first.
     with torch.device("meta"):
-        backend = get_backend(attention_backend) if isinstance(attention_backend, str) else attention_backend
+        if isinstance(attention_backend, str):
+            backend = get_backend(resolve_backend_name(attention_backend, device))
+        else:
+            backend = attention_backend
         model = LlamaForCausalLM(arch, backend, linear_method, tp)
     model.to(dtype)
     model.to_empty(device=device)
