@@ -7,7 +7,9 @@
                   bfloat16 — every token servelm picks is within `--bf16-tol` nats of the
                   float32 reference's best choice at that position (bf16 may break near-ties).
     2. kernels    every Triton kernel (paged decode and prefill attention, the KV write, fused
-                  RMSNorm+residual, rotary) against its torch reference on fresh random inputs.
+                  RMSNorm+residual, rotary) against its torch reference on fresh random inputs
+                  (benchmarks/attention_kernel_checks.py, fused_ops_bench.py), and their speed.
+    2b. graphs    decode step time with CUDA graphs vs `enforce_eager`, and the capture time.
     3. syncs      host synchronisations per decode step (torch's sync debug mode; target: 1).
     4. decode     a random-weight Llama of a 1B-class shape (Llama-3.2-1B: hidden 2048, 16 layers,
                   32/8 heads, intermediate 8192, vocab 128256) in bfloat16: engine step time at
@@ -197,7 +199,8 @@ def _reference_regret(reference, prompt: list[int], tokens: list[int], device: s
 # -- 4./5./6. a random-weight model of a real shape ----------------------------------------
 
 
-def random_engine(shape: str, device: str, dtype: torch.dtype, kv_gib: float) -> tuple[BuiltEngine, int]:
+def random_engine(shape: str, device: str, dtype: torch.dtype, kv_gib: float,
+                  enforce_eager: bool = False) -> tuple[BuiltEngine, int]:  # fmt: skip
     config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
               "hidden_act": "silu", **SHAPES[shape]}  # fmt: skip
     arch = ModelArchConfig.from_hf_config(config)
@@ -219,7 +222,7 @@ def random_engine(shape: str, device: str, dtype: torch.dtype, kv_gib: float) ->
     model = build_model(arch, weights, dtype, device)
     del weights
     engine_config = EngineConfig.from_flat(model=None, device=device, kv_cache_memory_gib=kv_gib, max_num_seqs=256,
-                                           max_num_batched_tokens=8192)  # fmt: skip
+                                           max_num_batched_tokens=8192, enforce_eager=enforce_eager)  # fmt: skip
     return assemble_engine(engine_config, model, arch, load_tokenizer(None), f"random {shape}"), weight_bytes
 
 
@@ -356,6 +359,61 @@ def offline_throughput(built: BuiltEngine, report: Report) -> None:
                      f"**{total:.0f} total tokens/s**.", ""]  # fmt: skip
 
 
+def kernels(device: str, report: Report) -> None:
+    """Triton attention vs the torch backend (correctness everywhere; speed on CUDA), fused ops."""
+    import attention_kernel_checks as attention
+    from fused_ops_bench import fused_op_microbench
+
+    on_cuda = device.startswith("cuda")
+    # The interpreter (CPU) runs the same kernels thousands of times slower: small contexts there.
+    checks = attention.check_backends(device, max_context=4096 if on_cuda else 96)
+    report.results["kernels"] = {"attention": attention.as_dicts(checks)}
+    report.ok &= all(c.passed for c in checks)
+    report.table(["attention (triton vs torch)", "dtype", "requests / tokens", "relative error", "limit",
+                  "pools equal", "verdict"],
+                 [[c.geometry, c.dtype, f"{c.requests} / {c.tokens}", f"{c.relative_error:.2e}", c.limit,
+                   c.pools_equal, _verdict(c.passed)] for c in checks])  # fmt: skip
+    if not on_cuda:
+        return
+    timings = attention.decode_timings(device)
+    report.results["kernels"]["decode_attention_timings"] = timings
+    report.table(["decode attention, bf16 32/8 x 128", "torch (us)", "triton (us)", "triton KV GB/s"],
+                 [[f"batch {t['batch']}, context {t['context']}", f"{t['torch_us']:.1f}", f"{t['triton_us']:.1f}",
+                   f"{t['triton_gbps']:.0f}"] for t in timings])  # fmt: skip
+    fused = fused_op_microbench(device)
+    report.results["kernels"]["fused_ops"] = fused
+    worst = max(row["max_abs_diff"] for row in fused["rows"])
+    report.table(["fused op", "shape", "tokens", "torch graph (us)", "triton graph (us)", "max |diff|"],
+                 [[r["op"], r["shape"], r["tokens"], _us(r["torch_graph_us"]), _us(r["triton_graph_us"]),
+                   f"{r['max_abs_diff']:.2e}"] for r in fused["rows"]])  # fmt: skip
+    report.lines += [f"Fused ops: largest |fused - unfused| {worst:.2e} (bf16).", ""]
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def graphs_vs_eager(graphs: BuiltEngine, args: argparse.Namespace, report: Report) -> None:
+    """Decode step time at batch 1 and 32 with CUDA graphs (the default) and with enforce_eager."""
+    eager, _ = random_engine(args.shape, args.device, torch.bfloat16, args.kv_gib, enforce_eager=True)
+    rows, results = [], []
+    for batch in (1, 32):
+        with_graphs = statistics.median(_decode_step_times(graphs, batch, args.device, f"g{batch}")[2:])
+        without = statistics.median(_decode_step_times(eager, batch, args.device, f"e{batch}")[2:])
+        results.append({"batch": batch, "graphs_ms": with_graphs * 1e3, "eager_ms": without * 1e3,
+                        "speedup": without / with_graphs})  # fmt: skip
+        rows.append([batch, f"{with_graphs * 1e3:.3f}", f"{without * 1e3:.3f}", f"{without / with_graphs:.2f}x"])
+    del eager
+    runner = graphs.core.runner.decode_graphs
+    stats = runner.stats() if runner is not None else None
+    report.results["graphs"] = {"steps": results, "stats": None if stats is None else {
+        "capturing": stats.capturing, "captured": list(stats.captured), "capture_seconds": stats.capture_seconds}}  # fmt: skip
+    report.table(["batch", "engine step, graphs (ms)", "engine step, enforce_eager (ms)", "speed-up"], rows)
+    if stats is not None:
+        report.lines += [f"CUDA graphs: capturing {stats.capturing}, buckets captured {list(stats.captured)}, "
+                         f"{stats.capture_seconds:.2f} s of capture in all.", ""]  # fmt: skip
+
+
 def copy_bandwidth_tbps(device: str) -> float | None:
     """A device-to-device copy's bytes read + written per second (the practical HBM ceiling)."""
     if not device.startswith("cuda"):
@@ -376,10 +434,11 @@ def copy_bandwidth_tbps(device: str) -> float | None:
 
 # -- main ----------------------------------------------------------------------------------
 
-SECTIONS = ("exactness", "syncs", "roofline", "prefill", "offline")
+SECTIONS = ("exactness", "kernels", "syncs", "graphs", "roofline", "prefill", "offline")
 
 
 def main() -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling check modules
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
@@ -397,6 +456,8 @@ def main() -> int:
         parser.error(f"unknown --skip {sorted(unknown)}; valid: {', '.join(SECTIONS)}")
     device = args.device
     on_cuda = device.startswith("cuda")
+    if not on_cuda:  # the Triton kernels run under the interpreter (read when triton is imported)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     name = torch.cuda.get_device_name(0) if on_cuda else "CPU"
     report = Report()
     report.results["environment"] = {"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -406,7 +467,9 @@ def main() -> int:
     started = time.perf_counter()
     if "exactness" not in skip:
         exactness(device, args.bf16_tol, not args.no_default_model, report)
-    if not {"syncs", "roofline", "prefill", "offline"} <= skip:
+    if "kernels" not in skip:
+        kernels(device, report)
+    if not {"syncs", "graphs", "roofline", "prefill", "offline"} <= skip:
         dtype = torch.bfloat16 if on_cuda else torch.float32
         built, weight_bytes = random_engine(args.shape, device, dtype, args.kv_gib)
         measured = copy_bandwidth_tbps(device)
@@ -417,6 +480,8 @@ def main() -> int:
                          f"(roofline uses {args.hbm_tbps}).", ""]  # fmt: skip
         if "syncs" not in skip:
             host_syncs(built, device, report)
+        if "graphs" not in skip and on_cuda:
+            graphs_vs_eager(built, args, report)
         if "roofline" not in skip:
             decode_roofline(
                 built, weight_bytes, device, args.hbm_tbps, [int(b) for b in args.batches.split(",")], report
