@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
-import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
