@@ -10,8 +10,9 @@ logprobs, over the most rows a step samples (max_num_seqs, times 1 + k verified 
 covered: a chunk's attention over a long cached context (the KV-less forward attends within the
 chunk only), and a draft model's own forwards; the reserve in kv_cache.py is the margin for them.
 
-CUDA only, and it has never run: it was written on a machine without a GPU (the device check
-benchmarks/gpu_devmem_checks.py is its first run).
+`profile_device_memory` is CUDA only and has never run: it was written on a machine without a
+GPU (benchmarks/gpu_devmem_checks.py is its first run). `worst_case_step` runs on any device (the
+tests run it on CPU).
 """
 
 from __future__ import annotations
