@@ -164,7 +164,8 @@ def main() -> int:
         del llm
         if device.startswith("cuda"):
             memory_ok, built = memory(Path(tmp), lines)
-            ok &= memory_ok and oom(built, lines)
+            ok &= memory_ok
+            ok &= oom(built, lines)
     report = "\n".join(lines)
     print(report)
     if os.environ.get("OUT"):

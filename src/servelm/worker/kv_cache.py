@@ -93,7 +93,9 @@ class DeviceMemoryProfile:
     around one worst-case step (worker/memory_profile.py)."""
 
     total: int  # the device's memory
-    weights: int  # allocated by torch with the model loaded (a draft model's weights too)
+    # Allocated by torch before the step: the weights (a draft model's too; and whatever else this
+    # process already holds on the device, e.g. another engine's pool in a test).
+    weights: int
     peak_activation: int  # the most the profiled step allocated on top of `weights`
     # Used on the device outside torch's allocator: the CUDA context, cuBLAS/NCCL workspaces, and
     # any other process on the same device (it counts against the utilization too: conservative).
