@@ -44,6 +44,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=float, default=None, dest="kv_cache_memory_gib", help="GiB for KV")
     group.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    group.add_argument(
+        "--gpu-memory-utilization", type=float, default=None,
+        help="CUDA: fraction of the device's memory to use in all; the KV cache gets what the weights, a profiled "
+        "worst-case step and a reserve leave (default 0.9; ignored with --kv-cache-memory or --num-blocks)",
+    )  # fmt: skip
     group.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching")
     group.add_argument(
         "--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
@@ -165,6 +170,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "block_size",
             "kv_cache_memory_gib",
             "num_blocks",
+            "gpu_memory_utilization",
             "enable_prefix_caching",
             "kv_cache_dtype",
             "kv_offloading_size",

@@ -22,9 +22,13 @@ class CacheConfig:
 
     block_size: int = 16  # tokens per KV block
     # Size the pool by block count or by bytes (the runner converts bytes to blocks from
-    # the model's KV geometry). At most one may be set; neither: the runner decides.
+    # the model's KV geometry). At most one may be set; neither: on CUDA what
+    # gpu_memory_utilization leaves, on CPU DEFAULT_CPU_KV_CACHE_BYTES.
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    # vLLM's: the fraction of the device's memory servelm may use in all (weights, a profiled
+    # worst-case step's activations, a reserve, and the KV pool, which gets the rest). CUDA only.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # What the pool stores K/V as: "auto" (the model's dtype), "int8" (symmetric, one float32 scale
     # per token and KV head), "fp8" (float8_e4m3fn where the device has it). Halves KV bytes or better.
@@ -44,6 +48,10 @@ class CacheConfig:
         _require(
             self.num_blocks is None or self.kv_cache_memory_bytes is None,
             "set at most one of num_blocks and kv_cache_memory_bytes",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
         )
 
 
@@ -450,9 +458,9 @@ _GIB_SETTINGS = {
     "kv_disk_size": "disk_bytes",
 }
 
-# KV budget when neither num_blocks nor kv_cache_memory_bytes is given.
+# KV budget on CPU when neither num_blocks nor kv_cache_memory_bytes is given (CUDA:
+# CacheConfig.gpu_memory_utilization).
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
-DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of the memory free after the weights are loaded
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ config slice. It also times the start-up phases (servelm.obs.startup) as they ru
 
     kernel_build  the compiled CPU kernels built or found in their cache (not on the first request)
     load          checkpoint read + model built (a draft model's checkpoint: a second interval)
-    kv_sizing     free memory measured, blocks counted, the pool allocated
+    kv_sizing     on CUDA a worst-case step profiled (worker/memory_profile.py), blocks counted, the pool allocated
     warmup        a short prefill and a decode step through the runner (worker/warmup.py)
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from servelm.attention.kv_storage import LayerKVCache, block_tensors
-from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig, SpeculativeConfig
+from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, SpeculativeConfig
 from servelm.engine.core import EngineCore
 from servelm.engine.remote_model import open_model
 from servelm.kernels import cpu as cpu_kernels
@@ -43,14 +43,15 @@ from servelm.worker.cuda_graphs import DecodeGraphMode, DecodeGraphRunner, decod
 from servelm.worker.draft_model import DraftModel, load_draft_model
 from servelm.worker.draft_proposer import DraftModelProposer
 from servelm.worker.kv_cache import (
+    DEVICE_MEMORY_RESERVE_BYTES,
     allocate_kv_caches,
     blocks_in_budget,
     bytes_per_block,
-    free_device_memory,
-    num_blocks_for_budget,
+    kv_blocks_for_device,
     resolve_kv_dtype,
 )
 from servelm.worker.kv_offload import KVOffloader
+from servelm.worker.memory_profile import profile_device_memory
 from servelm.worker.model_runner import ModelRunner, attention_backend_of
 from servelm.worker.multi_rank import (
     StepBroadcaster,
@@ -146,8 +147,8 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
-    # A separate draft model is loaded first: free memory is measured after its weights, and each
-    # block then holds its K/V too.
+    # A separate draft model is loaded first: device memory is profiled with its weights in, and
+    # each block then holds its K/V too.
     draft_model = None
     if proposer is None and _has_draft_checkpoint(config):
         with startup.phase("load"):
@@ -156,7 +157,7 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     block_size = config.cache.block_size
     with startup.phase("kv_sizing"):
         kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)  # what the pool stores
-        num_blocks = _num_kv_blocks(config, kv_archs, kv_dtype, device)
+        num_blocks = _num_kv_blocks(config, kv_archs, kv_dtype, model, max_model_len)
         if num_blocks * block_size < max_model_len:
             logger.warning(
                 "KV pool holds %d tokens, fewer than max_model_len %d: capping max_model_len",
@@ -356,19 +357,41 @@ def _draft_model_proposer(
 
 
 def _num_kv_blocks(config: EngineConfig, archs: list[ModelArchConfig], kv_dtype: torch.dtype,
-                   device: torch.device) -> int:  # fmt: skip
-    """Blocks of the KV pool: as configured, or what the memory budget holds with the K/V of every
-    model in `archs` per block, stored as `kv_dtype` (--kv-cache-memory covers a draft model's pool too)."""
+                   model: LlamaForCausalLM, max_model_len: int) -> int:  # fmt: skip
+    """Blocks of the KV pool, with the K/V of every model in `archs` per block stored as `kv_dtype`:
+    --num-blocks; else what --kv-cache-memory holds (it covers a draft model's pool too); else on
+    CUDA what --gpu-memory-utilization leaves after the weights and a profiled worst-case step
+    (an error naming the numbers when not even one max_model_len request fits); on CPU a default."""
     cache = config.cache
     if cache.num_blocks:
         return cache.num_blocks
-    return num_blocks_for_budget(archs, cache.block_size, kv_dtype, _kv_budget_bytes(config, device))
+    block_bytes = sum(bytes_per_block(arch, cache.block_size, kv_dtype) for arch in archs)
+    device = model.embed_tokens.weight.device
+    if cache.kv_cache_memory_bytes is not None or device.type != "cuda":
+        return blocks_in_budget(block_bytes, _kv_budget_bytes(config, device))
+    scheduler, speculative = config.scheduler, config.speculative
+    sample_rows = scheduler.max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0))
+    profile = profile_device_memory(model, scheduler.max_num_batched_tokens, max_model_len, sample_rows)
+    num_blocks = kv_blocks_for_device(profile, cache.gpu_memory_utilization, block_bytes, cache.block_size,
+                                      max_model_len)  # fmt: skip
+    logger.info(
+        "KV cache: %d blocks (%.2f GiB) = %.2f GiB x gpu_memory_utilization %.2f - weights %.2f GiB - peak "
+        "activation %.2f GiB - outside torch %.2f GiB - reserve %.2f GiB",
+        num_blocks, num_blocks * block_bytes / 2**30, profile.total / 2**30, cache.gpu_memory_utilization,
+        profile.weights / 2**30, profile.peak_activation / 2**30, profile.non_torch / 2**30,
+        DEVICE_MEMORY_RESERVE_BYTES / 2**30,
+    )  # fmt: skip
+    return num_blocks
 
 
 def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for KV: --kv-cache-memory, else on an accelerator a fraction of what is free after the
-    weights, on CPU a fixed default."""
+    """Bytes for KV without a profile: --kv-cache-memory, else on CPU a fixed default. A CUDA
+    multi-rank worker needs --kv-cache-memory: its pool is sized before any rank holds weights."""
     if config.cache.kv_cache_memory_bytes is not None:
         return config.cache.kv_cache_memory_bytes
-    free = free_device_memory(device)
-    return int(free * DEFAULT_GPU_MEMORY_FRACTION) if free is not None else DEFAULT_CPU_KV_CACHE_BYTES
+    if device.type == "cuda":
+        raise ValueError(
+            "-tp/-cp > 1 on CUDA: give --kv-cache-memory (GiB per rank) or --num-blocks; the KV pool is sized "
+            "before the ranks load their weights, so --gpu-memory-utilization cannot be profiled"
+        )
+    return DEFAULT_CPU_KV_CACHE_BYTES

@@ -7,12 +7,17 @@ A step whose execution raises fails only the request to blame (an ERROR output, 
 freed, the traceback logged): the step's requests are retried one by one, alone, and the one
 that raises again fails while the others run on; the engine serves the next step as usual.
 The fronts validate inputs first; this is what keeps one bad request (or a bug it triggers)
-from poisoning every later step, or the requests that shared its step.
+from poisoning every later step, or the requests that shared its step. A step that runs out of
+device memory (torch.OutOfMemoryError) goes the same way: alone, each request's step is smaller,
+and a request that does not fit even alone fails with an error that says so.
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
+
+import torch
 
 from servelm.datatypes import EngineOutput, EngineRequest, KVMedium, SchedulerOutput
 from servelm.kv.kv_cache_manager import KVCacheManager
@@ -72,8 +77,11 @@ class EngineCore:
         fails (the others lose their KV and recompute: the price of the rare failing step)."""
         request_ids = list(failed_step.num_scheduled_tokens)
         logger.error("engine step of %d request(s) failed: %s", len(request_ids), request_ids, exc_info=exc)
+        # The traceback's frames hold the failed step's tensors (activations: all of a GPU's free
+        # memory after an out-of-memory error); drop them before the retries need that memory.
+        traceback.clear_frames(exc.__traceback__)
         if len(request_ids) <= 1:
-            return self.scheduler.fail_step(failed_step, _step_error(exc))
+            return self.scheduler.fail_step(failed_step, step_error(exc))
         outputs = []
         for request_id in self.scheduler.requeue_step(failed_step):
             while (alone := self.scheduler.schedule_alone(request_id)) is not None:
@@ -81,7 +89,8 @@ class EngineCore:
                     model_output = self.runner.execute(alone)
                 except Exception as alone_exc:
                     logger.error("request %s fails alone too: failing it", request_id, exc_info=alone_exc)
-                    outputs.extend(self.scheduler.fail_step(alone, _step_error(alone_exc)))
+                    traceback.clear_frames(alone_exc.__traceback__)
+                    outputs.extend(self.scheduler.fail_step(alone, step_error(alone_exc)))
                     break
                 outputs.extend(self.scheduler.update(alone, model_output))
         return outputs
@@ -159,6 +168,12 @@ def tier_stats(tiers: KVTiers) -> TierStats:
     )
 
 
-def _step_error(exc: Exception) -> str:
-    # The exception's type only: its text may carry internals (shapes, paths) the client has no use for.
+def step_error(exc: Exception) -> str:
+    """What a request failed by `exc` in its step (run alone) is told. The exception's type only:
+    its text may carry internals (shapes, paths) the client has no use for; the log has it all."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return (
+            "the engine step failed: OutOfMemoryError: the request does not fit the device's memory even alone "
+            "(the server needs a lower --max-num-batched-tokens or --gpu-memory-utilization)"
+        )
     return f"the engine step failed: {type(exc).__name__}"

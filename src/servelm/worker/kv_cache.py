@@ -9,6 +9,7 @@ float32 scales [2, num_blocks, block_size, num_kv_heads]; see servelm.attention.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -86,12 +87,75 @@ def blocks_in_budget(block_bytes: int, budget_bytes: int) -> int:
     return int(num_blocks)
 
 
-def free_device_memory(device: torch.device) -> int | None:
-    """Free bytes on an accelerator, or None where the notion does not apply (CPU)."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    return None
+@dataclass(frozen=True)
+class DeviceMemoryProfile:
+    """What an accelerator's KV pool is sized from, in bytes; measured once the weights are loaded,
+    around one worst-case step (worker/memory_profile.py)."""
+
+    total: int  # the device's memory
+    # Allocated by torch before the step: the weights (a draft model's too; and whatever else this
+    # process already holds on the device, e.g. another engine's pool in a test).
+    weights: int
+    peak_activation: int  # the most the profiled step allocated on top of `weights`
+    # Used on the device outside torch's allocator: the CUDA context, cuBLAS/NCCL workspaces, and
+    # any other process on the same device (it counts against the utilization too: conservative).
+    non_torch: int
+    profiled_tokens: int  # the step's tokens (max_num_batched_tokens), for the error message
+
+
+# Device memory held back for what the profile does not see: CUDA graphs' private pools (decode
+# graphs keep their activations and outputs per captured batch size; vLLM measures ~0.5-1 GiB for
+# 7B-class models) and allocator fragmentation. A stated estimate, not a measurement.
+DEVICE_MEMORY_RESERVE_BYTES = 1 << 29  # 512 MiB
+
+
+def kv_blocks_for_device(
+    profile: DeviceMemoryProfile,
+    utilization: float,
+    block_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    reserve: int = DEVICE_MEMORY_RESERVE_BYTES,
+) -> int:
+    """Blocks of `block_bytes` (each `block_size` tokens) for the KV pool on an accelerator, as
+    vLLM's --gpu-memory-utilization sizes it:
+
+        KV bytes = total x utilization - (weights + peak activation + non-torch + reserve)
+
+    Raises InsufficientKVMemoryError, naming every term and what to change, when that holds fewer
+    blocks than one request of `max_model_len` tokens needs."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    allowed = int(profile.total * utilization)
+    left = allowed - (profile.weights + profile.peak_activation + profile.non_torch + reserve)
+    num_blocks = max(left, 0) // block_bytes
+    min_blocks = -(-max_model_len // block_size)
+    if num_blocks < min_blocks:
+        raise InsufficientKVMemoryError(_too_little_memory(
+            profile, utilization, reserve, left, block_bytes, min_blocks, max_model_len, num_blocks * block_size
+        ))  # fmt: skip
+    return int(num_blocks)
+
+
+class InsufficientKVMemoryError(ValueError):
+    """The device has too little memory left for the KV of one request of max_model_len tokens."""
+
+
+def _too_little_memory(profile: DeviceMemoryProfile, utilization: float, reserve: int, left: int, block_bytes: int,
+                       min_blocks: int, max_model_len: int, tokens_that_fit: int) -> str:  # fmt: skip
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB"
+
+    shorter = f"--max-model-len (to {tokens_that_fit} at most) or " if tokens_that_fit > 0 else ""
+    return (
+        f"not enough device memory for the KV cache of one request of max_model_len {max_model_len} tokens "
+        f"({min_blocks} blocks of {block_bytes / 2**20:.2f} MiB = {gib(min_blocks * block_bytes)}): of "
+        f"{gib(profile.total)} x --gpu-memory-utilization {utilization} = {gib(int(profile.total * utilization))}, "
+        f"the weights take {gib(profile.weights)}, the peak activation of a {profile.profiled_tokens}-token step "
+        f"{gib(profile.peak_activation)}, memory outside torch (CUDA context, libraries, other processes) "
+        f"{gib(profile.non_torch)} and the reserve for CUDA graphs {gib(reserve)}, leaving {gib(left)} for KV. "
+        f"Raise --gpu-memory-utilization, lower {shorter}--max-num-batched-tokens, or store KV as --kv-cache-dtype int8"
+    )
 
 
 def allocate_kv_caches(

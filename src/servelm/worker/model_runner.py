@@ -26,6 +26,7 @@ from servelm.parallel.context_backend import ContextParallelBackend, ContextPara
 from servelm.spec.proposer import DraftRequest, Proposer
 from servelm.worker.block_table import BlockTable
 from servelm.worker.cuda_graphs import DecodeGraphRunner
+from servelm.worker.host_transfer import to_device
 from servelm.worker.kv_offload import KVOffloader
 from servelm.worker.multi_rank import RankFailedError, StepBroadcaster
 from servelm.worker.prompt_logprobs import chunk_prompt_logprobs
@@ -239,7 +240,7 @@ class ModelRunner:
                     finished = request_id in so.finished_request_ids
                     self.proposer.release(request_id, state.all_token_ids() if finished else None)
         for new in so.new_requests:
-            self.requests[new.request_id] = RunnerRequestState.from_new(new, self.device, self.vocab_size)
+            self.requests[new.request_id] = RunnerRequestState.from_new(new, self.vocab_size)
             self.block_table.add(new.request_id, new.block_ids)
         for diff in so.cached_requests:
             self.requests[diff.request_id].apply(diff)
@@ -288,8 +289,9 @@ class ModelRunner:
     # -- sampling ----------------------------------------------------------------------
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelOutput) -> None:
-        """One sampler row per verified position (see spec_verify.py); without drafts, one per request."""
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
+        """One sampler row per verified position (see spec_verify.py); without drafts, one per request.
+        The host waits for the device once, for the sampled ids and logprobs together (to_host)."""
+        rows = to_device(inputs.sample_rows, torch.long, self.device)
         logits = self.model.compute_logits(hidden[rows])  # [S, V] float32
         row_states = [v.state for v in inputs.samples for _ in range(v.num_rows)]
         histories = [history for v in inputs.samples for history in v.output_histories()]
@@ -302,17 +304,14 @@ class ModelRunner:
             device=self.device,
             banned_token_ids=[self._banned_ids(s, len(h)) for s, h in zip(row_states, histories)],
         )
-        result = self.sampler(logits, metadata)
-        sampled = result.sampled_token_ids.tolist()
-        position_logprobs: list[PositionLogprobs | None] = (
-            result.logprobs.to_position_logprobs(metadata.num_logprobs) if result.logprobs is not None else []
-        )
+        host = self.sampler(logits, metadata).to_host(metadata.num_logprobs)
+        sampled, position_logprobs = host.token_ids, host.logprobs
         first_row = 0
         for verification in inputs.samples:
             request_id = verification.state.request_id
             end_row = first_row + verification.num_rows
             emitted = accept_drafts(verification.drafts, sampled[first_row:end_row])
-            verification.rewind(len(emitted), self.device, self.vocab_size)
+            verification.rewind(len(emitted), self.vocab_size)
             output.sampled_token_ids[request_id] = emitted
             entries = position_logprobs[first_row : first_row + len(emitted)] if position_logprobs else []
             if entries and all(e is not None for e in entries):

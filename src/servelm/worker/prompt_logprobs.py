@@ -17,6 +17,7 @@ import torch
 
 from servelm.datatypes import PositionLogprobs
 from servelm.models.llama import LlamaForCausalLM
+from servelm.worker.host_transfer import to_device
 from servelm.worker.sampler import token_logprobs
 
 
@@ -35,5 +36,5 @@ def chunk_prompt_logprobs(
     if last_scoring <= chunk_start:
         return entries
     logits = model.compute_logits(chunk_hidden[: last_scoring - chunk_start])
-    targets = torch.tensor(prompt_token_ids[chunk_start + 1 : last_scoring + 1], device=logits.device)
+    targets = to_device(prompt_token_ids[chunk_start + 1 : last_scoring + 1], torch.long, logits.device)
     return entries + token_logprobs(logits, targets, num_top)

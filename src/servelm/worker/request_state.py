@@ -23,19 +23,21 @@ class RunnerRequestState:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     num_computed_tokens: int
-    generator: torch.Generator | None  # seeded requests only
+    # Seeded requests only; on the CPU whatever the device, so a seed's stream is the same
+    # everywhere (the sampler draws its noise on the host: worker/sampler.py).
+    generator: torch.Generator | None
 
     @classmethod
-    def from_new(cls, data: NewRequestData, device: torch.device, vocab_size: int) -> RunnerRequestState:
+    def from_new(cls, data: NewRequestData, vocab_size: int) -> RunnerRequestState:
         generator = None
         seed = data.sampling_params.seed
         if seed is not None and not data.sampling_params.is_greedy:
-            generator = torch.Generator(device=device)
+            generator = torch.Generator(device="cpu")
             generator.manual_seed(seed)
             # A request resumed after preemption re-enters with outputs already drawn:
             # advance the stream past them so the next token is the one it would have had.
             for _ in data.output_token_ids:
-                advance_generator(generator, device, vocab_size)
+                advance_generator(generator, vocab_size)
         return cls(
             request_id=data.request_id,
             prompt_token_ids=list(data.prompt_token_ids),
@@ -67,6 +69,7 @@ class RunnerRequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
-def advance_generator(generator: torch.Generator, device: torch.device, vocab_size: int) -> None:
-    """Replay one sampled token's draw: the sampler takes one row of `vocab_size` exponentials."""
-    torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)
+def advance_generator(generator: torch.Generator, vocab_size: int) -> None:
+    """Replay one sampled token's draw: the sampler takes one row of `vocab_size` exponentials
+    (float32, on the generator's device)."""
+    torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)

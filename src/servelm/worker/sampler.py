@@ -17,8 +17,15 @@ with its own torch.Generator gets the same tokens whatever else shares the batch
 whichever row it sits in, provided the generator advances exactly once per step
 (one draw of `vocab_size` exponentials) and the row's logits are the same.
 
-Everything stays on `logits.device`; no Python loop touches per-row math (the only
-loop draws noise for seeded rows).
+A seeded row's noise comes from its own generator on the CPU: every seeded row of the step
+is drawn into one host tensor and sent to the device in one copy. So the same seed gives the
+same noise on CPU and CUDA, and with the same logits the same token (bar a float rounding
+that flips a filter's cut-off or a near-tie between devices); unseeded rows draw on the device.
+
+Everything else stays on `logits.device`; no Python loop touches per-row math (the only loop
+draws the seeded rows' noise). Nothing here reads a device value back: the host gets the
+step's results through `SamplerOutput.to_host`, ONE device-to-host copy of everything packed
+into one tensor (worker/host_transfer.py says why that matters on a GPU).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from servelm.datatypes import PositionLogprobs, TokenLogprob
+from servelm.worker.host_transfer import copy_to_host, host_noise_buffer, to_device
 from servelm.worker.sampling_metadata import SamplingMetadata
 
 
@@ -57,25 +65,57 @@ class LogprobsTensors:
             top=[TokenLogprob(token_id=t, logprob=lp, rank=r + 1) for r, (t, lp) in enumerate(zip(ids, lps))],
         )
 
-    def cpu(self) -> LogprobsTensors:
-        return LogprobsTensors(
-            sampled_token_ids=self.sampled_token_ids.cpu(),
-            sampled_logprobs=self.sampled_logprobs.cpu(),
-            sampled_ranks=self.sampled_ranks.cpu(),
-            top_token_ids=self.top_token_ids.cpu(),
-            top_logprobs=self.top_logprobs.cpu(),
+    def pack(self) -> torch.Tensor:
+        """All five as one [B, 3 + 2n] float64 tensor, columns: sampled id | its logprob | its rank |
+        n top ids | n top logprobs. Every value is exact in float64 (ids and ranks are integers
+        below 2^53, float32 widens exactly), so `unpack` gives back the same numbers."""
+        columns = [self.sampled_token_ids, self.sampled_logprobs, self.sampled_ranks]
+        singles = torch.stack([c.to(torch.float64) for c in columns], dim=1)  # [B, 3]
+        return torch.cat([singles, self.top_token_ids.to(torch.float64), self.top_logprobs.to(torch.float64)], dim=1)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> LogprobsTensors:
+        """The inverse of `pack`, on whatever device `packed` is."""
+        n = (packed.shape[1] - 3) // 2
+        return cls(
+            sampled_token_ids=packed[:, 0].to(torch.long),
+            sampled_logprobs=packed[:, 1].to(torch.float32),
+            sampled_ranks=packed[:, 2].to(torch.long),
+            top_token_ids=packed[:, 3 : 3 + n].to(torch.long),
+            top_logprobs=packed[:, 3 + n :].to(torch.float32),
         )
 
+    def cpu(self) -> LogprobsTensors:
+        """On the host, in one device-to-host copy (packed)."""
+        return LogprobsTensors.unpack(copy_to_host(self.pack()))
+
     def to_position_logprobs(self, num_logprobs: list[int | None]) -> list[PositionLogprobs | None]:
-        """Every row, copying each tensor to the host once (not once per row); None where none asked."""
+        """Every row, in one copy to the host (not one per row or per tensor); None where none asked."""
         host = self.cpu()
         return [None if n is None else host.row(i, n) for i, n in enumerate(num_logprobs)]
+
+
+@dataclass
+class HostSamples:
+    """A step's sampler results on the host, one entry per row."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]  # [] when no row asked for logprobs
 
 
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] long
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+
+    def to_host(self, num_logprobs: list[int | None]) -> HostSamples:
+        """Sampled ids and the asked-for logprobs (`num_logprobs[i]` alternatives for row i, None:
+        none) on the host, in ONE device-to-host copy: the step's only wait for the device."""
+        if self.logprobs is None:
+            return HostSamples(copy_to_host(self.sampled_token_ids).tolist(), [])
+        host = self.logprobs.cpu()  # its sampled ids are this output's
+        rows = [None if n is None else host.row(i, n) for i, n in enumerate(num_logprobs)]
+        return HostSamples(host.sampled_token_ids.tolist(), rows)
 
 
 class Sampler:
@@ -110,7 +150,7 @@ class Sampler:
         x = logits.to(torch.float32, copy=True)
         batch, vocab = x.shape
         if metadata.banned_rows is not None:
-            neg_inf = torch.tensor(float("-inf"), device=x.device)
+            neg_inf = x.new_full((), float("-inf"))  # filled on the device: no host copy
             x.index_put_((metadata.banned_rows, metadata.banned_token_ids), neg_inf)
         if metadata.no_penalties:
             return x
@@ -191,11 +231,20 @@ def _exponential_race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.
     q = torch.empty_like(probs)
     if len(metadata.generators) < probs.shape[0]:
         q.exponential_()  # one shared draw from the device's default generator
+    host_rows = [row for row, gen in metadata.generators.items() if gen.device.type == "cpu"]
+    if host_rows:
+        # The seeded rows' noise, each from its own CPU generator, sent in one copy: the same
+        # numbers whatever device samples (module doc).
+        noise = host_noise_buffer(len(host_rows), q.shape[1], q.device)  # [S, V]
+        for i, row in enumerate(host_rows):
+            noise[i].exponential_(generator=metadata.generators[row])
+        q[to_device(host_rows, torch.long, q.device)] = noise.to(q.device, non_blocking=True)
     for row, gen in metadata.generators.items():
-        if gen.device == q.device:
-            q[row].exponential_(generator=gen)
-        else:
-            q[row].copy_(torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen))
+        if gen.device.type == "cpu":
+            continue
+        if gen.device != q.device:
+            raise ValueError(f"row {row}'s generator is on {gen.device}, the logits on {q.device}: use a CPU one")
+        q[row].exponential_(generator=gen)  # a caller's generator on the logits' device draws there
     # q == 0 has probability ~2^-24 per entry; keep it from turning 0/0 into NaN.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)
@@ -229,5 +278,5 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) 
     Used for prompt logprobs, where the "chosen" token is the prompt's next token.
     """
     parts = _compute_logprobs(logits, num_top)
-    tensors = _finish_logprobs(parts, token_ids.to(logits.device)).cpu()
+    tensors = _finish_logprobs(parts, token_ids.to(logits.device)).cpu()  # one copy to the host
     return [tensors.row(i, num_top) for i in range(logits.shape[0])]

@@ -7,6 +7,9 @@ a seeded request's generator advances once per row it gets).
 Tensors that a step does not need are None and the matching flag says why, so a
 pure-greedy batch with no penalties builds no tensors at all and the sampler's work
 is one argmax.
+
+Building reads no device value: every tensor comes from Python lists, staged through pinned
+memory on CUDA (host_transfer.to_device), so it never waits for the forward still running.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from servelm.sampling_params import SamplingParams
+from servelm.worker.host_transfer import to_device
 
 # Temperatures below this are treated as greedy: dividing logits by them overflows
 # or turns sampling into argmax anyway (vLLM's _SAMPLING_EPS).
@@ -68,8 +72,8 @@ class SamplingMetadata:
 
         `banned_token_ids[i]` are token ids row i must not produce this step (the
         engine passes EOS/stop ids while a request is under min_tokens). A generator
-        must be used only by its own request; ones on another device than `device`
-        work but cost a copy.
+        must be used only by its own request, and live on the CPU (the runner's do: the
+        sampler draws every seeded row on the host, then copies once) or on `device`.
         """
         num_rows = len(params)
         for name, seq in (
@@ -88,7 +92,7 @@ class SamplingMetadata:
         all_random = len(random_rows) == num_rows
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, torch.float32, device)
 
         temperature = top_k = top_p = min_p = None
         greedy_mask = None
@@ -97,7 +101,7 @@ class SamplingMetadata:
             temperature = floats([1.0 if g else p.temperature for p, g in zip(params, greedy)])
             ks = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
             if any(k < vocab_size for k in ks):
-                top_k = torch.tensor(ks, dtype=torch.long, device=device)
+                top_k = to_device(ks, torch.long, device)
             ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
             if any(x < 1.0 for x in ps):
                 top_p = floats(ps)
@@ -105,7 +109,7 @@ class SamplingMetadata:
             if any(x > 0.0 for x in mps):
                 min_p = floats(mps)
             if not all_random:
-                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+                greedy_mask = to_device(greedy, torch.bool, device)
 
         # Penalties apply to greedy rows too (they change the argmax).
         repetition_penalty = frequency_penalty = presence_penalty = None
@@ -124,8 +128,8 @@ class SamplingMetadata:
             pairs = [(i, t) for i, ids in enumerate(banned_token_ids) for t in ids]
             if any(not 0 <= t < vocab_size for _, t in pairs):
                 raise ValueError(f"banned token id out of range [0, {vocab_size})")
-            banned_rows = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=device)
-            banned_ids = torch.tensor([t for _, t in pairs], dtype=torch.long, device=device)
+            banned_rows = to_device([i for i, _ in pairs], torch.long, device)
+            banned_ids = to_device([t for _, t in pairs], torch.long, device)
 
         num_logprobs = [p.logprobs for p in params]
         requested = [n for n in num_logprobs if n is not None]
@@ -156,4 +160,4 @@ def _pad(rows: list[list[int]], pad_id: int, device: torch.device | str) -> torc
     """[B, max_len] long, right-padded with pad_id (at least one column, so scatter has an index)."""
     width = max(1, max((len(r) for r in rows), default=0))
     padded = [r + [pad_id] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.long, device=device)
+    return to_device(padded, torch.long, device)

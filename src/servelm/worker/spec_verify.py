@@ -60,11 +60,11 @@ class VerificationRows:
         output = self.state.output_token_ids
         return [output] + [output + self.drafts[:j] for j in range(1, self.num_rows)]
 
-    def rewind(self, num_emitted: int, device: torch.device, vocab_size: int) -> None:
+    def rewind(self, num_emitted: int, vocab_size: int) -> None:
         """Leave a seeded generator as if only the emitted tokens had been drawn (one draw each)."""
         generator = self.state.generator
         if self.generator_state is None or generator is None or num_emitted == self.num_rows:
             return
         generator.set_state(self.generator_state)
         for _ in range(num_emitted):
-            advance_generator(generator, device, vocab_size)
+            advance_generator(generator, vocab_size)
