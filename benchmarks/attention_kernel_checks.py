@@ -97,9 +97,10 @@ def _attend(backend: AttentionBackend, step: MixedStep, pool: torch.Tensor) -> t
     return backend.forward(step.query, step.key, step.value, pool, metadata, step.query.shape[-1] ** -0.5)
 
 
-def check_backends(device: str, max_context: int = 4096, seed: int = 0) -> list[KernelCheck]:
+def check_backends(device: str, max_context: int = 4096, seed: int = 0,
+                   geometries: tuple[Geometry, ...] = GEOMETRIES) -> list[KernelCheck]:  # fmt: skip
     checks = []
-    for geo in GEOMETRIES:
+    for geo in geometries:
         for dtype in (torch.float32, torch.bfloat16):
             step = mixed_step(geo, dtype, device, max_context, seed)
             ref_pool, pool = step.pool.clone(), step.pool.clone()
