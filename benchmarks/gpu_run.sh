@@ -2,7 +2,7 @@
 # ON the lent GPU machine, from the repo root, with .whl carried (benchmarks/gpu_wheels.sh makes it):
 #   bash benchmarks/gpu_run.sh [gpu_checks.py flags]
 # Installs the carried wheels beside the image's packages, then runs every GPU check within the
-# device tool's per-call limit; the report, the JSON and the log land in $OUT.
+# device tool's per-call limit (use timeout_s 600); the reports, the JSON and the logs land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -10,5 +10,11 @@ OUT="${OUT:-/tmp/gpu_out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/nvidia_smi.csv"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-timeout 480 python3 benchmarks/gpu_checks.py "$@" 2>&1 | tee "$OUT/gpu_checks.log"
-exit "${PIPESTATUS[0]}"
+# Sampling and memory first (1-2 min: seeded CPU = CUDA, syncs inside the sampler, bf16 loading,
+# utilization sizing, a forced OOM), then everything else; each within its own limit.
+timeout 150 python3 benchmarks/gpu_devmem_checks.py 2>&1 | tee "$OUT/gpu_devmem_checks.log"
+devmem=${PIPESTATUS[0]}
+timeout 420 python3 benchmarks/gpu_checks.py "$@" 2>&1 | tee "$OUT/gpu_checks.log"
+checks=${PIPESTATUS[0]}
+echo "gpu_devmem_checks exit $devmem, gpu_checks exit $checks"
+[ "$devmem" = 0 ] && [ "$checks" = 0 ]
