@@ -294,7 +294,7 @@ def _workload() -> list[tuple[list[int], int, int]]:
 
 def _run_engine(tiny_dir, workload, **graph_settings):
     # 24 blocks of 4 = 96 token slots for up to 10 requests of up to 48 tokens: preemptions.
-    config = EngineConfig.from_flat(model=str(tiny_dir), num_blocks=24, block_size=BLOCK_SIZE,
+    config = EngineConfig.from_flat(model=str(tiny_dir), device="cpu", num_blocks=24, block_size=BLOCK_SIZE,
                                     max_num_batched_tokens=48, max_num_seqs=10, max_cudagraph_capture_size=8,
                                     **graph_settings)  # fmt: skip
     core = build_engine(config).core
@@ -318,13 +318,17 @@ def _run_engine(tiny_dir, workload, **graph_settings):
     return core, tokens, max_block_id
 
 
-def test_engine_with_the_graph_path_matches_the_engine_without(tiny_dir):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_engine_with_the_graph_path_matches_the_engine_without(tiny_dir, backend):
+    """torch: metadata rebuilt from every refill. triton (interpreter): graph_capturable, so one
+    metadata per bucket is built once and reused across refills, as a captured graph replays it."""
     workload = _workload()
-    eager_core, eager_tokens, _ = _run_engine(tiny_dir, workload, enforce_eager=True)
-    core, tokens, max_block_id = _run_engine(tiny_dir, workload, force_decode_buffers=True)
+    eager_core, eager_tokens, _ = _run_engine(tiny_dir, workload, enforce_eager=True, attention_backend="torch")
+    core, tokens, max_block_id = _run_engine(tiny_dir, workload, force_decode_buffers=True,
+                                             attention_backend=backend)  # fmt: skip
     assert eager_core.runner.decode_graphs is None
     graphs = core.runner.decode_graphs
-    assert graphs is not None
+    assert graphs is not None and graphs.backend.graph_capturable == (backend == "triton")
     assert tokens == eager_tokens
     assert core.stats().num_preemptions > 0 and core.stats().num_preemptions == eager_core.stats().num_preemptions
     steps = graphs.stats().steps

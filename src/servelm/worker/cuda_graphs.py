@@ -161,6 +161,7 @@ class DecodeGraphRunner:
         self.kv_dtype = self.kv_caches[0].dtype
         self.buffers = allocate_buffers(self.sizes[-1], max_blocks_per_seq, block_size, padding_block_id, self.device)
         self._graphs: dict[int, _CapturedStep] = {}
+        self._reused_metadata: dict[int, AttentionMetadata] = {}  # eager runs of a capturable backend
         self._pool = torch.cuda.graph_pool_handle() if self.capturing else None
         self._capture_seconds = 0.0
         self._steps: Counter[int] = Counter()
@@ -191,10 +192,7 @@ class DecodeGraphRunner:
         self._fill(input_ids, positions, common, bucket)
         self._steps[bucket] += 1
         if not self.capturing:
-            metadata = self.backend.build_decode_metadata(
-                self.buffers, bucket, dtype=self.dtype, kv_dtype=self.kv_dtype
-            )
-            return self._run(bucket, metadata)[:batch]
+            return self._run(bucket, self._eager_metadata(bucket))[:batch]
         captured = self._graphs.get(bucket)
         if captured is None:
             captured = self._graphs[bucket] = self._capture(bucket)
@@ -223,6 +221,19 @@ class DecodeGraphRunner:
             buffers.positions[batch:bucket].zero_()
             buffers.slot_mapping[batch:bucket].fill_(buffers.padding_block_id * buffers.block_size)
             buffers.seq_lens[batch:bucket].fill_(1)
+
+    def _eager_metadata(self, bucket: int) -> AttentionMetadata:
+        """Metadata for an eager run through the buffers. A capturable backend's is built once per
+        bucket and reused across refills, exactly as a captured graph reuses it (so CPU runs check
+        the contract replays rely on); any other backend's is built again from this refill."""
+        if not self.backend.graph_capturable:
+            return self.backend.build_decode_metadata(self.buffers, bucket, dtype=self.dtype, kv_dtype=self.kv_dtype)
+        metadata = self._reused_metadata.get(bucket)
+        if metadata is None:
+            metadata = self._reused_metadata[bucket] = self.backend.build_decode_metadata(
+                self.buffers, bucket, dtype=self.dtype, kv_dtype=self.kv_dtype
+            )
+        return metadata
 
     def _run(self, bucket: int, metadata: AttentionMetadata) -> torch.Tensor:  # [bucket, hidden]
         buffers = self.buffers
