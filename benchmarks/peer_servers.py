@@ -107,7 +107,7 @@ def llama_cpp_command(
     arriving while another streams cuts that stream off), `logits_all` (on: keeps and copies a
     vocabulary-wide row of logits for every prompt token, only prompt logprobs need it) and
     `n_threads` (half the cores). `flash_attn` stays off by default, although llama.cpp's own
-    server turns it on for a CPU (`auto`): measured here on the default model (0.3.36, 2 threads),
+    server turns it on for a CPU (`auto`): measured here in-process on the default model (2 threads),
     it makes a 2,000-token prefill 20% faster but decode at that context 2x slower (33 vs 17
     ms/token) and 50 new tokens after a cached 1,000-token prefix 3x slower (0.64 vs 0.19 s).
     Its server runs one request at a time (no parallel slots: requests queue on a lock); the
