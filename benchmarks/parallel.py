@@ -128,8 +128,8 @@ def in_fresh_process(phase: str, system: str, lengths: list[int], decode_tokens:
 
 def vllm_ttfts(lengths: list[int], seed: int, out: Path) -> dict[str, Any]:
     import httpx
-    from mixed_vs_vllm import SystemUnavailable, vllm_server
     from offline_throughput import prepare_model_dir
+    from peer_servers import SystemUnavailable, vllm_server
 
     settings = context_settings(max(lengths))
     extra = ["--max-model-len", str(settings["max_model_len"])]

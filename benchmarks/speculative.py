@@ -49,7 +49,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from mixed_vs_vllm import (  # noqa: E402
+from offline_throughput import prepare_model_dir  # noqa: E402
+from peer_servers import (  # noqa: E402
     VLLM_PYTHON,
     SystemUnavailable,
     parse_systems,
@@ -57,7 +58,6 @@ from mixed_vs_vllm import (  # noqa: E402
     start_error_gist,
     vllm_server,
 )
-from offline_throughput import prepare_model_dir  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from servelm.bench.client import ClientConfig  # noqa: E402

@@ -38,6 +38,9 @@ class ClientConfig:
     endpoint: str = "completions"  # completions | chat
     temperature: float = 0.0
     ignore_eos: bool = True  # outputs run to max_tokens: lengths as the workload says (vLLM, SGLang, servelm)
+    # Also send min_tokens = max_tokens: the same lengths from a server without ignore_eos
+    # (llama-cpp-python bans EOS until then; servelm and vLLM take either field).
+    send_min_tokens: bool = False
     send_priority: bool = False  # the `priority` field (servelm; vLLM only with --scheduling-policy priority)
     want_timeline: bool = False  # servelm's per-request timeline, with the TTFT breakdown
     api_key: str | None = None  # every request's, unless its traffic class has its own in api_keys
@@ -145,6 +148,8 @@ def request_body(config: ClientConfig, request: WorkloadRequest) -> dict[str, An
                     else {"logprobs": config.slow_reader_logprobs})  # fmt: skip
     if config.ignore_eos:
         body["ignore_eos"] = True
+    if config.send_min_tokens:
+        body["min_tokens"] = request.max_tokens
     if config.send_priority:
         body["priority"] = request.priority
     if config.want_timeline:
@@ -239,13 +244,16 @@ def _count_tokens(record: RequestRecord, request: WorkloadRequest, stream: _Stre
         if details.get("cached_tokens") is not None:
             record.num_cached_tokens = int(details["cached_tokens"])
         return
-    # No usage: count here. Exact for a completions prompt (built that way); for the output and a
-    # chat prompt (whose template we do not see) it is our tokenizer's count of the text.
+    # No usage: count here. Exact for a completions prompt (built that way) and for an output that
+    # ended for length (max_tokens of them: re-tokenizing the text can merge tokens); otherwise,
+    # and for a chat prompt (whose template we do not see), our tokenizer's count of the text.
     record.token_source = "tokenizer"
     record.num_prompt_tokens = request.num_prompt_tokens
     if chat and tokens is not None:
         record.num_prompt_tokens = tokens.count(request.prompt_text)
-    if tokens is not None:
+    if stream.finish_reason == "length":
+        record.num_output_tokens = request.max_tokens
+    elif tokens is not None:
         record.num_output_tokens = tokens.count("".join(stream.text))
     else:
         record.num_output_tokens = len(record.chunk_times_s)
