@@ -61,6 +61,19 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+#ifdef SERVELM_HAVE_AVX2
+/* A Q4_1 block's d and m as floats in lanes 0 and 1: one conversion for both with F16C. */
+static inline __m128 load_d_m(const uint8_t* b) {
+#ifdef __F16C__
+    uint32_t dm;
+    memcpy(&dm, b, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+#else
+    return _mm_setr_ps(half_to_float(load_u16(b)), half_to_float(load_u16(b + 2)), 0.f, 0.f);
+#endif
+}
+#endif
+
 /* One weight: code i (0..31) of block b, as gguf dequantises it. */
 static inline float block_weight(const uint8_t* b, int type, int i) {
     const float d = half_to_float(load_u16(b));
@@ -92,16 +105,21 @@ static __attribute__((unused)) void rows_scalar(const float* x, const uint8_t* w
    of its code: vpermps reads only the low 4 bits of an index, so the raw byte indexes the low
    nibble and the byte shifted right by 4 the high one. */
 static inline __attribute__((always_inline)) void block_weights16(const uint8_t* b, int type, __m512* w0, __m512* w1) {
-    const __m512 vd = _mm512_set1_ps(half_to_float(load_u16(b)));
     if (type == GGML_Q8_0) {
+        const __m512 vd = _mm512_set1_ps(half_to_float(load_u16(b)));
         *w0 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)))));
         *w1 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18)))));
         return;
     }
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    /* Q4_1: d * q + m; Q4_0: d * q - 8d = d * (q - 8) (every term exact, so one exact result). */
-    const float offset = type == GGML_Q4_1 ? half_to_float(load_u16(b + 2)) : -8.f * half_to_float(load_u16(b));
-    const __m512 table = _mm512_fmadd_ps(vd, codes, _mm512_set1_ps(offset));
+    __m512 table; /* Q4_1: d * q + m; Q4_0: d * q - 8d = d * (q - 8) (every term exact: one exact result) */
+    if (type == GGML_Q4_1) {
+        const __m128 dm = load_d_m(b);
+        table = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), codes, _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
+    } else {
+        const float d = half_to_float(load_u16(b));
+        table = _mm512_fmadd_ps(_mm512_set1_ps(d), codes, _mm512_set1_ps(-8.f * d));
+    }
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + (type == GGML_Q4_1 ? 4 : 2))));
     *w0 = _mm512_permutexvar_ps(bytes, table);
     *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
@@ -143,19 +161,30 @@ static void rows_simd(const float* x, const uint8_t* w, float* y, int64_t M, int
 #elif defined(SERVELM_HAVE_AVX2)
 /* The 32 weights of block b as four vectors of 8 (inputs 0-7, 8-15, 16-23, 24-31). */
 static inline __attribute__((always_inline)) void block_weights8(const uint8_t* b, int type, __m256 w[4]) {
-    const __m256 vd = _mm256_set1_ps(half_to_float(load_u16(b)));
     if (type == GGML_Q8_0) {
+        const __m256 vd = _mm256_set1_ps(half_to_float(load_u16(b)));
         for (int g = 0; g < 4; g++) w[g] = _mm256_mul_ps(vd, load_int8x8_ps((const int8_t*)(b + 2 + 8 * g)));
         return;
     }
-    /* Q4_1: d * q + m; Q4_0: d * q - 8d = d * (q - 8) (every term exact, so one exact result). */
-    const float offset = type == GGML_Q4_1 ? half_to_float(load_u16(b + 2)) : -8.f * half_to_float(load_u16(b));
-    const __m256 vm = _mm256_set1_ps(offset);
-    const __m128i qs = _mm_loadu_si128((const __m128i*)(b + (type == GGML_Q4_1 ? 4 : 2)));
-    const __m128i low = _mm_and_si128(qs, _mm_set1_epi8(0x0f));                      /* q[0..15] */
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0x0f));  /* q[16..31] */
-    const __m128i parts[4] = {low, _mm_unpackhi_epi64(low, low), high, _mm_unpackhi_epi64(high, high)};
-    for (int g = 0; g < 4; g++) w[g] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g])), vm);
+    __m256 vd, vm; /* Q4_1: d * q + m; Q4_0: d * q - 8d = d * (q - 8) (every term exact: one exact result) */
+    if (type == GGML_Q4_1) {
+        const __m128 dm = load_d_m(b);
+        vd = _mm256_broadcastss_ps(dm);
+        vm = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    } else {
+        const float d = half_to_float(load_u16(b));
+        vd = _mm256_set1_ps(d);
+        vm = _mm256_set1_ps(-8.f * d);
+    }
+    /* Bytes 0-7 and 8-15 widened to 32-bit lanes straight from memory (one shuffle each); a lane's
+       low nibble is q[i], its value >> 4 is q[i + 16]. */
+    const uint8_t* qs = b + (type == GGML_Q4_1 ? 4 : 2);
+    const __m256i nibble = _mm256_set1_epi32(0x0f);
+    const __m256i lanes0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)qs));
+    const __m256i lanes1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8)));
+    const __m256i q[4] = {_mm256_and_si256(lanes0, nibble), _mm256_and_si256(lanes1, nibble),
+                          _mm256_srli_epi32(lanes0, 4), _mm256_srli_epi32(lanes1, 4)};
+    for (int g = 0; g < 4; g++) w[g] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(q[g]), vm);
 }
 
 /* Outputs [n0, n1) of up to 4 rows starting at x (row stride K) into y (row stride N). One row: four
