@@ -24,7 +24,7 @@ VARIANTS = {
     "AVX2 + FMA + F16C": (frozenset({"avx2", "fma", "f16c"}), 1),
     "AVX-512F": (frozenset({"avx2", "fma", "f16c", "avx512f"}), 2),
 }
-SHAPES = [(32, 1), (96, 7), (576, 65), (1536, 131)]  # (K, N): N odd, past one 64-row task and not a multiple of it
+SHAPES = [(32, 1), (96, 7), (576, 65), (1536, 131)]  # (K, N): N odd, past one 32-row task and not a multiple of it
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -60,7 +60,7 @@ def test_block_matmul_matches_the_float64_reference(variant: cpu.CpuKernels, blo
 
 def test_results_do_not_depend_on_the_thread_count(variant: cpu.CpuKernels):
     gen = torch.Generator().manual_seed(7)
-    weight = random_block_weight(BlockType.Q4_1, 331, 576, gen)  # 6 tasks: split unevenly over 2 threads
+    weight = random_block_weight(BlockType.Q4_1, 331, 576, gen)  # 11 tasks: split unevenly over 2 threads
     x = torch.randn(3, 576, generator=gen)
     threads = torch.get_num_threads()
     try:

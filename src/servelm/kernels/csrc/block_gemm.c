@@ -242,9 +242,10 @@ int block_gemm_simd_level(void) {
 #endif
 }
 
-/* Rows of W per task: a multiple of 16 keeps two threads' outputs off one cache line, and 64 rows
-   of the narrowest layer (K = 576) are ~23 KB of Q4_1, enough work per task. */
-#define N_PER_TASK 64
+/* Rows of W per task: a multiple of 16 keeps two threads' outputs off one cache line; 32 rows of the
+   narrowest layer (K = 576) are ~11 KB of Q4_1, enough work per task, and the default model's
+   N = 576 and 960 split into an even number of tasks (two threads get equal shares). */
+#define N_PER_TASK 32
 
 void block_gemm_small(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int type,
                       int num_threads) {
