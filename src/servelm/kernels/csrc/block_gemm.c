@@ -72,6 +72,13 @@ static inline __m128 load_d_m(const uint8_t* b) {
     return _mm_setr_ps(half_to_float(load_u16(b)), half_to_float(load_u16(b + 2)), 0.f, 0.f);
 #endif
 }
+
+/* Ask for the bytes 2 KB past block b while it is computed. A decode step reads ~100 MB of blocks once,
+   from DRAM, and one core's hardware prefetchers alone keep too few lines in flight (measured on the
+   default model's 30 layers of Q4_1 from a cold cache, one row, one thread: AVX-512 12.2 -> 9.2 ms,
+   AVX2 25 -> 9.3 ms). A prefetch never faults: the last rows' ones past the end are harmless. */
+#define PREFETCH_AHEAD 2048
+static inline void prefetch_ahead(const uint8_t* b) { __builtin_prefetch(b + PREFETCH_AHEAD, 0, 3); }
 #endif
 
 /* One weight: code i (0..31) of block b, as gguf dequantises it. */
@@ -135,6 +142,7 @@ static inline __attribute__((always_inline)) void rows8_avx512(const float* x, c
         for (int64_t r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int64_t j = 0; j < nb; j++) {
             __m512 w0, w1;
+            prefetch_ahead(row + j * bytes);
             block_weights16(row + j * bytes, type, &w0, &w1);
             for (int64_t r = 0; r < rows; r++) {
                 const float* xr = x + r * K + j * 32;
@@ -198,6 +206,7 @@ static inline __attribute__((always_inline)) void rows4_avx2(const float* x, con
         if (rows == 1) {
             __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t j = 0; j < nb; j++) {
+                prefetch_ahead(row + j * bytes);
                 block_weights8(row + j * bytes, type, wv);
                 for (int g = 0; g < 4; g++) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j * 32 + g * 8), wv[g], a[g]);
             }
@@ -207,6 +216,7 @@ static inline __attribute__((always_inline)) void rows4_avx2(const float* x, con
         __m256 acc[4][2];
         for (int64_t r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (int64_t j = 0; j < nb; j++) {
+            prefetch_ahead(row + j * bytes);
             block_weights8(row + j * bytes, type, wv);
             for (int g = 0; g < 4; g++)
                 for (int64_t r = 0; r < rows; r++)
