@@ -1,4 +1,4 @@
-"""Single-stream decode step time of the default model (SmolLM2-135M, GGUF int8 codes, float32 on CPU)
+"""Single-stream decode step time of the default model (SmolLM2-135M, GGUF blocks, float32 on CPU)
 under tensor parallelism (issue 15): TP=2 (two processes, one thread each; its small collectives
 through shared memory, and all over gloo) against one rank with one thread and one rank with two
 threads.

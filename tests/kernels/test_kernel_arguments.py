@@ -76,38 +76,36 @@ def test_padding_past_a_seq_len_is_never_checked_nor_read(compiled_kernels):
 
 
 def _matmul_args() -> Args:
-    """A valid int8 block matmul: 3 rows of 64 inputs against 5 outputs with offsets."""
+    """A valid block matmul: 3 rows of 64 inputs against 5 outputs stored as Q4_1 (ggml type 3)."""
     gen = torch.Generator().manual_seed(1)
-    return {
-        "x": torch.randn(3, 64, generator=gen),
-        "codes": torch.randint(0, 16, (5, 64), dtype=torch.int8, generator=gen),
-        "scales": torch.rand(5, 2, generator=gen),
-        "mins": torch.rand(5, 2, generator=gen),
-    }
+    blocks = torch.randint(0, 256, (5, 2, 20), dtype=torch.uint8, generator=gen)
+    blocks[:, :, 0:4] = torch.rand(5, 2, 2, generator=gen).half().view(torch.uint8)  # d, m: small halves
+    return {"x": torch.randn(3, 64, generator=gen), "blocks": blocks, "block_type": 3}
 
 
 MATMUL_CASES = {
     "float64 x": ("x", _set("x", lambda a: a["x"].double())),
-    "int32 codes": ("codes", _set("codes", lambda a: a["codes"].int())),
-    "float16 scales": ("scales", _set("scales", lambda a: a["scales"].half())),
-    "non-contiguous codes": ("codes", _set("codes", lambda a: torch.zeros(64, 5, dtype=torch.int8).T)),
-    "K not a multiple of 32": ("codes", lambda a: {**a, "x": torch.randn(3, 40), "codes": torch.zeros(5, 40, dtype=torch.int8)}),
-    "codes K != x's K": ("codes", _set("codes", lambda a: torch.zeros(5, 96, dtype=torch.int8))),
-    "scales rows != codes rows": ("scales", _set("scales", lambda a: torch.rand(4, 2))),
-    "scales columns != K / 32": ("scales", _set("scales", lambda a: torch.rand(5, 3))),
-    "mins shape != scales'": ("mins", _set("mins", lambda a: torch.rand(5, 1))),
+    "int8 blocks": ("blocks", _set("blocks", lambda a: a["blocks"].view(torch.int8))),
+    "non-contiguous blocks": ("blocks", _set("blocks", lambda a: a["blocks"].transpose(0, 1))),
+    "blocks in 2 dimensions": ("blocks", _set("blocks", lambda a: a["blocks"].reshape(5, 40))),
+    "bytes per block not the type's": ("blocks", _set("block_type", lambda a: 8)),
+    "unknown block type": ("block_type", _set("block_type", lambda a: 12)),
+    "blocks K != x's K": ("x", _set("x", lambda a: torch.randn(3, 96))),
     "x with 3 dimensions": ("x", _set("x", lambda a: a["x"].unsqueeze(0))),
 }
 
 
 def test_the_valid_matmul_matches_its_definition(compiled_kernels):
     args = _matmul_args()
-    weight = args["scales"].repeat_interleave(32, 1) * args["codes"].float() + args["mins"].repeat_interleave(32, 1)
-    torch.testing.assert_close(compiled_kernels.qgemm_small(**args), args["x"] @ weight.T, rtol=1e-5, atol=1e-5)
+    halves = args["blocks"][:, :, 0:4].contiguous().view(torch.float16).float()  # [5, 2, 2]: d, m
+    packed = args["blocks"][:, :, 4:]
+    codes = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [5, 2, 32]
+    weight = (halves[:, :, :1] * codes + halves[:, :, 1:]).reshape(5, 64)
+    torch.testing.assert_close(compiled_kernels.block_gemm(**args), args["x"] @ weight.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", list(MATMUL_CASES))
 def test_a_bad_matmul_argument_is_named(compiled_kernels, case):
     named, spoil = MATMUL_CASES[case]
     with pytest.raises(KernelArgumentError, match=named):
-        compiled_kernels.qgemm_small(**spoil(_matmul_args()))
+        compiled_kernels.block_gemm(**spoil(_matmul_args()))

@@ -39,13 +39,16 @@ def test_the_cache_key_changes_with_sources_flags_and_compiler(tmp_path):
 
 def test_flags_follow_the_cpu_features_and_never_assume_the_build_machine(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f\n")
-    assert build.cpu_features(cpuinfo) == {"avx2", "fma"}
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw\n")
+    assert build.cpu_features(cpuinfo) == {"avx2", "fma", "f16c", "avx512f"}
     assert build.cpu_features(tmp_path / "missing") == frozenset()
     with_avx2 = build.compile_flags(frozenset({"avx2", "fma"}))
-    assert {"-mavx2", "-mfma"} <= set(with_avx2)
+    assert {"-mavx2", "-mfma"} <= set(with_avx2) and not {"-mf16c", "-mavx512f"} & set(with_avx2)
     assert not {"-mavx2", "-mfma"} & set(build.compile_flags(frozenset({"avx2"})))  # AVX2 without FMA: scalar
-    assert not any(flag.startswith("-march") for flag in with_avx2)
+    with_avx512 = build.compile_flags(frozenset({"avx2", "fma", "f16c", "avx512f"}))
+    assert {"-mavx2", "-mfma", "-mf16c", "-mavx512f"} <= set(with_avx512)
+    assert build.compile_flags(frozenset({"avx512f", "f16c"})) == build.BASE_FLAGS  # only above AVX2 + FMA
+    assert not any(flag.startswith("-march") for flag in (*with_avx2, *with_avx512))
 
 
 def test_a_missing_compiler_leaves_the_torch_paths_and_says_so_once(kernel_env, tmp_path, caplog):

@@ -1,5 +1,5 @@
 """SERVELM_KERNELS=torch turns the compiled kernels off, and the pure-torch paths it leaves give the
-kernels' results: paged decode attention through the attention backend, and an int8 block Linear."""
+kernels' results: paged decode attention through the attention backend, and a GGUF block Linear."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from servelm import envs
 from servelm.attention.backend import CommonAttentionInputs
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.kernels import cpu
-from servelm.models.int8_blocks import Int8BlockWeight
-from servelm.models.linear_methods import Int8BlockLinearMethod
+from servelm.models.gguf_blocks import BlockType
+from servelm.models.linear_methods import BlockLinearMethod
 from servelm.models.llama import Linear
+from servelm.testing.random_blocks import random_block_weight
 
 
 def test_torch_switch_turns_the_kernels_off_and_says_so_once(kernel_env, caplog):
@@ -75,31 +76,24 @@ def test_decode_attention_is_the_same_with_the_kernel_and_with_pure_torch(kernel
 
 
 def _q4_1_linear(rows: int, cols: int, gen: torch.Generator) -> Linear:
-    """A Linear with the int8 block method over Q4_1 codes (per 32 inputs: d and m in fp16, q in 0..15),
-    as GGUF files hold them, and a bias."""
-    w = torch.randn(rows, cols, generator=gen).reshape(rows, -1, 32)
-    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    d = ((hi - lo) / 15).half().float()
-    m = lo.half().float()
-    codes = ((w - m) / torch.where(d == 0, 1, d)).round().clamp(0, 15).to(torch.int8).reshape(rows, cols)
-    weight = Int8BlockWeight(codes, d.reshape(rows, -1), m.reshape(rows, -1))
-    linear = Linear(cols, rows, True, ("unused",), Int8BlockLinearMethod(with_mins=True))
+    """A Linear with the block method over Q4_1 blocks, and a bias."""
+    linear = Linear(cols, rows, True, ("unused",), BlockLinearMethod(BlockType.Q4_1))
     with torch.no_grad():
-        linear.method.load_rows(linear, weight, 0)
+        linear.method.load_rows(linear, random_block_weight(BlockType.Q4_1, rows, cols, gen), 0)
         linear.bias.copy_(torch.randn(rows, generator=gen))
     return linear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_int8_linear_is_the_same_with_the_kernel_and_with_pure_torch(kernel_env, compiled_kernels, rows):
+def test_block_linear_is_the_same_with_the_kernel_and_with_pure_torch(kernel_env, compiled_kernels, rows):
     gen = torch.Generator().manual_seed(rows)
     linear = _q4_1_linear(48, 256, gen)
     x = torch.randn(rows, 256, generator=gen)
-    # [rows, 48]: the same float32 weights (dequantised from the codes), multiplied by torch
+    # [rows, 48]: the same float32 weights (dequantised from the blocks), multiplied by torch
     reference = F.linear(x, linear.weight, linear.bias)
 
-    with_kernel = linear(x)  # SERVELM_KERNELS=auto (the compiled_kernels fixture): the int8 kernel
-    kernel_product = compiled_kernels.qgemm_small(x, linear.codes, linear.scales, linear.mins)
+    with_kernel = linear(x)  # SERVELM_KERNELS=auto (the compiled_kernels fixture): the block kernel
+    kernel_product = compiled_kernels.block_gemm(x, linear.blocks, BlockType.Q4_1.value)
     assert torch.equal(with_kernel, kernel_product + linear.bias)  # it did go through the kernel
     torch.testing.assert_close(with_kernel, reference, rtol=1e-5, atol=1e-5)
 

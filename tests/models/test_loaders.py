@@ -25,6 +25,7 @@ from servelm import default_model
 from servelm.default_model import default_model_path
 from servelm.models.arch import ModelArchConfig, UnsupportedModelError
 from servelm.models.factory import build_model
+from servelm.models.gguf_blocks import BlockType, BlockWeight
 from servelm.models.gguf_loader import (
     UnsupportedQuantizationError,
     gguf_hf_config,
@@ -32,7 +33,6 @@ from servelm.models.gguf_loader import (
     load_gguf_weights,
     open_gguf,
 )
-from servelm.models.int8_blocks import Int8BlockWeight
 from servelm.models.loader import LoadedCheckpoint, export_hf_directory, load_checkpoint
 from servelm.models.weights import (
     CheckpointWeights,
@@ -82,7 +82,7 @@ def _copy_checkpoint(source: Path, target: Path) -> Path:
 def _assert_same_weights(found: Mapping[str, Weight], expected: dict[str, torch.Tensor]) -> None:
     assert sorted(found) == sorted(expected)
     for name, tensor in expected.items():
-        value = dense_tensor(found[name])  # int8 blocks (GGUF Q4_1 / Q8_0) dequantised to float32
+        value = dense_tensor(found[name])  # GGUF blocks (Q4_0 / Q4_1 / Q8_0) dequantised to float32
         assert value.dtype == torch.float32, name
         assert torch.equal(value, tensor.to(torch.float32)), name
 
@@ -115,8 +115,9 @@ def test_default_model_arch(default_checkpoint: LoadedCheckpoint):
     for name, weight in default_checkpoint.weights.items():
         if name.endswith("norm.weight"):  # F32 in the file
             assert isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
-        else:  # Q4_1 projections, the Q8_0 embedding: handed out as their int8 codes
-            assert isinstance(weight, Int8BlockWeight), name
+        else:  # Q4_1 projections, the Q8_0 embedding: handed out as the file's blocks
+            assert isinstance(weight, BlockWeight), name
+            assert weight.block_type is (BlockType.Q8_0 if name == "model.embed_tokens.weight" else BlockType.Q4_1)
 
 
 def test_default_tokenizer_round_trips_and_has_chat_template(default_checkpoint: LoadedCheckpoint):

@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from servelm.models.arch import ModelArchConfig
+from servelm.models.gguf_blocks import BlockType, BlockWeight
 from servelm.models.gguf_loader import gguf_hf_config, load_gguf_weights, open_gguf
 from servelm.models.hf_loader import load_safetensors_weights
-from servelm.models.int8_blocks import Int8BlockWeight
-from servelm.models.linear_methods import DENSE, Int8BlockLinearMethod, small_batch_kernel
+from servelm.models.linear_methods import DENSE, BlockLinearMethod, small_batch_kernel
 from servelm.models.llama import Linear
 from servelm.models.weights import CheckpointWeights, Storage, TensorInfo, dense_tensor, slice_weight
+from servelm.testing.random_blocks import random_block_weight
 from servelm.testing.tiny_model import write_tiny_checkpoint, write_tiny_gguf
 
 # Rows: whole heads of 16 (q/k rows are rope-permuted per head in GGUF). Columns: on blocks of 32, and cutting them.
@@ -71,15 +72,14 @@ def test_read_shard_is_the_whole_tensor_cut(sources: dict[str, CheckpointWeights
             # Its storage and shape are what the factory was told before reading (method choice).
             assert TensorInfo.of(shard) == info.sharded(rows, columns), (name, rows, columns)
     if loader == "gguf":
-        assert {Storage.INT8_BLOCKS, Storage.INT8_BLOCKS_WITH_MINS, Storage.DENSE} <= storages
+        assert {Storage.Q8_0, Storage.Q4_1, Storage.DENSE} <= storages
 
 
 def test_in_memory_tensors_are_cut_the_same_way():
-    codes = torch.randint(-100, 100, (6, 96), dtype=torch.int8)
-    weight = Int8BlockWeight(codes, torch.rand(6, 3), torch.rand(6, 3))
+    weight = random_block_weight(BlockType.Q4_1, 6, 96, torch.Generator().manual_seed(0))
     source = CheckpointWeights.from_tensors({"w": weight})
     aligned = source.read_shard("w", range(2, 5), range(32, 96))
-    assert isinstance(aligned, Int8BlockWeight) and aligned.codes.is_contiguous()
+    assert isinstance(aligned, BlockWeight) and aligned.blocks.is_contiguous()
     assert torch.equal(aligned.dequantize(), weight.dequantize()[2:5, 32:96])
     cut = source.read_shard("w", range(1, 3), range(8, 40))
     assert isinstance(cut, torch.Tensor) and torch.equal(cut, weight.dequantize()[1:3, 8:40])
@@ -87,24 +87,16 @@ def test_in_memory_tensors_are_cut_the_same_way():
         weight.sliced(columns=range(8, 40))
 
 
-def _int8_weight(rows: int, cols: int, seed: int) -> Int8BlockWeight:
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (rows, cols), dtype=torch.int8, generator=gen)
-    return Int8BlockWeight(
-        codes, torch.rand(rows, cols // 32, generator=gen), torch.randn(rows, cols // 32, generator=gen)
-    )
-
-
-@pytest.mark.parametrize("method", ["dense", "int8"])
+@pytest.mark.parametrize("method", ["dense", "blocks"])
 def test_linear_methods_load_a_row_shard_and_a_column_shard(method: str):
-    full = _int8_weight(40, 128, 1)
+    full = random_block_weight(BlockType.Q4_1, 40, 128, torch.Generator().manual_seed(1))
     dense_full = full.dequantize()
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
     for rows, columns in [(range(8, 24), None), (None, range(64, 128)), (range(0, 20), range(32, 96))]:
         shard = slice_weight(full, rows, columns)
         n = 40 if rows is None else len(rows)
         k = 128 if columns is None else len(columns)
-        chosen = DENSE if method == "dense" else Int8BlockLinearMethod(with_mins=True)
+        chosen = DENSE if method == "dense" else BlockLinearMethod(BlockType.Q4_1)
         linear = Linear(k, n, False, ("unused",), chosen)
         with torch.no_grad():
             linear.method.load_rows(linear, shard, 0)
@@ -113,5 +105,5 @@ def test_linear_methods_load_a_row_shard_and_a_column_shard(method: str):
         assert torch.equal(linear.weight, expected_w)
         xs = x if columns is None else x[:, columns.start : columns.stop]
         torch.testing.assert_close(linear(xs.contiguous()), F.linear(xs, expected_w), rtol=1e-5, atol=1e-5)
-        if method == "int8" and small_batch_kernel() is not None:
-            assert torch.equal(linear.codes, shard.codes)  # the kernel's own codes are the shard's
+        if method == "blocks" and small_batch_kernel() is not None:
+            assert torch.equal(linear.blocks, shard.blocks)  # the kernel's own blocks are the shard's

@@ -7,8 +7,8 @@ One spawn per group size runs every tiny model (spawning costs more than the for
   gqa        Llama 4 heads / 2 KV heads, untied head (TP=4: each KV head on two ranks)
   uneven     6 heads / 3 KV heads, 160 MLP columns, vocab 49157: TP=2 splits all of them unevenly
   tied_bias  Qwen2: tied embeddings, q/k/v bias
-  int8       the gqa model as a Q4_1 GGUF with Q8_0 parts (int8 codes; at TP=4 o_proj's 16-column
-             shards cut blocks of 32 and are read dense)
+  blocks     the gqa model as a Q4_1 GGUF with Q8_0 parts (GGUF blocks; layer 0's q/k/v mixes types and is
+             dense; at TP=4 o_proj's 16-column shards cut blocks of 32 and are read dense)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from servelm.models.arch import ModelArchConfig
 from servelm.models.factory import build_model
 from servelm.models.gguf_loader import gguf_hf_config, load_gguf_weights, open_gguf
 from servelm.models.hf_loader import load_safetensors_weights, read_hf_config
-from servelm.models.linear_methods import Int8BlockLinearMethod
+from servelm.models.linear_methods import BlockLinearMethod
 from servelm.models.llama import LlamaForCausalLM
 from servelm.models.rotary import apply_rotary
 from servelm.models.sharding import local_num_kv_heads
@@ -37,7 +37,7 @@ from servelm.testing.tiny_model import write_tiny_checkpoint, write_tiny_gguf
 
 PROMPTS = [[5, 91, 7, 300, 12, 44, 8], [17], [250, 3, 3, 9, 120, 77, 61, 2, 800, 14, 5, 33, 40]]
 NUM_STEPS = 5  # the prefill's token, then four decode steps
-CASES_BY_TP = {2: ["gqa", "uneven", "tied_bias", "int8"], 4: ["gqa", "tied_bias", "int8"]}
+CASES_BY_TP = {2: ["gqa", "uneven", "tied_bias", "blocks"], 4: ["gqa", "tied_bias", "blocks"]}
 
 
 def load(path: str) -> tuple[ModelArchConfig, CheckpointWeights]:
@@ -83,8 +83,8 @@ def decode_on_rank(groups: ParallelGroups, paths: dict[str, str], num_steps: int
             "num_params": sum(p.numel() for p in model.parameters()),
             "kv_heads": local_num_kv_heads(arch, groups.tp),
             "empty": empty_forward_shapes(model),
-            "int8_layers": sum(
-                isinstance(m.method, Int8BlockLinearMethod) for m in model.modules() if hasattr(m, "method")
+            "block_layers": sum(
+                isinstance(m.method, BlockLinearMethod) for m in model.modules() if hasattr(m, "method")
             ),
         }
     return results
@@ -103,12 +103,12 @@ def replicated_params(arch: ModelArchConfig, tp: int) -> int:
 def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp")
     gqa = write_tiny_checkpoint(root / "gqa", seed=11)
-    int8 = write_tiny_gguf(root / "int8.gguf", gqa, tensor_type=Q.Q4_1,
+    blocks = write_tiny_gguf(root / "blocks.gguf", gqa, tensor_type=Q.Q4_1,
                            override_types={"blk.0.attn_k.weight": Q.Q8_0, "output.weight": Q.Q8_0})  # fmt: skip
     uneven = write_tiny_checkpoint(root / "uneven", seed=12, hidden_size=96, num_attention_heads=6,
                                    num_key_value_heads=3, intermediate_size=160, vocab_size=49157)  # fmt: skip
     tied_bias = write_tiny_checkpoint(root / "tied_bias", arch="qwen2", seed=13)
-    return {"gqa": str(gqa), "uneven": str(uneven), "tied_bias": str(tied_bias), "int8": str(int8)}
+    return {"gqa": str(gqa), "uneven": str(uneven), "tied_bias": str(tied_bias), "blocks": str(blocks)}
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def assert_same_decode(got: BatchDecode, want: BatchDecode, tolerance: float) ->
         torch.testing.assert_close(g, w, rtol=tolerance, atol=tolerance, msg=lambda m, s=step: f"step {s}: {m}")
 
 
-@pytest.mark.parametrize("name", ["gqa", "uneven", "tied_bias", "int8"])
+@pytest.mark.parametrize("name", ["gqa", "uneven", "tied_bias", "blocks"])
 def test_sharded_model_decodes_like_one_rank(tp_run, single_rank, name):
     tp, ranks = tp_run
     if name not in CASES_BY_TP[tp]:
@@ -156,8 +156,8 @@ def test_sharded_model_decodes_like_one_rank(tp_run, single_rank, name):
     for rank in ranks:
         assert {k: v for k, v in rank[name]["empty"].items() if k != "rotary"} == expected_empty
         assert rank[name]["empty"]["rotary"][0] == 0
-    if name == "int8":
-        assert all(rank[name]["int8_layers"] > 0 for rank in ranks)
+    if name == "blocks":
+        assert all(rank[name]["block_layers"] > 0 for rank in ranks)
 
 
 def _kv_split(num_kv_heads: int, tp: int) -> list[range]:
@@ -180,7 +180,7 @@ def test_one_rank_is_the_unsharded_model(model_paths):
 
 @pytest.mark.slow
 def test_default_model_at_tp2_decodes_like_one_rank():
-    """SmolLM2-135M (GGUF int8 codes) split over two ranks: 9 heads / 3 KV heads as {0,1} and {2}."""
+    """SmolLM2-135M (GGUF blocks) split over two ranks: 9 heads / 3 KV heads as {0,1} and {2}."""
     path = str(default_model_path())
     prompts_steps = 3
     arch, weights = load(path)
@@ -188,4 +188,4 @@ def test_default_model_at_tp2_decodes_like_one_rank():
     ranks = run_ranks(decode_on_rank, ParallelLayout(2), ({"default": path}, prompts_steps), timeout_s=240)
     assert [rank["default"]["kv_heads"] for rank in ranks] == [2, 1]
     assert_same_decode(ranks[0]["default"]["run"], reference, tolerance=2e-4)
-    assert all(rank["default"]["int8_layers"] > 0 for rank in ranks)
+    assert all(rank["default"]["block_layers"] > 0 for rank in ranks)

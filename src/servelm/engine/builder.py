@@ -107,7 +107,7 @@ def build_engine(
         torch.set_num_threads(config.model.num_threads)
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    with startup.phase("kernel_build"):  # first: loading a GGUF's int8 layers asks for the kernels
+    with startup.phase("kernel_build"):  # first: loading a GGUF's block layers asks for the kernels
         build_kernels(device, dtype)
     opened = open_model(config.model, startup)  # a remote model: pulled while it loads (the `fetch` phase)
     with startup.phase("load"):

@@ -1,6 +1,6 @@
 """Compiled kernels, kept as real source files and built like the ecosystem builds them.
 
-- `csrc/`: the C sources of the CPU kernels (paged decode attention, the int8 block matmul) and
+- `csrc/`: the C sources of the CPU kernels (paged decode attention, the GGUF block matmul) and
   the SIMD header they share; shipped as package data.
 - `build`: compiles them with the system C compiler for this CPU into a per-user cache
   (`python -m servelm.kernels.build` does it ahead of time).

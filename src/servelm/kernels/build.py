@@ -12,8 +12,9 @@ libgomp torch has already loaded (same soname, libgomp.so.1), so kernels and tor
 thread pool. What it costs: about a microsecond of ctypes overhead per call, and the argument
 checks live in Python (`servelm.kernels.cpu`) instead of in a C++ wrapper.
 
-Flags follow the CPU found at run time: `-mavx2 -mfma` where /proc/cpuinfo reports both,
-nothing extra elsewhere (the C sources then take their scalar loops). Never `-march=native`:
+Flags follow the CPU found at run time: `-mavx2 -mfma` where /proc/cpuinfo reports both (plus
+`-mf16c` and `-mavx512f` where it reports those too), nothing extra elsewhere (the C sources then
+take their scalar loops). Never `-march=native`:
 the cache may be shared by machines with different CPUs (a home directory on NFS, a CI
 cache), so the features a build assumes are spelled out in its flags, and the flags are in
 the key:
@@ -88,6 +89,11 @@ def find_toolchain(compiler: str | None = None) -> Toolchain:
     return Toolchain(compiler=os.path.realpath(path), version=result.stdout.strip())
 
 
+# The /proc/cpuinfo flags the kernels use; each tier's flags go on only above the AVX2 + FMA base.
+KERNEL_FEATURES = frozenset({"avx2", "fma", "f16c", "avx512f"})
+_EXTRA_FLAGS = (("f16c", "-mf16c"), ("avx512f", "-mavx512f"))
+
+
 def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The x86 feature flags of this machine's CPU that the kernels can use ({} when unknown)."""
     try:
@@ -95,13 +101,15 @@ def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     except OSError:
         return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split()) & {"avx2", "fma"}
+    return frozenset(line.partition(":")[2].split()) & KERNEL_FEATURES
 
 
 def compile_flags(features: frozenset[str]) -> tuple[str, ...]:
-    """Flags for a CPU with `features`: AVX2 code only where both AVX2 and FMA are there."""
-    simd = ("-mavx2", "-mfma") if {"avx2", "fma"} <= features else ()
-    return (*BASE_FLAGS, *simd)
+    """Flags for a CPU with `features`: SIMD code only where both AVX2 and FMA are there, and F16C /
+    AVX-512F code on top of those where the CPU has them too."""
+    if not {"avx2", "fma"} <= features:
+        return BASE_FLAGS
+    return (*BASE_FLAGS, "-mavx2", "-mfma", *(flag for feature, flag in _EXTRA_FLAGS if feature in features))
 
 
 def cache_key(sources: tuple[Path, ...], flags: tuple[str, ...], toolchain: Toolchain) -> str:
@@ -118,13 +126,17 @@ def default_cache_dir() -> Path:
     return envs.cache_dir() / "kernels"
 
 
-def build(cache_dir: Path | None = None, compiler: str | None = None) -> BuiltLibrary:
+def build(
+    cache_dir: Path | None = None, compiler: str | None = None, features: frozenset[str] | None = None
+) -> BuiltLibrary:
     """The library for this machine, compiled unless the cache already holds it.
 
+    `features`: build for a CPU with only these (a subset of this one's: the tests build the AVX2
+    and plain-C loops on an AVX-512 machine); None: this machine's `cpu_features()`.
     Raises KernelBuildError when it cannot be built; never leaves a partial file at the target.
     """
     toolchain = find_toolchain(compiler)
-    flags = compile_flags(cpu_features())
+    flags = compile_flags(cpu_features() if features is None else features)
     sources = source_files()
     key = cache_key(sources, flags, toolchain)
     directory = cache_dir or default_cache_dir()

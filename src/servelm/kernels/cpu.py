@@ -3,8 +3,8 @@
 Callers, on every layer of every step in the engine core process:
 - `attention/torch_backend.py`: `decode_attention`, paged decode attention for float32 queries on
   CPU over a float32 pool or an int8 one with per-(token, head) scales (source: `csrc/paged_decode_attention.c`);
-- `models/linear_methods.py` (Int8BlockLinearMethod): `qgemm_small`, a few rows times int8-coded weights
-  (source: `csrc/int8_block_matmul.c`).
+- `models/linear_methods.py` (BlockLinearMethod): `block_gemm_prepared`, a few rows times GGUF
+  Q4_0 / Q4_1 / Q8_0 blocks as the file stores them (source: `csrc/block_gemm.c`).
 Both treat `load()` returning None as "take the pure-torch path", which gives the same results
 within float32 rounding. `load()` decides once per process (until `reset()`):
 
@@ -31,7 +31,10 @@ from servelm.kernels.build import BuiltLibrary, KernelBuildError, build
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 32  # weights per scale in the int8 block matmul
+BLOCK = 32  # weights per GGUF block
+# The GGUF block types the block matmul reads, by ggml type id (csrc/block_gemm.c's `type`), and
+# their bytes per block: Q4_0 d + 16 nibble bytes, Q4_1 d + m + 16, Q8_0 d + 32 int8 codes.
+BLOCK_BYTES: dict[int, int] = {2: 18, 3: 20, 8: 34}
 
 _lock = threading.Lock()
 _decided: list[CpuKernels | None] = []  # empty: load() has not decided yet; else its one answer
@@ -78,10 +81,14 @@ class CpuKernels:
         lib.decode_scores.restype = i64
         lib.decode_pv.argtypes = [ptr] * 6 + [i64] * 7 + [c_int]
         lib.decode_pv.restype = None
-        lib.qgemm_small.argtypes = [ptr] * 5 + [i64] * 3 + [c_int, c_int]
-        lib.qgemm_small.restype = None
+        lib.block_gemm_small.argtypes = [ptr] * 3 + [i64] * 3 + [c_int, c_int]
+        lib.block_gemm_small.restype = None
+        lib.block_gemm_simd_level.argtypes = []
+        lib.block_gemm_simd_level.restype = c_int
         self._lib = lib
         self.library = library
+        # Which loops the block matmul was built with: 2 AVX-512, 1 AVX2 + FMA, 0 plain C.
+        self.block_gemm_simd_level: int = lib.block_gemm_simd_level()
 
     def decode_attention(
         self,
@@ -165,61 +172,53 @@ class CpuKernels:
         )  # fmt: skip
         return out
 
-    def qgemm_small(
-        self,
-        x: torch.Tensor,  # [M, K] float32, M small (a decode step's rows)
-        codes: torch.Tensor,  # [N, K] int8, K a multiple of 32
-        scales: torch.Tensor,  # [N, K / 32] float32
-        mins: torch.Tensor | None,  # [N, K / 32] float32, or None (no offset)
-    ) -> torch.Tensor:  # [M, N] float32
-        """x @ W^T with W[n, k] = scales[n, k / 32] * codes[n, k] (+ mins[n, k / 32])."""
-        return self.qgemm_prepared(x, self.prepare_int8_weight(codes, scales, mins))
+    def block_gemm(self, x: torch.Tensor, blocks: torch.Tensor, block_type: int) -> torch.Tensor:  # [M, N] float32
+        """x [M, K] float32 @ W^T, W [N, K] given as GGUF blocks [N, K / 32, bytes] uint8 of `block_type`."""
+        return self.block_gemm_prepared(x, self.prepare_block_weight(blocks, block_type))
 
-    def prepare_int8_weight(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> Int8Weight:
-        """The weight checked once, for `qgemm_prepared` calls that then check only their input
+    def prepare_block_weight(self, blocks: torch.Tensor, block_type: int) -> PreparedBlocks:
+        """The weight checked once, for `block_gemm_prepared` calls that then check only their input
         (a layer's weight does not change between steps; checking it on every call of every layer
         was ~1 ms of a 25 ms decode step)."""
-        check_tensor("codes", codes, torch.int8, 2)
-        check_tensor("scales", scales, torch.float32, 2)
-        n, k = codes.shape
-        if k % BLOCK:
-            raise KernelArgumentError(f"codes: expected [N, K] with K a multiple of {BLOCK}, found {tuple(codes.shape)}")
-        check_shape("scales", scales, (n, k // BLOCK), f"[N, K / {BLOCK}], N and K as in codes")
-        if mins is not None:
-            check_tensor("mins", mins, torch.float32, 2)
-            check_shape("mins", mins, (n, k // BLOCK), "scales' shape")
-        return Int8Weight(codes, scales, mins)
+        check_tensor("blocks", blocks, torch.uint8, 3)
+        if block_type not in BLOCK_BYTES:
+            raise KernelArgumentError(
+                f"block_type: expected a ggml type id in {sorted(BLOCK_BYTES)}, found {block_type!r}"
+            )
+        if blocks.shape[2] != BLOCK_BYTES[block_type]:
+            raise KernelArgumentError(
+                f"blocks: expected [N, K / {BLOCK}, {BLOCK_BYTES[block_type]}] for ggml type {block_type}, "
+                f"found {tuple(blocks.shape)}"
+            )
+        return PreparedBlocks(blocks, block_type)
 
-    def qgemm_prepared(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:  # [M, N] float32
-        """x [M, K] float32 @ W^T for a weight from `prepare_int8_weight`."""
+    def block_gemm_prepared(self, x: torch.Tensor, weight: PreparedBlocks) -> torch.Tensor:  # [M, N] float32
+        """x [M, K] float32 @ W^T for a weight from `prepare_block_weight`."""
         check_tensor("x", x, torch.float32, 2)
         rows, k = x.shape
         if k != weight.in_features:
-            raise KernelArgumentError(f"x: expected [M, {weight.in_features}] (K as in codes), found {tuple(x.shape)}")
+            raise KernelArgumentError(f"x: expected [M, {weight.in_features}] (K as in blocks), found {tuple(x.shape)}")
         out = torch.empty(rows, weight.out_features, dtype=torch.float32)
-        self._lib.qgemm_small(
-            x.data_ptr(), weight.codes_ptr, weight.scales_ptr, weight.mins_ptr, out.data_ptr(),
-            rows, weight.out_features, k, weight.has_min, torch.get_num_threads(),
+        self._lib.block_gemm_small(
+            x.data_ptr(), weight.blocks_ptr, out.data_ptr(), rows, weight.out_features, k, weight.block_type,
+            torch.get_num_threads(),
         )  # fmt: skip
         return out
 
 
-class Int8Weight:
-    """An int8-block weight whose tensors passed the kernel's checks, with their pointers read once.
+class PreparedBlocks:
+    """A GGUF-block weight that passed the kernel's checks, with its pointer read once.
 
-    Holds the tensors themselves, so the memory the pointers name stays alive; a caller whose
-    layer gets new tensors (e.g. moved or reloaded) prepares a new one (see Int8BlockLinearMethod).
+    Holds the tensor itself, so the memory the pointer names stays alive; a caller whose layer
+    gets a new tensor (e.g. moved or reloaded) prepares a new one (see BlockLinearMethod).
     """
 
-    __slots__ = ("codes", "scales", "mins", "codes_ptr", "scales_ptr", "mins_ptr", "has_min",
-                 "out_features", "in_features")  # fmt: skip
+    __slots__ = ("blocks", "block_type", "blocks_ptr", "out_features", "in_features")
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> None:
-        self.codes, self.scales, self.mins = codes, scales, mins
-        self.codes_ptr, self.scales_ptr = codes.data_ptr(), scales.data_ptr()
-        self.mins_ptr = (scales if mins is None else mins).data_ptr()  # never read when has_min is 0
-        self.has_min = int(mins is not None)
-        self.out_features, self.in_features = codes.shape
+    def __init__(self, blocks: torch.Tensor, block_type: int) -> None:
+        self.blocks, self.block_type = blocks, block_type
+        self.blocks_ptr = blocks.data_ptr()
+        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * BLOCK
 
 
 class DecodeBatch:
@@ -232,4 +231,3 @@ class DecodeBatch:
         self.block_tables, self.seq_lens, self.max_len = block_tables, seq_lens, max_len
         self.tables_ptr, self.lens_ptr = block_tables.data_ptr(), seq_lens.data_ptr()
         self.batch, self.max_blocks = block_tables.shape
-

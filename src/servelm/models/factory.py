@@ -45,7 +45,7 @@ def build_model(
     device: torch.device | str = "cpu",
     # A registered name ("auto": by device, attention/selection.py), or an instance (context parallelism).
     attention_backend: str | AttentionBackend = "auto",
-    int8_linears: bool = True,
+    block_linears: bool = True,
     tp: GroupMember = SINGLE_RANK,
 ) -> LlamaForCausalLM:
     """The model with `weights` loaded, its parameters allocated once, in `dtype` on `device`.
@@ -53,16 +53,16 @@ def build_model(
     `weights`: a loader's `CheckpointWeights` (read tensor by tensor while loading) or any
     mapping of tensors by Hugging Face name; shapes are validated first (WeightShapeError).
     Each linear layer gets its `LinearMethod` from how its tensors are stored: GGUF Q4_1 / Q8_0
-    layers keep int8 codes on CPU in float32 (`linear_methods`); `int8_linears=False` makes every
-    layer dense (the reference the int8 path is tested against).
+    layers (Q4_0 / Q4_1 / Q8_0) keep the file's blocks on CPU in float32 (`linear_methods`);
+    `block_linears=False` makes every layer dense (the reference the block path is tested against).
     """
     device = torch.device(device)
     source = select_model_weights(CheckpointWeights.from_tensors(weights), arch)
 
     def linear_method(parts: Sequence[str], columns: range | None) -> LinearMethod:
-        if not int8_linears:
+        if not block_linears:
             return DENSE
-        # What this rank's shard is stored as: int8 blocks cut inside a block come out dense.
+        # What this rank's shard is stored as: blocks cut inside a block come out dense.
         infos = [source.info(f"{part}.weight").sharded(columns=columns) for part in parts]
         return choose_linear_method(infos, dtype, device)
 

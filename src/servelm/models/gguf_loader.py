@@ -3,12 +3,12 @@
 GGUF differs from a Hugging Face checkpoint in four ways, each undone here:
 1. names: `blk.N.attn_q.weight` instead of `model.layers.N.self_attn.q_proj.weight`;
 2. shapes: GGUF lists dimensions fastest-first (`[in, out]`), the reverse of torch (`[out, in]`);
-3. values: most tensors are block-quantised. Q4_1 and Q8_0 are handed out as they are stored,
-   int8 codes + scales (+ mins) read straight from the block bytes (`Int8BlockWeight`); F32 / F16
-   as such; the other types (K-quants...) dequantised to float32;
+3. values: most tensors are block-quantised. Q4_0, Q4_1 and Q8_0 are handed out as they are
+   stored, the file's block bytes (`BlockWeight`); F32 / F16 as such; the other types (K-quants...)
+   dequantised to float32;
 4. layout: for the `llama` arch, llama.cpp's converter permutes the rows of q_proj/k_proj so that
-   its rope, which rotates adjacent pairs, equals HF's rotate_half; we permute them back (the
-   rows of codes, scales and mins alike).
+   its rope, which rotates adjacent pairs, equals HF's rotate_half; we permute them back (on
+   the rows of blocks, for block-quantised tensors).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from servelm.models.arch import ModelArchConfig, UnsupportedModelError
-from servelm.models.int8_blocks import BLOCK, Int8BlockWeight
+from servelm.models.gguf_blocks import BLOCK, BlockType, BlockWeight
 from servelm.models.weights import CheckpointWeights, Storage, TensorInfo, Weight, select_model_weights, slice_weight
 from servelm.tokenization.loading import load_gguf_tokenizer
 
@@ -40,10 +40,11 @@ SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset({
     _Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
     _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
 })  # fmt: skip
-# Types handed out as int8 codes: every 32-block is d * q (+ m) with q fitting in an int8.
-INT8_BLOCK_TYPES: dict[GGMLQuantizationType, Storage] = {
-    _Q.Q4_1: Storage.INT8_BLOCKS_WITH_MINS,
-    _Q.Q8_0: Storage.INT8_BLOCKS,
+# Types handed out as the file's blocks (gguf_blocks.py), which the block kernel reads as they are.
+BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {
+    _Q.Q4_0: BlockType.Q4_0,
+    _Q.Q4_1: BlockType.Q4_1,
+    _Q.Q8_0: BlockType.Q8_0,
 }
 
 _GLOBAL_TENSORS = {
@@ -158,20 +159,17 @@ def load_gguf_weights(reader: GGUFReader, arch: ModelArchConfig, source: str) ->
             continue  # e.g. rope_freqs.weight, already folded into arch.rope_scaling
         _check_supported(tensor, source)
         tensors[hf_name] = tensor
-    infos = {
-        name: TensorInfo(_torch_shape(t), INT8_BLOCK_TYPES.get(t.tensor_type, Storage.DENSE))
-        for name, t in tensors.items()
-    }
+    infos = {name: TensorInfo(_torch_shape(t), _storage(t.tensor_type)) for name, t in tensors.items()}
 
     def read_shard(name: str, rows: range | None, columns: range | None) -> Weight:
-        # Only `rows` of the file's blocks are decoded (a tensor-parallel rank's part); columns
-        # are cut after (int8 codes stay codes when the cut falls on a block).
+        # Only `rows` of the file's blocks are read (a tensor-parallel rank's part); columns
+        # are cut after (blocks stay blocks when the cut falls on a block boundary).
         tensor = tensors[name]
         rope_heads = None
         if arch.architecture == "LlamaForCausalLM" and (".q_proj." in name or ".k_proj." in name):
             rope_heads = arch.num_attention_heads if ".q_proj." in name else arch.num_key_value_heads
-        if tensor.tensor_type in INT8_BLOCK_TYPES:
-            return slice_weight(int8_block_weight(tensor, rope_heads, rows), None, columns)
+        if tensor.tensor_type in BLOCK_TYPES:
+            return slice_weight(block_weight(tensor, rope_heads, rows), None, columns)
         values = dequantize_tensor(tensor, source, rows)
         if rope_heads is not None:
             values = unpermute_rope_rows(values, _heads_in_rows(rope_heads, _torch_shape(tensor)[0], rows))
@@ -213,35 +211,28 @@ def dequantize_tensor(tensor: ReaderTensor, source: str, rows: range | None = No
     return np.require(values, dtype=np.float32, requirements=["C", "W"])
 
 
-def int8_block_weight(
-    tensor: ReaderTensor, rope_heads: int | None = None, row_range: range | None = None
-) -> Int8BlockWeight:
-    """Codes, scales and mins of a Q4_1 / Q8_0 tensor, read from its block bytes (no float32 weight made).
+def _storage(tensor_type: GGMLQuantizationType) -> Storage:
+    block_type = BLOCK_TYPES.get(tensor_type)
+    return Storage.DENSE if block_type is None else Storage.of_blocks(block_type)
 
-    Block layouts (ggml): Q8_0 = d:f16, q[32]:int8.  Q4_1 = d:f16, m:f16, 16 bytes whose low
-    nibbles are q[0..15] and high nibbles q[16..31].  `rope_heads`: undo llama.cpp's q/k row
-    permutation over that many heads, on the raw block rows (codes, scales and mins move together).
-    `row_range`: only those rows (whole heads when `rope_heads` is given) are read.
+
+def block_weight(tensor: ReaderTensor, rope_heads: int | None = None, row_range: range | None = None) -> BlockWeight:
+    """A Q4_0 / Q4_1 / Q8_0 tensor's blocks, copied out of the file as they are (nothing decoded).
+
+    `rope_heads`: undo llama.cpp's q/k row permutation over that many heads, on the raw block rows
+    (a row's blocks move together). `row_range`: only those rows (whole heads when `rope_heads` is given).
     """
     rows, cols = _torch_shape(tensor)
-    _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    raw = np.asarray(tensor.data).reshape(rows, cols // BLOCK, type_size)  # [N, K/32, bytes per block], a view
+    block_type = BLOCK_TYPES[tensor.tensor_type]
+    # [N, K/32, bytes per block], a view of the memory map.
+    raw = np.asarray(tensor.data).reshape(rows, cols // BLOCK, block_type.block_bytes)
     if row_range is not None:
         if rope_heads is not None:
             rope_heads = _heads_in_rows(rope_heads, rows, row_range)
-        raw, rows = raw[row_range.start : row_range.stop], len(row_range)
+        raw = raw[row_range.start : row_range.stop]
     if rope_heads is not None:
         raw = unpermute_rope_rows(raw, rope_heads)
-
-    def halves(offset: int) -> torch.Tensor:  # the f16 at `offset` of every block, as float32 [N, K/32]
-        return torch.from_numpy(np.ascontiguousarray(raw[:, :, offset : offset + 2]).view(np.float16)[..., 0].astype(np.float32))
-
-    if tensor.tensor_type == _Q.Q8_0:
-        codes = np.ascontiguousarray(raw[:, :, 2:]).view(np.int8)  # [N, K/32, 32]
-        return Int8BlockWeight(torch.from_numpy(codes.reshape(rows, cols)), halves(0), None)
-    packed = raw[:, :, 4:]  # [N, K/32, 16]
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).view(np.int8)  # [N, K/32, 32], q in 0..15
-    return Int8BlockWeight(torch.from_numpy(codes.reshape(rows, cols)), halves(0), halves(2))
+    return BlockWeight(block_type, torch.from_numpy(np.array(raw, order="C")))  # a copy torch may own
 
 
 def _heads_in_rows(num_heads: int, total_rows: int, rows: range | None) -> int:

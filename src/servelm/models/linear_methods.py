@@ -5,13 +5,13 @@ the checkpoint stores a layer's tensors (without reading them) and gives the lay
 the layer asks its method to create its parameters, to load each checkpoint tensor into its
 rows, and to compute x @ W^T + b. No attribute is bolted on afterwards.
 
-    DenseLinearMethod       weight [N, K] in the model dtype; F.linear.
-    Int8BlockLinearMethod   GGUF Q4_1 / Q8_0 layers, CPU float32 only: int8 codes + per-32
-                            scales (+ offsets) for few-row matmuls (the `qgemm_small` kernel
-                            reads under a third of the bytes), and the same weights dequantised
-                            to dense float32 for many-row matmuls (MKL's blocked GEMM wins there).
+    DenseLinearMethod   weight [N, K] in the model dtype; F.linear.
+    BlockLinearMethod   GGUF Q4_0 / Q4_1 / Q8_0 layers, CPU float32 only: the file's blocks for
+                        few-row matmuls (the `block_gemm_small` kernel reads 0.56-1.06 bytes per
+                        weight instead of 4), and the same weights dequantised to dense float32 for
+                        many-row matmuls (MKL's blocked GEMM wins there).
 
-Both paths multiply by bit-identical float32 weights (see int8_blocks.py); only the
+Both paths multiply by bit-identical float32 weights (see gguf_blocks.py); only the
 summation order differs, as it does between any two BLAS kernels.
 """
 
@@ -26,18 +26,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.kernels import cpu as cpu_kernels
-from servelm.models.int8_blocks import BLOCK, Int8BlockWeight
-from servelm.models.weights import Storage, TensorInfo, Weight, dense_tensor
+from servelm.models.gguf_blocks import BLOCK, BlockType, BlockWeight
+from servelm.models.weights import TensorInfo, Weight, dense_tensor
 
 if TYPE_CHECKING:
     from servelm.models.llama import Linear
 
 # Above this many rows a matmul is compute-bound and MKL's blocked float32 GEMM wins.
-MAX_INT8_ROWS = 8
+MAX_BLOCK_ROWS = 8
 
 
 def small_batch_kernel() -> Any:
-    """The compiled CPU kernels holding `qgemm_small`, or None where they cannot be built here."""
+    """The compiled CPU kernels holding `block_gemm_small`, or None where they cannot be built here."""
     return cpu_kernels.load()
 
 
@@ -65,7 +65,7 @@ class LinearMethod(abc.ABC):
 
 
 class DenseLinearMethod(LinearMethod):
-    """The weight as one dense matrix [N, K] in the model's dtype (int8 blocks are dequantised on load)."""
+    """The weight as one dense matrix [N, K] in the model's dtype (blocks are dequantised on load)."""
 
     def create_weights(self, layer: Linear) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
@@ -78,61 +78,51 @@ class DenseLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
 
-class Int8BlockLinearMethod(DenseLinearMethod):
-    """Int8 codes for few-row matmuls plus their dense float32 weight for many-row ones (CPU, float32).
+class BlockLinearMethod(DenseLinearMethod):
+    """GGUF blocks of one type for few-row matmuls plus their dense float32 weight for many-row ones
+    (CPU, float32). Every part of the layer is stored as `block_type` (the chooser sees to it)."""
 
-    `with_mins`: the layer keeps per-block offsets (some part is Q4_1); a part without them
-    (Q8_0) gets offsets of -0.0, which change no bit of any weight (int8_blocks.py).
-    """
-
-    def __init__(self, with_mins: bool) -> None:
-        self.with_mins = with_mins
-        self._prepared_weight: Any = None  # the kernel's checked handle of the layer's weight
+    def __init__(self, block_type: BlockType) -> None:
+        self.block_type = block_type
+        self._prepared_weight: Any = None  # the kernel's checked handle of the layer's blocks
 
     def create_weights(self, layer: Linear) -> None:
         super().create_weights(layer)  # dense float32 weight, [N, K], for the GEMM path
         n, k = layer.out_features, layer.in_features
         if k % BLOCK:
-            raise ValueError(f"int8 block weights need in_features divisible by {BLOCK}, got {k}")
-        layer.register_buffer("codes", torch.empty(n, k, dtype=torch.int8), persistent=False)  # [N, K]
-        layer.register_buffer("scales", torch.empty(n, k // BLOCK), persistent=False)  # [N, K / 32]
-        mins = torch.empty(n, k // BLOCK) if self.with_mins else None
-        layer.register_buffer("mins", mins, persistent=False)  # [N, K / 32] or None
+            raise ValueError(f"GGUF block weights need in_features divisible by {BLOCK}, got {k}")
+        blocks = torch.empty(n, k // BLOCK, self.block_type.block_bytes, dtype=torch.uint8)
+        layer.register_buffer("blocks", blocks, persistent=False)  # [N, K / 32, block bytes]
 
     def load_rows(self, layer: Linear, weight: Weight, row_offset: int) -> None:
-        if not isinstance(weight, Int8BlockWeight):
-            raise TypeError(f"Int8BlockLinearMethod loads Int8BlockWeight parts, got a {type(weight).__name__}")
-        if weight.mins is not None and not self.with_mins:
-            raise ValueError("a part with per-block offsets (Q4_1) in a layer built without them")
+        if not isinstance(weight, BlockWeight) or weight.block_type is not self.block_type:
+            found = weight.block_type.name if isinstance(weight, BlockWeight) else type(weight).__name__
+            raise TypeError(
+                f"a {self.block_type.name} BlockLinearMethod loads {self.block_type.name} blocks, got {found}"
+            )
         rows = slice(row_offset, row_offset + weight.shape[0])
         self._prepared_weight = None  # the kernel's handle is made again from the loaded tensors
-        layer.codes[rows].copy_(weight.codes)
-        layer.scales[rows].copy_(weight.scales)
-        if layer.mins is not None:  # the layer keeps offsets (with_mins)
-            if weight.mins is None:
-                layer.mins[rows].fill_(-0.0)
-            else:
-                layer.mins[rows].copy_(weight.mins)
+        layer.blocks[rows].copy_(weight.blocks)
         # A tied head writes the embedding's matrix here: the same values the embedding holds.
         weight.dequantize(out=layer.weight[rows])
 
     def _prepared(self, layer: Linear, kernel: Any) -> Any:
-        """The layer's weight as the kernel's checked handle: one per method instance (the factory
-        makes one per layer), made on first use and dropped by load_rows. It holds the tensors it
-        checked, so a layer whose buffers were later replaced wholesale would keep reading the old
-        (still alive, never garbage) ones: int8 layers live on CPU in float32 and are not moved."""
+        """The layer's blocks as the kernel's checked handle: one per method instance (the factory
+        makes one per layer), made on first use and dropped by load_rows. It holds the tensor it
+        checked, so a layer whose buffer was later replaced wholesale would keep reading the old
+        (still alive, never garbage) one: block layers live on CPU in float32 and are not moved."""
         prepared = self._prepared_weight
         if prepared is None:
-            prepared = self._prepared_weight = kernel.prepare_int8_weight(layer.codes, layer.scales, layer.mins)
+            prepared = self._prepared_weight = kernel.prepare_block_weight(layer.blocks, self.block_type.value)
         return prepared
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= MAX_INT8_ROWS and x.dtype == torch.float32:
+        if x.dim() == 2 and x.shape[0] <= MAX_BLOCK_ROWS and x.dtype == torch.float32:
             # None once SERVELM_KERNELS=torch turned the kernels off after the model was built.
             kernel = small_batch_kernel()
             if kernel is not None:
-                out = kernel.qgemm_prepared(x.contiguous(), self._prepared(layer, kernel))
-                return out if layer.bias is None else out + layer.bias
+                out = kernel.block_gemm_prepared(x.contiguous(), self._prepared(layer, kernel))
+                return out if layer.bias is None else out.add_(layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
 
@@ -149,10 +139,11 @@ def all_dense(parts: Sequence[str], columns: range | None = None) -> LinearMetho
 
 
 def choose_linear_method(parts: Sequence[TensorInfo], dtype: torch.dtype, device: torch.device) -> LinearMethod:
-    """Int8 blocks when every part of the layer is stored as int8 blocks and the model runs on CPU in
-    float32 with the kernel built; dense otherwise (another device or dtype, or a part that is F32 /
-    F16 / a K-quant, where no exact int8 form exists)."""
+    """GGUF blocks when every part of the layer is stored as blocks of one type and the model runs on
+    CPU in float32 with the kernel built; dense otherwise (another device or dtype, parts stored
+    differently, or a part that is F32 / F16 / a K-quant: no block form the kernel reads)."""
     storages = {part.storage for part in parts}
-    if Storage.DENSE in storages or device.type != "cpu" or dtype != torch.float32 or small_batch_kernel() is None:
+    block_type = next(iter(storages)).block_type if len(storages) == 1 else None
+    if block_type is None or device.type != "cpu" or dtype != torch.float32 or small_batch_kernel() is None:
         return DENSE
-    return Int8BlockLinearMethod(with_mins=Storage.INT8_BLOCKS_WITH_MINS in storages)
+    return BlockLinearMethod(block_type)

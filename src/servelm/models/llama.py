@@ -52,9 +52,7 @@ class Linear(nn.Module):
 
     # Registered by the method's create_weights (which ones depends on the method).
     weight: torch.Tensor  # [N, K] in the model's dtype
-    codes: torch.Tensor  # [N, K] int8 (int8 block methods only)
-    scales: torch.Tensor  # [N, K / 32] float32 (int8 block methods only)
-    mins: torch.Tensor | None  # [N, K / 32] float32 or None (int8 block methods only)
+    blocks: torch.Tensor  # [N, K / 32, block bytes] uint8, the GGUF file's blocks (block methods only)
     bias: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parts: tuple[str, ...],

@@ -31,7 +31,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Q
 @dataclass
 class LoadedCheckpoint:
     arch: ModelArchConfig
-    weights: CheckpointWeights  # HF name -> tensor in the file dtype (or int8 blocks), read on access; the model's tensors only
+    weights: CheckpointWeights  # HF name -> tensor in the file dtype (or GGUF blocks), read on access; the model's tensors only
     tokenizer: Any  # a transformers PreTrainedTokenizerBase, chat template included when the checkpoint has one
     source: str  # the path it was loaded from, for messages and logs
     load_seconds: float = 0.0  # wall time of load_checkpoint, tokenizer included

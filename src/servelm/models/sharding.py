@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servelm.models.arch import ModelArchConfig
-from servelm.models.int8_blocks import BLOCK
+from servelm.models.gguf_blocks import BLOCK
 from servelm.parallel.groups import GroupMember
 from servelm.parallel.tensor import AttentionShard, attention_shards, mlp_shards, vocab_shards
 
@@ -32,7 +32,7 @@ class ModelShard:
     @classmethod
     def of(cls, arch: ModelArchConfig, tp: GroupMember) -> ModelShard:
         """Raises ValueError naming the sizes when `arch` cannot be split over `tp.size` ranks."""
-        # Column shards of down_proj stored as int8 blocks must fall on blocks of 32 inputs.
+        # Column shards of down_proj stored as GGUF blocks must fall on blocks of 32 inputs.
         aligned = arch.intermediate_size % BLOCK == 0 and arch.intermediate_size // BLOCK >= tp.size
         vocab = vocab_shards(arch.vocab_size, tp.size)
         return cls(

@@ -3,8 +3,8 @@ and `CheckpointWeights`, the lazy source every loader hands them out through.
 
 Every loader ends here: whatever the file format, the model receives exactly the
 names below with exactly these shapes, or the load fails naming the tensor. Tensors
-come in the file's own dtype (bf16 stays bf16) or, for GGUF Q4_1 / Q8_0, as int8 codes
-(`Int8BlockWeight`); the model converts each one as it copies it into its parameter.
+come in the file's own dtype (bf16 stays bf16) or, for GGUF Q4_0 / Q4_1 / Q8_0, as the file's
+blocks (`BlockWeight`); the model converts each one as it copies it into its parameter.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from servelm.models.arch import ModelArchConfig
-from servelm.models.int8_blocks import BLOCK, Int8BlockWeight
+from servelm.models.gguf_blocks import BLOCK, BlockType, BlockWeight
 
 # How many problems one error message lists before summarising the rest.
 _MAX_REPORTED = 5
 
 # What a weight source hands out for one name.
-Weight = torch.Tensor | Int8BlockWeight
+Weight = torch.Tensor | BlockWeight
 # Reads the part of a tensor a tensor-parallel rank keeps: (name, rows, columns), None meaning all.
 ShardReader = Callable[[str, range | None, range | None], Weight]
 
@@ -36,8 +36,18 @@ class Storage(enum.Enum):
     """How a tensor is handed out: what the model may do with it without reading it."""
 
     DENSE = "dense"  # a torch.Tensor in the file's dtype
-    INT8_BLOCKS = "int8_blocks"  # Int8BlockWeight without offsets (GGUF Q8_0)
-    INT8_BLOCKS_WITH_MINS = "int8_blocks_with_mins"  # Int8BlockWeight with offsets (GGUF Q4_1)
+    Q4_0 = "q4_0"  # a BlockWeight of that block type (gguf_blocks.py)
+    Q4_1 = "q4_1"
+    Q8_0 = "q8_0"
+
+    @property
+    def block_type(self) -> BlockType | None:
+        """The GGUF block type a block storage holds; None for DENSE."""
+        return None if self is Storage.DENSE else BlockType[self.name]
+
+    @classmethod
+    def of_blocks(cls, block_type: BlockType) -> Storage:
+        return cls[block_type.name]
 
 
 @dataclass(frozen=True)
@@ -49,14 +59,13 @@ class TensorInfo:
 
     @classmethod
     def of(cls, weight: Weight) -> TensorInfo:
-        if isinstance(weight, Int8BlockWeight):
-            storage = Storage.INT8_BLOCKS if weight.mins is None else Storage.INT8_BLOCKS_WITH_MINS
-            return cls(tuple(weight.shape), storage)
+        if isinstance(weight, BlockWeight):
+            return cls(tuple(weight.shape), Storage.of_blocks(weight.block_type))
         return cls(tuple(weight.shape), Storage.DENSE)
 
     def sharded(self, rows: range | None = None, columns: range | None = None) -> TensorInfo:
         """What `read_shard(name, rows, columns)` hands out: the shard's shape, and its storage
-        (int8 blocks whose columns are cut inside a block come out dequantised, DENSE)."""
+        (blocks whose columns are cut inside a block come out dequantised, DENSE)."""
         shape = list(self.shape)
         if rows is not None:
             shape[0] = len(rows)
@@ -69,17 +78,17 @@ class TensorInfo:
 
 
 def blocks_aligned(columns: range) -> bool:
-    """Whether a column shard starts and ends on an int8 block (its codes can be kept as they are)."""
+    """Whether a column shard starts and ends on a block boundary (its blocks can be kept as they are)."""
     return columns.start % BLOCK == 0 and columns.stop % BLOCK == 0
 
 
 def slice_weight(weight: Weight, rows: range | None = None, columns: range | None = None) -> Weight:
     """The part of a tensor a tensor-parallel rank keeps: rows of dim 0, columns of dim 1 (None: all).
 
-    Dense tensors come back as views; int8 blocks as codes when the columns fall on block
+    Dense tensors come back as views; blocks as blocks when the columns fall on block
     boundaries, else (only the kept rows) dequantised to float32 and cut.
     """
-    if isinstance(weight, Int8BlockWeight):
+    if isinstance(weight, BlockWeight):
         if columns is None or blocks_aligned(columns):
             return weight.sliced(rows, columns)
         weight = weight.sliced(rows).dequantize()
@@ -152,7 +161,7 @@ class CheckpointWeights(Mapping[str, Weight]):
         return slice_weight(self._read(name), rows, columns)
 
     def dense(self, name: str) -> torch.Tensor:
-        """The tensor as a torch.Tensor: int8 blocks dequantised to float32, dense ones as stored."""
+        """The tensor as a torch.Tensor: blocks dequantised to float32, dense ones as stored."""
         return dense_tensor(self[name])
 
     def restricted_to(self, names: list[str]) -> CheckpointWeights:
@@ -161,8 +170,8 @@ class CheckpointWeights(Mapping[str, Weight]):
 
 
 def dense_tensor(weight: Weight) -> torch.Tensor:
-    """A weight as a torch.Tensor: int8 blocks dequantised to float32, dense tensors unchanged."""
-    return weight.dequantize() if isinstance(weight, Int8BlockWeight) else weight
+    """A weight as a torch.Tensor: blocks dequantised to float32, dense tensors unchanged."""
+    return weight.dequantize() if isinstance(weight, BlockWeight) else weight
 
 
 def expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:

@@ -14,7 +14,7 @@ heads. With more, every KV head is replicated on tp_size / num_kv_heads ranks (w
 and its group's query heads are split among those ranks.
 
 MLP columns (the intermediate dimension) and vocabulary rows split contiguously; an `align`ed
-split keeps every boundary a multiple of `align` (32 for weights stored as int8 blocks of 32
+split keeps every boundary a multiple of `align` (32 for weights stored as GGUF blocks of 32
 inputs, whose column shards must start and end on a block).
 """
 

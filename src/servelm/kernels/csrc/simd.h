@@ -1,9 +1,11 @@
-/* What the CPU kernels share: whether this build may use AVX2 + FMA, and a fixed-order lane sum.
+/* What the CPU kernels share: whether this build may use AVX2 + FMA (and AVX-512), and a
+   fixed-order lane sum.
 
-   servelm/kernels/build.py passes -mavx2 -mfma only when the CPU running the build reports both
-   (and puts those flags in the cache key), so SERVELM_HAVE_AVX2 is set exactly for builds made for
-   such CPUs; without it every kernel takes its scalar loop. No -march=native: a cache entry must
-   run on any CPU with the features in its key. */
+   servelm/kernels/build.py passes -mavx2 -mfma only when the CPU running the build reports both,
+   -mf16c and -mavx512f on top only when it reports those too (and puts the flags in the cache key),
+   so SERVELM_HAVE_AVX2 / SERVELM_HAVE_AVX512 are set exactly for builds made for such CPUs; without
+   them every kernel takes its scalar loop. No -march=native: a cache entry must run on any CPU with
+   the features in its key. */
 #ifndef SERVELM_SIMD_H
 #define SERVELM_SIMD_H
 
@@ -11,6 +13,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #define SERVELM_HAVE_AVX2 1
+#if defined(__AVX512F__)
+#define SERVELM_HAVE_AVX512 1 /* only block_gemm.c has AVX-512 loops; the others keep their AVX2 ones */
+#endif
 
 /* The eight lanes of v summed pairwise in a fixed order, so a result never depends on anything
    but its inputs (not the thread count, not the batch it came in). */
