@@ -14,7 +14,8 @@ Two passes per thread count, each on a fresh request:
     bucket                      what it times (exclusive)
     matmul kernel               the compiled matmul calls (C, through ctypes)
     matmul wrapper              Linear.forward and its method around the kernel (checks, output alloc, bias)
-    attention                   the attention backend's forward (KV write, paged decode kernel, softmax)
+    attention kernel            the paged decode attention's C passes (scores, then probabilities . V)
+    attention wrapper           the attention backend's forward around them (KV write, checks, softmax)
     norm / rotary / activation  RMSNorm.forward; apply_rotary; LlamaMLP.forward around its matmuls
     residual                    LlamaDecoderLayer.forward around its parts (the two adds)
     model glue                  LlamaForCausalLM.forward / compute_logits around their parts
@@ -58,11 +59,12 @@ from servelm.worker.sampler import Sampler
 # The C entry points that are matmuls (any present in the built library is timed): qgemm_small was
 # the int8-code kernel before issue 19, so the script measures a build from before the change too.
 MATMUL_SYMBOLS = ("qgemm_small", "block_gemm_small")
+ATTENTION_SYMBOLS = ("decode_scores", "decode_pv")  # the paged decode kernel's two passes (C)
 # wall: elapsed time; thread: the CPU time of this thread (at 1 thread every kernel and torch op runs on it).
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
 GROUPS = {
     "matmuls": ("matmul kernel", "matmul wrapper"),
-    "attention": ("attention",),
+    "attention": ("attention kernel", "attention wrapper"),
     "norms + rotary + activation + residual": ("norm", "rotary", "activation", "residual"),
     "Python + dispatch": ("model glue", "attention glue", "runner", "sampler", "engine"),
 }
@@ -104,13 +106,14 @@ def instrumented(timer: ExclusiveTimer) -> Iterator[None]:
         (EngineCore, "step", "engine"), (ModelRunner, "execute", "runner"), (Sampler, "__call__", "sampler"),
         (LlamaForCausalLM, "forward", "model glue"), (LlamaForCausalLM, "compute_logits", "model glue"),
         (LlamaDecoderLayer, "forward", "residual"), (LlamaAttention, "forward", "attention glue"),
-        (llama_module, "apply_rotary", "rotary"), (TorchAttentionBackend, "forward", "attention"),
+        (llama_module, "apply_rotary", "rotary"), (TorchAttentionBackend, "forward", "attention wrapper"),
         (RMSNorm, "forward", "norm"), (LlamaMLP, "forward", "activation"), (Linear, "forward", "matmul wrapper"),
     ]  # fmt: skip
     kernels = cpu_kernels.load()
     if kernels is not None:
         library = kernels._lib  # the ctypes library: its functions are attributes once looked up
         targets += [(library, name, "matmul kernel") for name in MATMUL_SYMBOLS if hasattr(library, name)]
+        targets += [(library, name, "attention kernel") for name in ATTENTION_SYMBOLS]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     try:
         for owner, name, bucket in targets:
