@@ -278,7 +278,7 @@ class ModelRunner:
                 sample_rows.extend(range(ends_in_batch[i] - verification.num_rows, ends_in_batch[i]))
         return StepInputs(
             request_ids=request_ids,
-            input_ids=torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True),
+            input_ids=to_device(token_ids, torch.long, self.device),
             positions=positions.to(self.device, non_blocking=True),
             common=common,
             metadata=None if graph_step else self.attention_backend.build_metadata(common),
