@@ -5,7 +5,8 @@ The engine runs in this process (no server): one request, a `--prompt-tokens` pr
 `--warmup` decode steps, then `--steps` timed `EngineCore.step()` calls (schedule, the runner's
 inputs, the forward, the logits of the sampled row, the sampler, update), for each thread count.
 
-Two passes per thread count, each on a fresh request:
+Each path the model has (fused layers: models/fused_decode.py, where it applies; op by op), and
+two passes per thread count and path, each on a fresh request:
 - plain: nothing patched; ms/token is the median step (best of `--repeats`);
 - split: the methods below wrapped by timers that charge every call's *exclusive* time (its own,
   minus the wrapped calls inside it) to a bucket, so the buckets add up to the instrumented step.
@@ -16,11 +17,13 @@ Two passes per thread count, each on a fresh request:
     matmul wrapper              Linear.forward and its method around the kernel (checks, output alloc, bias)
     attention kernel            the paged decode attention's C passes (scores, then probabilities . V)
     attention wrapper           the attention backend's forward around them (KV write, checks, softmax)
-    norm / rotary / activation  RMSNorm.forward; apply_rotary; LlamaMLP.forward around its matmuls
-    residual                    LlamaDecoderLayer.forward around its parts (the two adds)
+    norm / rotary / activation  the model's norm_rotary_ops (rms_norm, add_rms_norm; rotate); LlamaMLP.forward around its matmuls
+    residual                    LlamaDecoderLayer.forward and RMSNorm.add around the ops (the adds are fused in the norm)
     model glue                  LlamaForCausalLM.forward / compute_logits around their parts
                                 (embedding, cos/sin, the layer loop, views, module-call dispatch)
     attention glue              LlamaAttention.forward around its parts (slices, views, reshape)
+    fused layers                the one C call of every layer (csrc/decode_layers.c), where a step takes it
+    fused wrapper               FusedDecodeLayers.run around it (argument checks, scratch)
     runner                      ModelRunner.execute around the forward (mirrors, inputs, metadata, row select)
     sampler                     Sampler.__call__
     engine                      EngineCore.step around execute (schedule, update)
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
 import platform
@@ -44,14 +48,14 @@ from typing import Any
 
 import torch
 
-import servelm.models.llama as llama_module
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
 from servelm.engine.builder import build_engine
 from servelm.engine.core import EngineCore
 from servelm.kernels import cpu as cpu_kernels
-from servelm.models.llama import Linear, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
+from servelm.models.fused_decode import FusedDecodeLayers
+from servelm.models.llama import Linear, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from servelm.sampling_params import SamplingParams
 from servelm.worker.model_runner import ModelRunner
 from servelm.worker.sampler import Sampler
@@ -63,6 +67,7 @@ ATTENTION_SYMBOLS = ("decode_scores", "decode_pv")  # the paged decode kernel's 
 # wall: elapsed time; thread: the CPU time of this thread (at 1 thread every kernel and torch op runs on it).
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
 GROUPS = {
+    "fused layers (one C call)": ("fused layers", "fused wrapper"),
     "matmuls": ("matmul kernel", "matmul wrapper"),
     "attention": ("attention kernel", "attention wrapper"),
     "norms + rotary + activation + residual": ("norm", "rotary", "activation", "residual"),
@@ -100,20 +105,27 @@ class ExclusiveTimer:
 
 
 @contextlib.contextmanager
-def instrumented(timer: ExclusiveTimer) -> Iterator[None]:
-    """Wrap the step's methods (and the kernels' C matmul entry points) with `timer`; undone on exit."""
+def instrumented(timer: ExclusiveTimer, model: LlamaForCausalLM) -> Iterator[None]:
+    """Wrap the step's methods, `model`'s norm / rotary ops and the kernels' C entry points with
+    `timer`; undone on exit."""
+    ops = model.norm_rotary_ops  # a frozen set of functions the layers call: wrapped by replacing it
+    model.norm_rotary_ops = dataclasses.replace(
+        ops, rms_norm=timer.wrap("norm", ops.rms_norm), add_rms_norm=timer.wrap("norm", ops.add_rms_norm),
+        rotate=timer.wrap("rotary", ops.rotate),
+    )  # fmt: skip
     targets: list[tuple[Any, str, str]] = [
         (EngineCore, "step", "engine"), (ModelRunner, "execute", "runner"), (Sampler, "__call__", "sampler"),
         (LlamaForCausalLM, "forward", "model glue"), (LlamaForCausalLM, "compute_logits", "model glue"),
         (LlamaDecoderLayer, "forward", "residual"), (LlamaAttention, "forward", "attention glue"),
-        (llama_module, "apply_rotary", "rotary"), (TorchAttentionBackend, "forward", "attention wrapper"),
-        (RMSNorm, "forward", "norm"), (LlamaMLP, "forward", "activation"), (Linear, "forward", "matmul wrapper"),
+        (TorchAttentionBackend, "forward", "attention wrapper"), (FusedDecodeLayers, "run", "fused wrapper"),
+        (LlamaMLP, "forward", "activation"), (Linear, "forward", "matmul wrapper"),
     ]  # fmt: skip
     kernels = cpu_kernels.load()
     if kernels is not None:
         library = kernels._lib  # the ctypes library: its functions are attributes once looked up
         targets += [(library, name, "matmul kernel") for name in MATMUL_SYMBOLS if hasattr(library, name)]
         targets += [(library, name, "attention kernel") for name in ATTENTION_SYMBOLS]
+        targets += [(library, "decode_layers", "fused layers")]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     try:
         for owner, name, bucket in targets:
@@ -122,6 +134,7 @@ def instrumented(timer: ExclusiveTimer) -> Iterator[None]:
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
+        model.norm_rotary_ops = ops
 
 
 def run_steps(
@@ -153,7 +166,7 @@ def measure(core: EngineCore, args: argparse.Namespace, threads: int) -> tuple[f
     torch.set_num_threads(threads)
     plain = min(statistics.median(run_steps(core, args, f"plain-{threads}-{r}")[0]) for r in range(args.repeats))
     timer = ExclusiveTimer(CLOCKS[args.clock])
-    with instrumented(timer):
+    with instrumented(timer, core.runner.model):
         split_times, buckets = run_steps(core, args, f"split-{threads}", timer)
     per_step = {bucket: 1e3 * s / args.steps for bucket, s in buckets.items()}
     return 1e3 * plain, 1e3 * statistics.mean(split_times), per_step
@@ -188,16 +201,24 @@ def main() -> None:
     print(
         f"batch-1 decode after a {args.prompt_tokens}-token prompt, {args.steps} steps; split from one instrumented pass"
     )
+    model = core.runner.model
+    fused = model.fused_decode
+    paths = {"fused layers": fused, "op by op": None} if fused is not None else {"op by op": None}
     for threads in (int(t) for t in args.threads.split(",")):
-        plain, instrumented_ms, buckets = measure(core, args, threads)
-        print(f"\n{threads} thread(s): {plain:.2f} ms/token (median step, best of {args.repeats}); "
-              f"instrumented {instrumented_ms:.2f} ms, timer cost {instrumented_ms - plain:+.2f} ms")  # fmt: skip
-        for group, members in GROUPS.items():
-            total = sum(buckets.get(m, 0.0) for m in members)
-            detail = ", ".join(f"{m} {buckets.get(m, 0.0):.2f}" for m in members)
-            print(f"  {group:<40} {total:6.2f} ms  {100 * total / instrumented_ms:4.1f}%  ({detail})")
-        unaccounted = instrumented_ms - sum(buckets.values())
-        print(f"  {'outside the wrapped calls':<40} {unaccounted:6.2f} ms")
+        for path, fused_decode in paths.items():
+            model.fused_decode = fused_decode
+            plain, instrumented_ms, buckets = measure(core, args, threads)
+            print(f"\n{threads} thread(s), {path}: {plain:.2f} ms/token (median step, best of {args.repeats}); "
+                  f"instrumented {instrumented_ms:.2f} ms, timer cost {instrumented_ms - plain:+.2f} ms")  # fmt: skip
+            for group, members in GROUPS.items():
+                total = sum(buckets.get(m, 0.0) for m in members)
+                if total == 0.0:
+                    continue
+                detail = ", ".join(f"{m} {buckets.get(m, 0.0):.2f}" for m in members)
+                print(f"  {group:<40} {total:6.2f} ms  {100 * total / instrumented_ms:4.1f}%  ({detail})")
+            unaccounted = instrumented_ms - sum(buckets.values())
+            print(f"  {'outside the wrapped calls':<40} {unaccounted:6.2f} ms")
+    model.fused_decode = fused
 
 
 if __name__ == "__main__":

@@ -24,10 +24,13 @@ TRITON_INTERPRET = "TRITON_INTERPRET"
 class KernelsMode(str, enum.Enum):
     AUTO = "auto"  # compiled kernels where they build here, the pure-torch paths elsewhere
     TORCH = "torch"  # the pure-torch paths only (debugging, A/B comparisons)
+    # The compiled kernels op by op: a small decode step's layers not fused into one call
+    # (models/fused_decode.py); A/B comparisons of that fusion.
+    UNFUSED = "unfused"
 
 
 def kernels_mode() -> KernelsMode:
-    """SERVELM_KERNELS: `auto` (default, also when unset or empty) or `torch`.
+    """SERVELM_KERNELS: `auto` (default, also when unset or empty), `torch` or `unfused`.
 
     Raises ValueError naming the valid values for anything else, rather than silently
     running a path the user did not ask for.

@@ -31,7 +31,7 @@ def test_torch_switch_turns_the_kernels_off_and_says_so_once(kernel_env, caplog)
 
 def test_an_unknown_switch_value_names_the_valid_ones(kernel_env):
     kernel_env(envs.KERNELS, "fast")
-    with pytest.raises(ValueError, match="SERVELM_KERNELS='fast'.*valid values: auto, torch"):
+    with pytest.raises(ValueError, match="SERVELM_KERNELS='fast'.*valid values: auto, torch, unfused"):
         cpu.load()
 
 

@@ -51,7 +51,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     Raises ValueError for "triton" where it cannot run: triton not installed, or a device other
     than CUDA without TRITON_INTERPRET=1 (the interpreter: correct, slow; for tests)."""
     if name == AUTO:
-        use_triton = device.type == "cuda" and envs.kernels_mode() is envs.KernelsMode.AUTO and triton_importable()
+        use_triton = device.type == "cuda" and envs.kernels_mode() is not envs.KernelsMode.TORCH and triton_importable()
         resolved = "triton" if use_triton else "torch"
         logger.info("attention backend: %s (auto on %s)", resolved, device)
         return resolved

@@ -4,8 +4,10 @@ Callers, on every layer of every step in the engine core process:
 - `attention/torch_backend.py`: `decode_attention`, paged decode attention for float32 queries on
   CPU over a float32 pool or an int8 one with per-(token, head) scales (source: `csrc/paged_decode_attention.c`);
 - `models/linear_methods.py` (BlockLinearMethod): `block_gemm_prepared`, a few rows times GGUF
-  Q4_0 / Q4_1 / Q8_0 blocks as the file stores them (source: `csrc/block_gemm.c`).
-Both treat `load()` returning None as "take the pure-torch path", which gives the same results
+  Q4_0 / Q4_1 / Q8_0 blocks as the file stores them (source: `csrc/block_gemm.c`);
+- `models/fused_decode.py`: `decode_layers`, every decoder layer of a small decode step in one call
+  (source: `csrc/decode_layers.c`, composing the two above; arguments: `kernels/decode_layers.py`).
+All treat `load()` returning None as "take the pure-torch path", which gives the same results
 within float32 rounding. `load()` decides once per process (until `reset()`):
 
     SERVELM_KERNELS=torch          -> None; said once in the log (INFO)
@@ -22,12 +24,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from servelm import envs
 from servelm.kernels.arguments import KernelArgumentError, check_int, check_shape, check_tensor
 from servelm.kernels.build import BuiltLibrary, KernelBuildError, build
+
+if TYPE_CHECKING:
+    from servelm.kernels.decode_layers import DecodeLayersCall, PreparedLayers
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +89,8 @@ class CpuKernels:
         lib.decode_pv.restype = None
         lib.block_gemm_small.argtypes = [ptr] * 3 + [i64] * 3 + [c_int, c_int]
         lib.block_gemm_small.restype = None
+        lib.decode_layers.argtypes = [ptr, ptr, i64, ptr, ptr, i64]
+        lib.decode_layers.restype = i64
         lib.block_gemm_simd_level.argtypes = []
         lib.block_gemm_simd_level.restype = c_int
         self._lib = lib
@@ -204,6 +212,24 @@ class CpuKernels:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def decode_layers(self, prepared: PreparedLayers, call: DecodeLayersCall, num_layers: int) -> torch.Tensor:
+        """The first `num_layers` layers of `prepared` over `call`'s rows (csrc/decode_layers.c): returns
+        the last layer's MLP output; `call.residual` then holds the sum before it. Writes each row's
+        new K/V into every layer's pool."""
+        if not 0 < num_layers <= len(prepared.layers):
+            raise KernelArgumentError(f"num_layers: expected 1..{len(prepared.layers)}, found {num_layers}")
+        bad = self._lib.decode_layers(
+            ctypes.byref(call.step), prepared.array, num_layers, call.hidden.data_ptr(), call.residual.data_ptr(),
+            int(call.has_residual),
+        )  # fmt: skip
+        if bad >= 0:
+            raise KernelArgumentError(
+                f"row {bad}: its seq_len, block ids or slot fall outside the pool ({prepared.num_blocks} blocks of "
+                f"{prepared.block_size}); seq_len {int(call.keep[1][bad])}, slot {int(call.keep[2][bad])}, "
+                f"block table row {call.keep[0][bad].tolist()}"
+            )
+        return call.hidden
 
 
 class PreparedBlocks:

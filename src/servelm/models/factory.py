@@ -9,6 +9,7 @@ import torch
 from servelm.attention.backend import AttentionBackend, get_backend
 from servelm.attention.selection import resolve_backend_name
 from servelm.models.arch import ModelArchConfig
+from servelm.models.fused_decode import FusedDecodeLayers
 from servelm.models.fused_ops import select_ops
 from servelm.models.linear_methods import DENSE, LinearMethod, choose_linear_method
 from servelm.models.llama import LlamaForCausalLM
@@ -84,4 +85,5 @@ def build_model(
             # Frequencies stay float32 whatever the compute dtype, as in the reference.
             module.inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling).to(device)
     model.norm_rotary_ops = select_ops(device)  # fused Triton kernels on CUDA, torch elsewhere
+    model.fused_decode = FusedDecodeLayers.of(model)  # CPU GGUF-block models' small decode steps
     return model.eval()

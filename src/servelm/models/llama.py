@@ -30,7 +30,9 @@ from torch import nn
 
 from servelm.attention.backend import AttentionBackend, AttentionMetadata
 from servelm.attention.kv_storage import LayerKVCache
+from servelm.attention.torch_backend import TorchAttentionMetadata
 from servelm.models.arch import ModelArchConfig
+from servelm.models.fused_decode import FusedDecodeLayers
 from servelm.models.fused_ops import TORCH_OPS, NormRotaryOps, Rotate, torch_rms_norm
 from servelm.models.linear_methods import DENSE, LinearMethod, LinearMethodChooser, all_dense
 from servelm.models.rotary import RotaryEmbedding
@@ -232,6 +234,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Who computes the norms and rotations; the factory picks by device (fused_ops.select_ops).
         self.norm_rotary_ops = TORCH_OPS
+        # Small CPU decode steps' layers in one compiled call where the model allows it (set by the
+        # factory once the weights are in: fused_decode.FusedDecodeLayers.of); None: op by op always.
+        self.fused_decode: FusedDecodeLayers | None = None
 
     @torch.inference_mode()
     def forward(
@@ -246,9 +251,14 @@ class LlamaForCausalLM(nn.Module):
         # Every layer rotates by the same angles: computed once per forward, not once per layer.
         rope = self.decoder_layers[0].self_attn.rotary.cos_sin(positions, hidden.dtype)
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.decoder_layers[:num_layers]):
-            kv_cache = None if kv_caches is None else kv_caches[i]
-            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata, self.norm_rotary_ops)
+        fused = self.fused_decode
+        if fused is not None and num_layers != 0 and fused.accepts(hidden.shape[0], metadata, kv_caches):
+            assert kv_caches is not None and isinstance(metadata, TorchAttentionMetadata)  # accepts checked
+            hidden, residual = fused.run(hidden, rope, metadata, kv_caches, num_layers)
+        else:
+            for i, layer in enumerate(self.decoder_layers[:num_layers]):
+                kv_cache = None if kv_caches is None else kv_caches[i]
+                hidden, residual = layer(rope, hidden, residual, kv_cache, metadata, self.norm_rotary_ops)
         return self.norm.add(hidden, residual, self.norm_rotary_ops)[0]
 
     @torch.inference_mode()

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "internal.h"
 #include "simd.h"
 #ifdef __F16C__
 #include <immintrin.h> /* _cvtsh_ss */
@@ -255,7 +256,12 @@ int block_gemm_simd_level(void) {
 /* Rows of W per task: a multiple of 16 keeps two threads' outputs off one cache line; 32 rows of the
    narrowest layer (K = 576) are ~11 KB of Q4_1, enough work per task, and the default model's
    N = 576 and 960 split into an even number of tasks (two threads get equal shares). */
-#define N_PER_TASK 32
+#define N_PER_TASK SERVELM_N_PER_TASK
+
+void servelm_block_rows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int type,
+                        int64_t n0, int64_t n1) {
+    rows_simd(x, w, y, M, N, K, type, n0, n1);
+}
 
 void block_gemm_small(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int type,
                       int num_threads) {

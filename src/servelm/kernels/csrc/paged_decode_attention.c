@@ -27,6 +27,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "internal.h"
 #include "simd.h"
 
 #ifdef SERVELM_HAVE_AVX2
@@ -170,14 +171,7 @@ static inline void prefetch_block(const char* block, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(block + i, 0, 3);
 }
 
-/* One layer's K or V half: float32 values, or int8 codes with their scales (scales NULL: float32). */
-typedef struct {
-    const char* base;  /* the pool's first byte */
-    const float* scales;
-    int64_t element_size; /* 4 or 1 */
-} pool_half;
-
-static inline pool_half pool_half_of(const void* pool, const float* scales) {
+pool_half servelm_pool_half(const void* pool, const float* scales) {
     pool_half half = {(const char*)pool, scales, scales ? 1 : 4};
     return half;
 }
@@ -187,7 +181,7 @@ static inline const char* block_start(pool_half pool, int32_t block, int64_t bs,
     return pool.base + (int64_t)block * bs * KVH * D * pool.element_size;
 }
 
-static void scores_one(const float* q, pool_half k_pool, const int32_t* bt, int64_t L, float* sb,
+void servelm_scores_one(const float* q, pool_half k_pool, const int32_t* bt, int64_t L, float* sb,
                        int64_t kh0, int64_t kh1, int64_t H, int64_t KVH, int64_t D, int64_t bs,
                        int64_t max_len, float scale) {
     const int64_t G = H / KVH, block_bytes = bs * KVH * D * k_pool.element_size;
@@ -210,7 +204,7 @@ static void scores_one(const float* q, pool_half k_pool, const int32_t* bt, int6
         for (int64_t l = L; l < max_len; l++) sb[h * max_len + l] = -INFINITY;
 }
 
-static void pv_one(const float* pb, pool_half v_pool, const int32_t* bt, int64_t L, float* ob,
+void servelm_pv_one(const float* pb, pool_half v_pool, const int32_t* bt, int64_t L, float* ob,
                    int64_t kh0, int64_t kh1, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_len) {
     const int64_t G = H / KVH, block_bytes = bs * KVH * D * v_pool.element_size;
     for (int64_t i = kh0 * G * D; i < kh1 * G * D; i++) ob[i] = 0.f;
@@ -233,7 +227,7 @@ static void pv_one(const float* pb, pool_half v_pool, const int32_t* bt, int64_t
 /* The first request b whose decode would read outside the pool, or -1 when none would:
    every request needs 1 <= seq_lens[b] <= min(max_len, max_blocks * bs) and, for the
    ceil(seq_lens[b] / bs) blocks it reads, 0 <= block_tables[b][j] < num_blocks. */
-static int64_t first_invalid_request(const int32_t* block_tables, const int32_t* seq_lens, int64_t B,
+int64_t servelm_first_invalid_request(const int32_t* block_tables, const int32_t* seq_lens, int64_t B,
                                      int64_t max_blocks, int64_t bs, int64_t max_len, int64_t num_blocks) {
     for (int64_t b = 0; b < B; b++) {
         const int64_t L = seq_lens[b];
@@ -252,15 +246,15 @@ int64_t decode_scores(const float* q, const void* k_pool, const float* k_scales,
                       const int32_t* seq_lens,
                       float* scores, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
                       int64_t max_blocks, int64_t max_len, int64_t num_blocks, float scale, int num_threads) {
-    const int64_t bad = first_invalid_request(block_tables, seq_lens, B, max_blocks, bs, max_len, num_blocks);
+    const int64_t bad = servelm_first_invalid_request(block_tables, seq_lens, B, max_blocks, bs, max_len, num_blocks);
     if (bad >= 0) return bad;
-    const pool_half pool = pool_half_of(k_pool, k_scales);
+    const pool_half pool = servelm_pool_half(k_pool, k_scales);
     const int64_t split = B < num_threads ? KVH : 1; /* pieces per request */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < B * split; item++) {
         const int64_t b = item / split, piece = item % split;
         const int64_t kh0 = piece * KVH / split, kh1 = (piece + 1) * KVH / split;
-        scores_one(q + b * H * D, pool, block_tables + b * max_blocks, seq_lens[b], scores + b * H * max_len,
+        servelm_scores_one(q + b * H * D, pool, block_tables + b * max_blocks, seq_lens[b], scores + b * H * max_len,
                    kh0, kh1, H, KVH, D, bs, max_len, scale);
     }
     return -1;
@@ -269,13 +263,13 @@ int64_t decode_scores(const float* q, const void* k_pool, const float* k_scales,
 void decode_pv(const float* probs, const void* v_pool, const float* v_scales, const int32_t* block_tables,
                const int32_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
                int64_t max_blocks, int64_t max_len, int num_threads) {
-    const pool_half pool = pool_half_of(v_pool, v_scales);
+    const pool_half pool = servelm_pool_half(v_pool, v_scales);
     const int64_t split = B < num_threads ? KVH : 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < B * split; item++) {
         const int64_t b = item / split, piece = item % split;
         const int64_t kh0 = piece * KVH / split, kh1 = (piece + 1) * KVH / split;
-        pv_one(probs + b * H * max_len, pool, block_tables + b * max_blocks, seq_lens[b], out + b * H * D,
+        servelm_pv_one(probs + b * H * max_len, pool, block_tables + b * max_blocks, seq_lens[b], out + b * H * D,
                kh0, kh1, H, KVH, D, bs, max_len);
     }
 }

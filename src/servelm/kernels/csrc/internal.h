@@ -1,0 +1,35 @@
+/* What one kernel source lends another inside the library: the block matmul's row loop and the paged
+   decode attention's per-request passes, so that decode_layers.c composes them inside its own
+   parallel region instead of opening one per call. Not part of the library's ctypes surface. */
+#ifndef SERVELM_INTERNAL_H
+#define SERVELM_INTERNAL_H
+
+#include <stdint.h>
+
+/* block_gemm.c: outputs [n0, n1) of y[M, N] = x[M, K] . W^T, W as GGUF blocks of ggml `type`.
+   block_gemm_small splits N into tasks of this many rows. */
+#define SERVELM_N_PER_TASK 32
+void servelm_block_rows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int type,
+                        int64_t n0, int64_t n1);
+
+/* paged_decode_attention.c. One layer's K or V half: float32 values, or int8 codes with their
+   scales (scales NULL: float32). */
+typedef struct {
+    const char* base; /* the pool's first byte */
+    const float* scales;
+    int64_t element_size; /* 4 or 1 */
+} pool_half;
+
+pool_half servelm_pool_half(const void* pool, const float* scales);
+/* Scores of request row q ([H, D]) against its L keys for KV heads [kh0, kh1): sb [H, max_len]
+   (entries past L set to -inf). */
+void servelm_scores_one(const float* q, pool_half k_pool, const int32_t* bt, int64_t L, float* sb, int64_t kh0,
+                        int64_t kh1, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_len, float scale);
+/* ob[h] = sum_l pb[h, l] * V[l] for the query heads of KV heads [kh0, kh1) (ob [H, D], overwritten). */
+void servelm_pv_one(const float* pb, pool_half v_pool, const int32_t* bt, int64_t L, float* ob, int64_t kh0,
+                    int64_t kh1, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_len);
+/* The first request whose lengths or used block ids fall outside the pool, or -1. */
+int64_t servelm_first_invalid_request(const int32_t* block_tables, const int32_t* seq_lens, int64_t B,
+                                      int64_t max_blocks, int64_t bs, int64_t max_len, int64_t num_blocks);
+
+#endif /* SERVELM_INTERNAL_H */
