@@ -163,11 +163,14 @@ def test_kernels_compile_for_sm90_and_the_rotary_keeps_its_roundings():
     assert result.stdout.count("ok   sm_90") == 9, result.stdout
 
 
-def test_the_factory_gives_triton_on_cuda_and_torch_elsewhere(monkeypatch):
-    assert fused_ops.select_ops(torch.device("cpu")) is fused_ops.TORCH_OPS
+def test_the_factory_gives_triton_on_cuda_and_the_compiled_row_ops_on_cpu(monkeypatch):
+    cpu_set = fused_ops.select_ops(torch.device("cpu"))
+    assert cpu_set is (fused_ops.cpu_ops() or fused_ops.TORCH_OPS)  # the row ops where the C kernels build
+    assert fused_ops.select_ops(torch.device("meta")) is fused_ops.TORCH_OPS
     assert fused_ops.select_ops(torch.device("cuda")).name == "triton"  # triton imports here
     monkeypatch.setenv(envs.KERNELS, "torch")
     assert fused_ops.select_ops(torch.device("cuda")) is fused_ops.TORCH_OPS
+    assert fused_ops.select_ops(torch.device("cpu")) is fused_ops.TORCH_OPS
 
 
 PROMPTS = [[1, 15, 200, 7, 7, 99, 1023, 4, 18, 30, 2, 5, 6], [300, 12], [9]]

@@ -49,10 +49,13 @@ def _causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch
     return cols <= rows  # [num_queries, num_keys] bool, True = attend
 
 
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """query: [q, H, D]; key/value: [k, KVH, D] → [q, H, D], causal with the query block at the end."""
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+            mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """query: [q, H, D]; key/value: [k, KVH, D] → [q, H, D], causal with the query block at the end.
+    `mask`: _causal_mask(q, k) when the caller has it (it is the same for every layer of a step)."""
     square = query.shape[0] == key.shape[0]  # no context before the queries: SDPA's own causal mask fits
-    mask = None if square else _causal_mask(query.shape[0], key.shape[0], query.device)
+    if mask is None and not square:
+        mask = _causal_mask(query.shape[0], key.shape[0], query.device)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
         key.transpose(0, 1).unsqueeze(0).to(query.dtype),  # [1, KVH, k, D]
@@ -225,6 +228,9 @@ class PrefillChunk:
     # [seq_len] long, on device: pool slots of positions 0..seq_len-1 (context, then the chunk);
     # None when nothing is cached before the chunk and it attends to its own fresh K/V.
     context_slots: torch.Tensor | None
+    # With context: which keys each query sees ([end - start, seq_len] bool), made once for every layer
+    # (made per layer it was ~2% of a long prompt's prefill).
+    context_mask: torch.Tensor | None = None
 
     def attend(self, query, key, value, kv_cache: LayerKVCache | None, scale: float) -> torch.Tensor:
         s, e = self.start, self.end
@@ -233,7 +239,7 @@ class PrefillChunk:
         assert kv_cache is not None  # TorchAttentionBackend.forward checked
         k = gather_kv(kv_cache, 0, self.context_slots, query.dtype)  # [seq_len, KVH, D]
         v = gather_kv(kv_cache, 1, self.context_slots, query.dtype)
-        return _attend(query[s:e], k, v, scale)
+        return _attend(query[s:e], k, v, scale, self.context_mask)
 
 
 def _build_chunks(common: CommonAttentionInputs, indices: list[int]) -> tuple[PrefillChunk, ...]:
@@ -252,7 +258,8 @@ def _build_chunks(common: CommonAttentionInputs, indices: list[int]) -> tuple[Pr
         ]
         on_device = torch.cat(per_request).to(common.device, non_blocking=True)
         context = dict(zip(with_context, on_device.split([seq_lens[i] for i in with_context])))
-    return tuple(PrefillChunk(starts[i], starts[i + 1], context.get(i)) for i in indices)
+    masks = {i: _causal_mask(starts[i + 1] - starts[i], seq_lens[i], common.device) for i in context}
+    return tuple(PrefillChunk(starts[i], starts[i + 1], context.get(i), masks.get(i)) for i in indices)
 
 
 # -- the backend ---------------------------------------------------------------------------

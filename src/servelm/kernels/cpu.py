@@ -91,6 +91,13 @@ class CpuKernels:
         lib.block_gemm_small.restype = None
         lib.decode_layers.argtypes = [ptr, ptr, i64, ptr, ptr, i64]
         lib.decode_layers.restype = i64
+        f32 = ctypes.c_float
+        lib.rms_norm_rows.argtypes = [ptr] * 5 + [i64, i64, f32, c_int]
+        lib.rms_norm_rows.restype = None
+        lib.silu_mul_rows.argtypes = [ptr, ptr, i64, i64, c_int]
+        lib.silu_mul_rows.restype = None
+        lib.rotate_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, c_int]
+        lib.rotate_rows.restype = None
         lib.block_gemm_simd_level.argtypes = []
         lib.block_gemm_simd_level.restype = c_int
         self._lib = lib
@@ -212,6 +219,49 @@ class CpuKernels:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual) * weight, x + residual) for x [T, n] (residual None: of x itself,
+        and x returned as the sum), float32 (csrc/row_ops.c)."""
+        check_tensor("x", x, torch.float32, 2)
+        rows, n = x.shape
+        check_shape("weight", check_tensor("weight", weight, torch.float32, 1), (n,), "[n], n as in x")
+        total = x
+        if residual is not None:
+            check_shape("residual", check_tensor("residual", residual, torch.float32, 2), (rows, n), "x's")
+            total = torch.empty_like(x)
+        out = torch.empty_like(x)
+        residual_ptr = None if residual is None else residual.data_ptr()
+        self._lib.rms_norm_rows(x.data_ptr(), residual_ptr, weight.data_ptr(), out.data_ptr(), total.data_ptr(),
+                                rows, n, float(eps), torch.get_num_threads())  # fmt: skip
+        return out, total
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [T, 2I] float32 (gate | up) -> [T, I] (csrc/row_ops.c)."""
+        check_tensor("gate_up", gate_up, torch.float32, 2)
+        rows, width = gate_up.shape
+        if width % 2:
+            raise KernelArgumentError(f"gate_up: expected [T, 2 I], found {tuple(gate_up.shape)}")
+        act = gate_up.new_empty(rows, width // 2)
+        self._lib.silu_mul_rows(gate_up.data_ptr(), act.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return act
+
+    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, N, D] float32 rotated in place by cos / sin [T, 1, D/2] (HF rotate-half, apply_rotary's
+        roundings); x's heads contiguous within a row (a q|k column view of a fused qkv is fine)."""
+        if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_cpu and x.dim() == 3):
+            raise KernelArgumentError(f"x: expected a float32 CPU tensor [T, N, D], found {type(x).__name__}")
+        rows, heads, dim = x.shape
+        if dim % 2 or x.stride(2) != 1 or x.stride(1) != dim or (rows > 1 and x.stride(0) < heads * dim):
+            raise KernelArgumentError(f"x: expected [T, N, even D] with each row's heads contiguous, found shape "
+                                      f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+        for name, angles in (("cos", cos), ("sin", sin)):
+            check_shape(name, check_tensor(name, angles, torch.float32, 3), (rows, 1, dim // 2), "[T, 1, D/2]")
+        self._lib.rotate_rows(x.data_ptr(), rows, heads, dim, x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                              torch.get_num_threads())  # fmt: skip
+        return x
 
     def decode_layers(self, prepared: PreparedLayers, call: DecodeLayersCall, num_layers: int) -> torch.Tensor:
         """The first `num_layers` layers of `prepared` over `call`'s rows (csrc/decode_layers.c): returns

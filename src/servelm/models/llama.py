@@ -22,7 +22,7 @@ every rank). One rank issues no collective: each helper is the identity there.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from servelm.attention.kv_storage import LayerKVCache
 from servelm.attention.torch_backend import TorchAttentionMetadata
 from servelm.models.arch import ModelArchConfig
 from servelm.models.fused_decode import FusedDecodeLayers
-from servelm.models.fused_ops import TORCH_OPS, NormRotaryOps, Rotate, torch_rms_norm
+from servelm.models.fused_ops import TORCH_OPS, NormRotaryOps, Rotate, torch_rms_norm, torch_silu_mul
 from servelm.models.linear_methods import DENSE, LinearMethod, LinearMethodChooser, all_dense
 from servelm.models.rotary import RotaryEmbedding
 from servelm.models.sharding import ModelShard, whole
@@ -183,9 +183,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, arch.hidden_size, False, down_parts,
                                 linear_method(down_parts, columns), columns=columns, reduce=shard.tp)  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+    def forward(
+        self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor] = torch_silu_mul
+    ) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # gate_up: [T, 2I] = gate | up
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -207,7 +208,7 @@ class LlamaDecoderLayer(nn.Module):
         normed, residual = self.input_layernorm.add(hidden, residual, ops)
         attn = self.self_attn(rope, normed, kv_cache, metadata, ops.rotate)
         normed, residual = self.post_attention_layernorm.add(attn, residual, ops)
-        return self.mlp(normed), residual
+        return self.mlp(normed, ops.silu_mul), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -65,18 +65,6 @@ typedef struct {
     float *normed, *qkv, *scores, *attn, *gate_up, *act;
 } fused_step;
 
-/* out = rmsnorm(x) * w over n, as torch's rms_norm in float32: x * rsqrt(mean(x^2) + eps) * w. */
-static void rms_norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
-    float acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
-    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) sum += x[i] * x[i];
-    const float inv = 1.f / sqrtf(sum / (float)n + eps);
-    for (i = 0; i < n; i++) out[i] = (x[i] * inv) * w[i];
-}
-
 /* y[B, lin.n] = x[B, lin.k] . W^T (+ bias), the threads splitting lin.n: call from every thread of the region. */
 static void linear_rows(const fused_linear* lin, const float* x, float* y, int64_t B) {
     const int64_t tasks = (lin->n + SERVELM_N_PER_TASK - 1) / SERVELM_N_PER_TASK;
@@ -88,28 +76,6 @@ static void linear_rows(const fused_linear* lin, const float* x, float* y, int64
             for (int64_t b = 0; b < B; b++)
                 for (int64_t n = n0; n < n1; n++) y[b * lin->n + n] += lin->bias[n];
     }
-}
-
-/* x[0:D] rotated in place by the row's angles: x1*cos - x2*sin | x2*cos + x1*sin (apply_rotary's roundings). */
-static void rotate_head(float* x, const float* cos, const float* sin, int64_t half) {
-    for (int64_t i = 0; i < half; i++) {
-        const float x1 = x[i], x2 = x[i + half];
-        const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
-        x[i] = a - b;
-        x[i + half] = c + d;
-    }
-}
-
-static void softmax_row(float* x, int64_t n) {
-    float max = -INFINITY;
-    for (int64_t i = 0; i < n; i++) max = x[i] > max ? x[i] : max;
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; i++) {
-        x[i] = expf(x[i] - max);
-        sum += x[i];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t i = 0; i < n; i++) x[i] *= inv;
 }
 
 /* One layer for all rows; every thread of the enclosing region calls it. */
@@ -126,14 +92,14 @@ static void layer_rows(const fused_step* s, const fused_layer* layer, float* hid
         } else {
             for (int64_t i = 0; i < HS; i++) r[i] = h[i] + r[i];
         }
-        rms_norm_row(r, layer->input_norm, s->normed + b * HS, HS, s->eps);
+        servelm_rms_norm_row(r, layer->input_norm, s->normed + b * HS, HS, s->eps);
     }
     linear_rows(&layer->qkv, s->normed, s->qkv, B);
     const int64_t pool_half_floats = s->num_blocks * s->block_size * KVH * D;
 #pragma omp single
     for (int64_t b = 0; b < B; b++) {
         float* row = s->qkv + b * QKV;
-        for (int64_t h = 0; h < H + KVH; h++) rotate_head(row + h * D, s->cos + b * half, s->sin + b * half, half);
+        for (int64_t h = 0; h < H + KVH; h++) servelm_rotate_head(row + h * D, s->cos + b * half, s->sin + b * half, half);
         float* k_dst = layer->kv_pool + s->slots[b] * KVH * D;
         memcpy(k_dst, row + H * D, (size_t)(KVH * D) * sizeof(float));
         memcpy(k_dst + pool_half_floats, row + (H + KVH) * D, (size_t)(KVH * D) * sizeof(float));
@@ -148,7 +114,7 @@ static void layer_rows(const fused_step* s, const fused_layer* layer, float* hid
         float* sb = s->scores + b * H * s->max_len;
         servelm_scores_one(s->qkv + b * QKV, k_half, bt, L, sb, kh, kh + 1, H, KVH, D, s->block_size, s->max_len,
                            s->scale);
-        for (int64_t h = kh * G; h < (kh + 1) * G; h++) softmax_row(sb + h * s->max_len, L);
+        for (int64_t h = kh * G; h < (kh + 1) * G; h++) servelm_softmax_row(sb + h * s->max_len, L);
         servelm_pv_one(sb, v_half, bt, L, s->attn + b * H * D, kh, kh + 1, H, KVH, D, s->block_size, s->max_len);
     }
     linear_rows(&layer->o, s->attn, hidden, B);
@@ -157,15 +123,15 @@ static void layer_rows(const fused_step* s, const fused_layer* layer, float* hid
         float* r = residual + b * HS;
         const float* h = hidden + b * HS;
         for (int64_t i = 0; i < HS; i++) r[i] = h[i] + r[i];
-        rms_norm_row(r, layer->post_norm, s->normed + b * HS, HS, s->eps);
+        servelm_rms_norm_row(r, layer->post_norm, s->normed + b * HS, HS, s->eps);
     }
     linear_rows(&layer->gate_up, s->normed, s->gate_up, B);
+    /* Each row's intermediate split in two halves (32-aligned: I is a multiple of 32), for the threads. */
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t piece = 0; piece < 2 * B; piece++) {
+        const int64_t b = piece / 2, i0 = (piece % 2) * (I / 64) * 32, i1 = piece % 2 ? I : (I / 64) * 32;
         const float* gate = s->gate_up + b * 2 * I;
-        const float* up = gate + I;
-        float* act = s->act + b * I;
-        for (int64_t i = 0; i < I; i++) act[i] = (gate[i] / (1.f + expf(-gate[i]))) * up[i];
+        servelm_silu_mul_row(gate + i0, gate + I + i0, s->act + b * I + i0, i1 - i0);
     }
     linear_rows(&layer->down, s->act, hidden, B);
 }

@@ -1,6 +1,6 @@
-/* What one kernel source lends another inside the library: the block matmul's row loop and the paged
-   decode attention's per-request passes, so that decode_layers.c composes them inside its own
-   parallel region instead of opening one per call. Not part of the library's ctypes surface. */
+/* What one kernel source lends another inside the library: the block matmul's row loop, the paged
+   decode attention's per-request passes and the row ops, so that decode_layers.c composes them
+   inside its own parallel region instead of opening one per call. Not part of the library's ctypes surface. */
 #ifndef SERVELM_INTERNAL_H
 #define SERVELM_INTERNAL_H
 
@@ -31,5 +31,13 @@ void servelm_pv_one(const float* pb, pool_half v_pool, const int32_t* bt, int64_
 /* The first request whose lengths or used block ids fall outside the pool, or -1. */
 int64_t servelm_first_invalid_request(const int32_t* block_tables, const int32_t* seq_lens, int64_t B,
                                       int64_t max_blocks, int64_t bs, int64_t max_len, int64_t num_blocks);
+
+/* row_ops.c: one row each. out = x * (1 / sqrt(mean(x^2) + eps)) * w over n. */
+void servelm_rms_norm_row(const float* x, const float* w, float* out, int64_t n, float eps);
+/* x[0:2 half] rotated in place: x1*cos - x2*sin | x2*cos + x1*sin (apply_rotary's roundings). */
+void servelm_rotate_head(float* x, const float* cos, const float* sin, int64_t half);
+void servelm_softmax_row(float* x, int64_t n);
+/* act = silu(gate) * up = gate / (1 + e^-gate) * up, over n. */
+void servelm_silu_mul_row(const float* gate, const float* up, float* act, int64_t n);
 
 #endif /* SERVELM_INTERNAL_H */
