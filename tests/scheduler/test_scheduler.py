@@ -601,3 +601,33 @@ def test_max_step_ms_without_a_fit_or_when_off_keeps_the_static_budget() -> None
         s.add_request(request("b", 200))
         so, _ = step(s)
         assert so.num_scheduled_tokens == {"a": 1, "b": 63}
+
+
+# -- arrival bound (arrival_wait_ms) -------------------------------------------------------
+
+
+def test_arrival_wait_ms_bounds_every_step_decodes_or_not() -> None:
+    """A long batch prompt alone is chunked to what ends in arrival_wait_ms, so a better-ranked
+    request arriving meanwhile waits at most about that for its turn, and takes it."""
+    s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=256, max_model_len=512, arrival_wait_ms=20.0)
+    _teach_cost(s, fixed_s=0.002, per_token_s=0.001)  # 20 ms fits 18 tokens
+    s.add_request(request("long", 200, priority=1))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"long": 18}  # no decode anywhere: bounded all the same
+    s.add_request(request("short", 6))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"short": 6, "long": 12}  # short first, whole; the rest to long
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"short": 1, "long": 17}  # short decodes within the same bound
+
+
+def test_arrival_wait_ms_off_unset_or_unlearned_keeps_the_static_budget() -> None:
+    for config, learned in (({"arrival_wait_ms": 0.0}, True), ({}, True), ({"arrival_wait_ms": 20.0}, False)):
+        s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=64, max_model_len=512, **config)
+        if learned:
+            _teach_cost(s, fixed_s=0.002, per_token_s=0.001)
+        s.add_request(request("long", 200))
+        so, _ = step(s)
+        assert so.num_scheduled_tokens == {"long": 64}, config
+    with pytest.raises(ValueError, match="arrival_wait_ms"):
+        SchedulerConfig(arrival_wait_ms=-1.0)

@@ -41,7 +41,9 @@ fair share, and the step log (metrics). The step-time target (step_cost.step_tim
 is max_step_ms or, tighter, the smallest TBT target of the requests decoding; it sets the
 budget. A prompt with a class TBT target that completes in step 2 bounds the rest of the step
 the same way (its first token is due at the step's end), so the top-up does not fill a
-realtime request's first step with others' bulk prefill.
+realtime request's first step with others' bulk prefill. arrival_wait_ms bounds every step,
+decodes or not: how long a request arriving mid-step can wait for the step to end (a step is
+never interrupted), which is what a sparse realtime class needs from everyone else's steps.
 
 Calling protocol (one thread, the engine core's): schedule() → the runner executes the
 SchedulerOutput → update() with that output, before the next schedule(). add_request()
@@ -284,10 +286,14 @@ class Scheduler:
     # -- schedule -------------------------------------------------------------------
 
     def _step_budget(self) -> int:
-        """max_num_batched_tokens, or less while requests decode under a step-time target."""
+        """max_num_batched_tokens, or less while requests decode under a step-time target, or
+        under the arrival bound (arrival_wait_ms) at any time."""
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self._running if not r.is_prefilling]
-        fits = self._tokens_within(self.config.max_step_ms, decoding) if decoding else None
+        bounds = [self._tokens_within(self.config.max_step_ms, decoding) if decoding else None]
+        if self.config.arrival_wait_ms:  # None or 0: no bound
+            bounds.append(self.step_cost.tokens_within(self.config.arrival_wait_ms / 1000.0))
+        fits = min((b for b in bounds if b is not None), default=None)
         if fits is None:
             return budget
         # Every decode, and at least one block of prefill so waiting prompts still move.
