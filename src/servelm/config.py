@@ -180,8 +180,11 @@ class SchedulerConfig:
     # keep their pace. Each step still takes every decode plus at least one block of prefill,
     # so prompts always progress. Steps with no decode keep the full budget (TTFT first).
     # Requests whose class has a TBT target (RequestSlo.tbt_target_s) tighten it while they
-    # decode, set or not (step_cost.step_time_target_s).
-    max_step_ms: float = 0.0
+    # decode, set or not (step_cost.step_time_target_s). Default 200 ms, the interactive class's
+    # TBT: measured through the API on the default model (2 CPU cores, chat at 8 in flight) it took
+    # TBT p99 from 298-353 ms to 158-207 ms for 5-8% fewer tokens/s and a longer TTFT p99
+    # (benchmarks/RESULTS.md, issue 19); where steps are fast (a GPU) it never binds.
+    max_step_ms: float = 200.0
     # How long (ms) a request arriving mid-step may have to wait for that step to end; 0 = no bound.
     # Every step, decodes or not, schedules only what its learned cost model says ends in this time
     # (at least every decode plus one block of prefill). A step cannot be interrupted, so this is the

@@ -44,6 +44,7 @@ def make_scheduler(
     config.setdefault("max_num_batched_tokens", 64)
     config.setdefault("max_model_len", 64)
     config.setdefault("aging_s", 0.0)
+    config.setdefault("max_step_ms", 0.0)  # the unit tests that want a step-time target set it
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     return Scheduler(SchedulerConfig(**config), kv, eos_token_ids=[EOS], clock=clock or Clock())  # type: ignore[arg-type]
 
