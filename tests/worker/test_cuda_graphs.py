@@ -293,10 +293,12 @@ def _workload() -> list[tuple[list[int], int, int]]:
 
 
 def _run_engine(tiny_dir, workload, **graph_settings):
-    # 24 blocks of 4 = 96 token slots for up to 10 requests of up to 48 tokens: preemptions.
+    # 24 blocks of 4 = 96 token slots for up to 10 requests of up to 48 tokens: preemptions. No
+    # step-time target: its budget follows measured step times (the interpreter's are seconds), and
+    # the pools are compared block for block, so both engines must schedule the same.
     config = EngineConfig.from_flat(model=str(tiny_dir), device="cpu", num_blocks=24, block_size=BLOCK_SIZE,
                                     max_num_batched_tokens=48, max_num_seqs=10, max_cudagraph_capture_size=8,
-                                    **graph_settings)  # fmt: skip
+                                    max_step_ms=0.0, **graph_settings)  # fmt: skip
     core = build_engine(config).core
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(workload))}
     finished: set[str] = set()
