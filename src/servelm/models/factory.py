@@ -84,6 +84,6 @@ def build_model(
         if isinstance(module, RotaryEmbedding):
             # Frequencies stay float32 whatever the compute dtype, as in the reference.
             module.inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling).to(device)
-    model.norm_rotary_ops = select_ops(device)  # fused Triton kernels on CUDA, torch elsewhere
+    model.norm_rotary_ops = select_ops(device)  # Triton kernels on CUDA, the compiled row ops on CPU
     model.fused_decode = FusedDecodeLayers.of(model)  # CPU GGUF-block models' small decode steps
     return model.eval()
