@@ -147,7 +147,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--arrival-wait-ms", type=float, default=None,
         help="longest wait (ms) for the running step that a newly arrived request may face: every step is kept "
-        "under it (0 = off; with --tenants: half the tightest class TTFT target unless given)",
+        "under it (default off; experimental, see SchedulerConfig.arrival_wait_ms)",
     )  # fmt: skip
     group.add_argument(
         "--speculative-config", default=None,

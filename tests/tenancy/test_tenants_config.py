@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from servelm.tenancy.config import BUILTIN_CLASSES, PriorityRange, TenantsConfigError, arrival_wait_s, load_tenants
+from servelm.tenancy.config import BUILTIN_CLASSES, PriorityRange, TenantsConfigError, load_tenants
 from servelm.tenancy.limits import LimitExceeded, TenantLimits
 from servelm.tenancy.registry import TenantRegistry, request_slo
 
@@ -116,19 +116,3 @@ def test_token_bucket_retry_after_and_refund(tmp_path):
         limits.enter(tenant).reserve(100, 501)
     assert too_large.value.retry_after_s is None  # larger than the whole minute: never fits
 
-
-def test_the_arrival_bound_follows_the_tightest_class_a_tenant_uses(tmp_path):
-    """Half the tightest TTFT target among the classes tenants use (an unused class does not count);
-    given --arrival-wait-ms (0 included) wins; without a TTFT anywhere, no bound."""
-    from servelm.config import EngineConfig
-    from servelm.server.app import with_arrival_bound
-
-    config = _load(tmp_path, "tenants: {a: {api_keys: [k], class: interactive}, b: {api_keys: [k2], class: batch}}")
-    assert arrival_wait_s(config) == pytest.approx(0.5)  # interactive 1.0 s; realtime exists but nobody uses it
-    config = _load(tmp_path, "tenants: {v: {api_keys: [k], class: realtime}, b: {api_keys: [k2], class: batch}}")
-    assert with_arrival_bound(EngineConfig(), config).scheduler.arrival_wait_ms == pytest.approx(150.0)
-    given = EngineConfig.from_flat(arrival_wait_ms=0.0)
-    assert with_arrival_bound(given, config).scheduler.arrival_wait_ms == 0.0
-    assert with_arrival_bound(EngineConfig(), None).scheduler.arrival_wait_ms is None
-    config = _load(tmp_path, "classes: {docs: {priority: 1}}\ntenants: {d: {api_keys: [k], class: docs}}")
-    assert arrival_wait_s(config) is None

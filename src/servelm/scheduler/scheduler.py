@@ -43,7 +43,7 @@ budget. A prompt with a class TBT target that completes in step 2 bounds the res
 the same way (its first token is due at the step's end), so the top-up does not fill a
 realtime request's first step with others' bulk prefill. arrival_wait_ms bounds every step,
 decodes or not: how long a request arriving mid-step can wait for the step to end (a step is
-never interrupted), which is what a sparse realtime class needs from everyone else's steps.
+never interrupted); opt-in (see SchedulerConfig.arrival_wait_ms for what it measured).
 
 Calling protocol (one thread, the engine core's): schedule() → the runner executes the
 SchedulerOutput → update() with that output, before the next schedule(). add_request()

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -85,7 +85,7 @@ from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, De
 from servelm.server.serving import json_response
 from servelm.server.tenant_limits import TenantLimitsMiddleware
 from servelm.server.tokenize_api import detokenize, tokenize
-from servelm.tenancy.config import TenantsConfig, TenantsConfigError, arrival_wait_s, load_tenants
+from servelm.tenancy.config import TenantsConfigError, load_tenants
 from servelm.tenancy.limits import InFlightLimits, TenantLimits
 from servelm.tenancy.registry import TenantRegistry
 
@@ -203,24 +203,11 @@ async def _start_context(
     )
 
 
-def with_arrival_bound(engine_config: EngineConfig, tenants: TenantsConfig | None) -> EngineConfig:
-    """`engine_config` with the scheduler's arrival bound set from the tenants' classes
-    (tenancy.config.arrival_wait_s) where --arrival-wait-ms was not given."""
-    wait_s = arrival_wait_s(tenants) if tenants is not None else None
-    if engine_config.scheduler.arrival_wait_ms is not None or wait_s is None:
-        return engine_config
-    logger.info("--tenants: steps bounded to %.0f ms (half the tightest class TTFT target), so a newly "
-                "arrived request waits at most that for the running step", 1000 * wait_s)  # fmt: skip
-    return replace(engine_config, scheduler=replace(engine_config.scheduler, arrival_wait_ms=1000 * wait_s))
-
-
 def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
     """The ASGI app; its lifespan starts the engine core process in the background (the server
     listens meanwhile: `app.state.lifecycle` says how far it got), with the event-loop lag monitor
     once it is ready, and stops them at shutdown. TenantsConfigError for a bad --tenants file."""
-    tenants = load_tenants(options.tenants) if options.tenants else None
-    registry = TenantRegistry.build(tenants, options.api_key)
-    engine_config = with_arrival_bound(engine_config, tenants)
+    registry = TenantRegistry.build(load_tenants(options.tenants) if options.tenants else None, options.api_key)
     lifecycle = ServerLifecycle()
     loop_lag: list[EventLoopLagMonitor] = []  # started once the engine is ready
 

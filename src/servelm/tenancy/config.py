@@ -78,20 +78,6 @@ class TenantsConfig:
     tenants: tuple[Tenant, ...]
 
 
-# Share of the tightest TTFT target that one running step may keep a newly arrived request waiting:
-# the rest is its own prefill step (a voice turn's new tokens after its cached conversation,
-# ~100 ms on two CPU cores) and the output path.
-ARRIVAL_WAIT_SHARE = 0.5
-
-
-def arrival_wait_s(config: TenantsConfig) -> float | None:
-    """How long a step may run, so that a request of the tightest class its tenants use (with a TTFT
-    target) that arrives mid-step still has time for its own: ARRIVAL_WAIT_SHARE of that target;
-    None when no tenant's class promises a TTFT."""
-    targets = [t.slo_class.ttft_s for t in config.tenants if t.slo_class is not None and t.slo_class.ttft_s]
-    return ARRIVAL_WAIT_SHARE * min(targets) if targets else None
-
-
 def key_digest(api_key: str) -> bytes:
     """What a key is kept as: never the key itself (it would reach reprs, logs and core dumps)."""
     return hashlib.sha256(api_key.encode()).digest()
