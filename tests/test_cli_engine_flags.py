@@ -19,7 +19,7 @@ def test_scheduler_flags_reach_the_scheduler_config() -> None:
 def test_unset_flags_keep_the_defaults() -> None:
     config = engine_config_from_args(build_parser().parse_args(["serve"]))
     assert config.scheduler.max_step_ms == 200.0  # streams keep their pace by default
-    assert config.scheduler.arrival_wait_ms is None  # no bound unless given, or a tenants file sets it
+    assert config.scheduler.arrival_wait_ms == 0.0  # no bound unless given
 
 
 def test_a_negative_step_target_is_refused() -> None:

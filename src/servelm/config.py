@@ -185,20 +185,16 @@ class SchedulerConfig:
     # TBT p99 from 298-353 ms to 158-207 ms for 5-8% fewer tokens/s and a longer TTFT p99
     # (benchmarks/RESULTS.md, issue 19); where steps are fast (a GPU) it never binds.
     max_step_ms: float = 200.0
-    # How long (ms) a request arriving mid-step may have to wait for that step to end; None or 0 =
-    # no bound. Every step, decodes or not, schedules only what its learned cost model says ends in
+    # How long (ms) a request arriving mid-step may have to wait for that step to end; 0 = no bound. Every step, decodes or not, schedules only what its learned cost model says ends in
     # this time (at least every decode plus one block of prefill). Opt-in: on the mixed profile with
     # a realtime tenant and 150 ms (benchmarks/RESULTS.md, issue 11) voice TTFT p90 was 403 / 619 ms
     # at 0.05 / 0.1 req/s where servelm at defaults had 213 / 196: likely because it also splits
     # the realtime request's own prefill over several steps; it should spare the chunk it protects.
-    arrival_wait_ms: float | None = None
+    arrival_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.max_step_ms >= 0, f"max_step_ms must be >= 0, got {self.max_step_ms}")
-        _require(
-            self.arrival_wait_ms is None or self.arrival_wait_ms >= 0,
-            f"arrival_wait_ms must be >= 0, got {self.arrival_wait_ms}",
-        )
+        _require(self.arrival_wait_ms >= 0, f"arrival_wait_ms must be >= 0, got {self.arrival_wait_ms}")
         _require(
             self.max_num_batched_tokens > 0,
             f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",

@@ -115,4 +115,3 @@ def test_token_bucket_retry_after_and_refund(tmp_path):
     with pytest.raises(LimitExceeded) as too_large:
         limits.enter(tenant).reserve(100, 501)
     assert too_large.value.retry_after_s is None  # larger than the whole minute: never fits
-

@@ -195,16 +195,7 @@ class CpuKernels:
         """The weight checked once, for `block_gemm_prepared` calls that then check only their input
         (a layer's weight does not change between steps; checking it on every call of every layer
         was ~1 ms of a 25 ms decode step)."""
-        check_tensor("blocks", blocks, torch.uint8, 3)
-        if block_type not in BLOCK_BYTES:
-            raise KernelArgumentError(
-                f"block_type: expected a ggml type id in {sorted(BLOCK_BYTES)}, found {block_type!r}"
-            )
-        if blocks.shape[2] != BLOCK_BYTES[block_type]:
-            raise KernelArgumentError(
-                f"blocks: expected [N, K / {BLOCK}, {BLOCK_BYTES[block_type]}] for ggml type {block_type}, "
-                f"found {tuple(blocks.shape)}"
-            )
+        check_block_weight("blocks", blocks, block_type)
         return PreparedBlocks(blocks, block_type)
 
     def block_gemm_prepared(self, x: torch.Tensor, weight: PreparedBlocks) -> torch.Tensor:  # [M, N] float32
@@ -276,10 +267,25 @@ class CpuKernels:
         if bad >= 0:
             raise KernelArgumentError(
                 f"row {bad}: its seq_len, block ids or slot fall outside the pool ({prepared.num_blocks} blocks of "
-                f"{prepared.block_size}); seq_len {int(call.keep[1][bad])}, slot {int(call.keep[2][bad])}, "
-                f"block table row {call.keep[0][bad].tolist()}"
+                f"{prepared.block_size}); seq_len {int(call.seq_lens[bad])}, slot {int(call.slots[bad])}, "
+                f"block table row {call.block_tables[bad].tolist()}"
             )
         return call.hidden
+
+
+def check_block_weight(name: str, blocks: torch.Tensor, block_type: int) -> None:
+    """`blocks` must be [N, K / 32, bytes] uint8 of a ggml type id the block matmul reads, with that
+    type's bytes per block; KernelArgumentError naming `name` (and its block_type) otherwise."""
+    check_tensor(name, blocks, torch.uint8, 3)
+    if block_type not in BLOCK_BYTES:
+        raise KernelArgumentError(
+            f"block_type of {name}: expected a ggml type id in {sorted(BLOCK_BYTES)}, found {block_type!r}"
+        )
+    if blocks.shape[2] != BLOCK_BYTES[block_type]:
+        raise KernelArgumentError(
+            f"{name}: expected [N, K / {BLOCK}, {BLOCK_BYTES[block_type]}] for ggml type {block_type}, "
+            f"found {tuple(blocks.shape)}"
+        )
 
 
 class PreparedBlocks:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from servelm.kernels.arguments import KernelArgumentError, check_shape, check_tensor
-from servelm.kernels.cpu import BLOCK, BLOCK_BYTES
+from servelm.kernels.cpu import BLOCK, BLOCK_BYTES, check_block_weight
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -89,9 +89,7 @@ class PreparedLayers:
 
 
 def _linear(name: str, matrix: BlockMatrix, n: int, k: int) -> FusedLinear:
-    check_tensor(f"{name}.blocks", matrix.blocks, torch.uint8, 3)
-    if matrix.block_type not in BLOCK_BYTES:
-        raise KernelArgumentError(f"{name}: block type {matrix.block_type!r} is not one of {sorted(BLOCK_BYTES)}")
+    check_block_weight(f"{name}.blocks", matrix.blocks, matrix.block_type)
     check_shape(f"{name}.blocks", matrix.blocks, (n, k // BLOCK, BLOCK_BYTES[matrix.block_type]), "[n, k / 32, bytes]")
     bias = None
     if matrix.bias is not None:
@@ -163,7 +161,9 @@ class DecodeLayersCall:
         cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         for name, angles in (("cos", cos), ("sin", sin)):
             check_shape(name, check_tensor(name, angles, torch.float32, 2), (rows, g.head_dim // 2), "[rows, D/2]")
-        self.hidden, self.keep = hidden, (block_tables, seq_lens, slots, cos, sin)
+        # Held for the step's pointers (and named in errors); cos / sin are their [rows, D/2] views.
+        self.hidden, self.block_tables, self.seq_lens, self.slots = hidden, block_tables, seq_lens, slots
+        self.angles = (cos, sin)
         scratch = torch.empty(rows * (g.hidden_size + g.qkv_size + g.heads * max_len + g.heads * g.head_dim
                                       + 3 * g.intermediate))  # fmt: skip
         sizes = (g.hidden_size, g.qkv_size, g.heads * max_len, g.heads * g.head_dim, 2 * g.intermediate, g.intermediate)

@@ -291,7 +291,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self._running if not r.is_prefilling]
         bounds = [self._tokens_within(self.config.max_step_ms, decoding) if decoding else None]
-        if self.config.arrival_wait_ms:  # None or 0: no bound
+        if self.config.arrival_wait_ms > 0:
             bounds.append(self.step_cost.tokens_within(self.config.arrival_wait_ms / 1000.0))
         fits = min((b for b in bounds if b is not None), default=None)
         if fits is None:
