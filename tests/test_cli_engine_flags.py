@@ -69,3 +69,11 @@ def test_attention_backend_flag_reaches_the_model_config() -> None:
     assert engine_config_from_args(args).model.attention_backend == "triton"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--attention-backend", "flash"])
+
+
+def test_gemm_precision_flag_reaches_the_model_config() -> None:
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).model.gemm_precision == "float32"
+    args = build_parser().parse_args(["serve", "--gemm-precision", "bfloat16"])
+    assert engine_config_from_args(args).model.gemm_precision == "bfloat16"
+    with pytest.raises(SystemExit):  # argparse refuses what the engine does not offer
+        build_parser().parse_args(["serve", "--gemm-precision", "int8"])

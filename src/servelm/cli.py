@@ -37,6 +37,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine core")
     group.add_argument(
+        "--gemm-precision", default=None, choices=["float32", "bfloat16"],
+        help="CPU float32 models: what prefill's matmuls compute in (default float32, exact); bfloat16 is faster "
+        "where the CPU has AMX / AVX512-BF16, at a measured logit error (benchmarks/RESULTS.md)",
+    )  # fmt: skip
+    group.add_argument(
         "--hf-overrides", type=json.loads, default=None,
         help='JSON of Hugging Face config keys replacing the checkpoint\'s, e.g. \'{"rope_scaling": {"rope_type": '
         '"linear", "factor": 2.0}, "max_position_embeddings": 16384}\'',
@@ -169,6 +174,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "attention_backend",
             "max_model_len",
             "num_threads",
+            "gemm_precision",
             "hf_overrides",
             "download_dir",
             "pull_connections",

@@ -56,6 +56,7 @@ class CacheConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+GEMM_PRECISIONS = ("float32", "bfloat16")  # models/gemm_precision.py holds what each means
 
 
 @dataclass(frozen=True)
@@ -262,8 +263,16 @@ class ModelConfig:
     # after its source and version; None: <cache dir>/models. Reused by the next start.
     download_dir: str | None = None
     pull_connections: int = 8  # parallel ranged reads of a remote model
+    # What a CPU float32 model's decoder layers compute their many-row matmuls (prefill) in:
+    # float32 (exact, the default) or bfloat16 (opt-in, faster where the CPU has AMX / AVX512-BF16;
+    # its logit error is measured in benchmarks/RESULTS.md). models/gemm_precision.py.
+    gemm_precision: str = "float32"
 
     def __post_init__(self) -> None:
+        _require(
+            self.gemm_precision in GEMM_PRECISIONS,
+            f"gemm_precision must be one of {', '.join(GEMM_PRECISIONS)}, got {self.gemm_precision!r}",
+        )
         _require(self.pull_connections > 0, f"pull_connections must be positive, got {self.pull_connections}")
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
         _require(

@@ -113,7 +113,8 @@ def build_engine(
     with startup.phase("load"):
         _injected_startup_faults()
         checkpoint = load_checkpoint(opened.path, config.model.hf_overrides, opened.before_read)
-        model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend)
+        model = build_model(checkpoint.arch, checkpoint.weights, dtype, device, config.model.attention_backend,
+                            gemm_precision=config.model.gemm_precision)  # fmt: skip
         del checkpoint.weights  # the model holds its own copies now
     opened.finish()
     return assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, checkpoint.source, proposer, startup)
@@ -306,6 +307,7 @@ def _kv_tiers(
     layout = {
         "block_size": block_size,
         "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "gemm_precision": config.model.gemm_precision,  # a narrower prefill computes other K/V values
         "tensors": [(str(t.dtype), list(t[:, 0].shape)) for t in block_tensors],
     }
     fingerprint = kv_fingerprint(dataclasses.asdict(arch), weights_identity(source), layout)

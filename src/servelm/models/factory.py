@@ -11,7 +11,8 @@ from servelm.attention.selection import resolve_backend_name
 from servelm.models.arch import ModelArchConfig
 from servelm.models.fused_decode import FusedDecodeLayers
 from servelm.models.fused_ops import select_ops
-from servelm.models.linear_methods import DENSE, LinearMethod, choose_linear_method
+from servelm.models.gemm_precision import check_gemm_precision, many_row_gemm
+from servelm.models.linear_methods import DENSE, DenseLinearMethod, LinearMethod, choose_linear_method
 from servelm.models.llama import LlamaForCausalLM
 from servelm.models.rotary import RotaryEmbedding, inverse_frequencies
 from servelm.models.weights import CheckpointWeights, Weight, select_model_weights
@@ -48,6 +49,7 @@ def build_model(
     attention_backend: str | AttentionBackend = "auto",
     block_linears: bool = True,
     tp: GroupMember = SINGLE_RANK,
+    gemm_precision: str = "float32",
 ) -> LlamaForCausalLM:
     """The model with `weights` loaded, its parameters allocated once, in `dtype` on `device`.
 
@@ -56,16 +58,21 @@ def build_model(
     Each linear layer gets its `LinearMethod` from how its tensors are stored: GGUF Q4_1 / Q8_0
     layers (Q4_0 / Q4_1 / Q8_0) keep the file's blocks on CPU in float32 (`linear_methods`);
     `block_linears=False` makes every layer dense (the reference the block path is tested against).
+    `gemm_precision`: what the decoder layers' many-row matmuls compute in (gemm_precision.py; not
+    float32 on CPU float32 models only); the LM head stays float32: its logits pick the tokens.
     """
     device = torch.device(device)
+    check_gemm_precision(gemm_precision, dtype, device)
     source = select_model_weights(CheckpointWeights.from_tensors(weights), arch)
+    head_parts = {("lm_head",), ("model.embed_tokens",)}  # LlamaForCausalLM's head (tied or not)
 
     def linear_method(parts: Sequence[str], columns: range | None) -> LinearMethod:
+        precision = "float32" if tuple(parts) in head_parts else gemm_precision
         if not block_linears:
-            return DENSE
+            return DENSE if precision == "float32" else DenseLinearMethod(many_row_gemm(precision))
         # What this rank's shard is stored as: blocks cut inside a block come out dense.
         infos = [source.info(f"{part}.weight").sharded(columns=columns) for part in parts]
-        return choose_linear_method(infos, dtype, device)
+        return choose_linear_method(infos, dtype, device, precision)
 
     # Built on the meta device and given its dtype there, so the one allocation is `to_empty`'s:
     # no random init, no float32 copy first.

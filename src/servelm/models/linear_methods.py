@@ -11,6 +11,9 @@ rows, and to compute x @ W^T + b. No attribute is bolted on afterwards.
                         weight instead of 4), and the same weights dequantised to dense float32 for
                         many-row matmuls (MKL's blocked GEMM wins there).
 
+Either may compute its many-row matmuls in bfloat16 or int8 instead (`--gemm-precision`,
+gemm_precision.py: opt-in, CPU float32 models).
+
 Both paths multiply by bit-identical float32 weights (see gguf_blocks.py); only the
 summation order differs, as it does between any two BLAS kernels.
 """
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.kernels import cpu as cpu_kernels
+from servelm.models.gemm_precision import ManyRowGemm, many_row_gemm
 from servelm.models.gguf_blocks import BLOCK, BlockType, BlockWeight
 from servelm.models.weights import TensorInfo, Weight, dense_tensor
 
@@ -65,7 +69,13 @@ class LinearMethod(abc.ABC):
 
 
 class DenseLinearMethod(LinearMethod):
-    """The weight as one dense matrix [N, K] in the model's dtype (blocks are dequantised on load)."""
+    """The weight as one dense matrix [N, K] in the model's dtype (blocks are dequantised on load).
+
+    `gemm`: what matmuls over more than MAX_BLOCK_ROWS rows compute in (gemm_precision.py; a CPU
+    float32 model's `--gemm-precision`), one per layer; None: F.linear in the model's dtype."""
+
+    def __init__(self, gemm: ManyRowGemm | None = None) -> None:
+        self.gemm = gemm
 
     def create_weights(self, layer: Linear) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
@@ -73,8 +83,13 @@ class DenseLinearMethod(LinearMethod):
     def load_rows(self, layer: Linear, weight: Weight, row_offset: int) -> None:
         dense = dense_tensor(weight)
         layer.weight[row_offset : row_offset + dense.shape[0]].copy_(dense)
+        if self.gemm is not None:
+            self.gemm.reset()
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm is not None and x.dim() == 2 and x.shape[0] > MAX_BLOCK_ROWS:
+            out = self.gemm(x, layer.weight)
+            return out if layer.bias is None else out.add_(layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
 
@@ -82,7 +97,8 @@ class BlockLinearMethod(DenseLinearMethod):
     """GGUF blocks of one type for few-row matmuls plus their dense float32 weight for many-row ones
     (CPU, float32). Every part of the layer is stored as `block_type` (the chooser sees to it)."""
 
-    def __init__(self, block_type: BlockType) -> None:
+    def __init__(self, block_type: BlockType, gemm: ManyRowGemm | None = None) -> None:
+        super().__init__(gemm)
         self.block_type = block_type
         self._prepared_weight: Any = None  # the kernel's checked handle of the layer's blocks
 
@@ -105,6 +121,8 @@ class BlockLinearMethod(DenseLinearMethod):
         layer.blocks[rows].copy_(weight.blocks)
         # A tied head writes the embedding's matrix here: the same values the embedding holds.
         weight.dequantize(out=layer.weight[rows])
+        if self.gemm is not None:
+            self.gemm.reset()
 
     def _prepared(self, layer: Linear, kernel: Any) -> Any:
         """The layer's blocks as the kernel's checked handle: one per method instance (the factory
@@ -123,7 +141,7 @@ class BlockLinearMethod(DenseLinearMethod):
             if kernel is not None:
                 out = kernel.block_gemm_prepared(x.contiguous(), self._prepared(layer, kernel))
                 return out if layer.bias is None else out.add_(layer.bias)
-        return F.linear(x, layer.weight, layer.bias)
+        return super().apply(layer, x)
 
 
 DENSE = DenseLinearMethod()
@@ -138,12 +156,16 @@ def all_dense(parts: Sequence[str], columns: range | None = None) -> LinearMetho
     return DENSE
 
 
-def choose_linear_method(parts: Sequence[TensorInfo], dtype: torch.dtype, device: torch.device) -> LinearMethod:
+def choose_linear_method(parts: Sequence[TensorInfo], dtype: torch.dtype, device: torch.device,
+                         gemm_precision: str = "float32") -> LinearMethod:  # fmt: skip
     """GGUF blocks when every part of the layer is stored as blocks of one type and the model runs on
     CPU in float32 with the kernel built; dense otherwise (another device or dtype, parts stored
-    differently, or a part that is F32 / F16 / a K-quant: no block form the kernel reads)."""
+    differently, or a part that is F32 / F16 / a K-quant: no block form the kernel reads).
+    `gemm_precision`: what its many-row matmuls compute in (gemm_precision.check_gemm_precision
+    has said it suits the dtype and device)."""
+    gemm = many_row_gemm(gemm_precision)
     storages = {part.storage for part in parts}
     block_type = next(iter(storages)).block_type if len(storages) == 1 else None
     if block_type is None or device.type != "cpu" or dtype != torch.float32 or small_batch_kernel() is None:
-        return DENSE
-    return BlockLinearMethod(block_type)
+        return DENSE if gemm is None else DenseLinearMethod(gemm)
+    return BlockLinearMethod(block_type, gemm)

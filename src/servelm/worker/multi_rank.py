@@ -138,7 +138,8 @@ def build_shard(
         attention = ModelShard.of(arch, groups.tp).attention
         heads = AttentionHeads(attention.num_heads, attention.num_kv_heads, arch.head_dim)
         backend = ContextParallelBackend(groups.cp, heads)
-    model = build_model(arch, checkpoint.weights, dtype, device, backend, tp=groups.tp)
+    model = build_model(arch, checkpoint.weights, dtype, device, backend, tp=groups.tp,
+                        gemm_precision=config.model.gemm_precision)  # fmt: skip
     del checkpoint.weights
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
     kv_caches = allocate_kv_caches(
