@@ -1,5 +1,6 @@
 """--gemm-precision: a CPU float32 model's many-row matmuls in bfloat16 stay within their analytic
-error of float32, few-row matmuls (decode) and the LM head stay float32 bit for bit, the
+error of float32, prefill's attention computes in bfloat16 too, few-row matmuls (decode) and the
+LM head stay float32 bit for bit, the
 derived weights follow a reload, and the whole default model keeps float32's argmax nearly
 everywhere (benchmarks/gemm_precision.py measures how nearly)."""
 
@@ -16,6 +17,7 @@ from servelm.models.gemm_precision import Bfloat16Gemm, check_gemm_precision
 from servelm.models.linear_methods import MAX_BLOCK_ROWS, BlockLinearMethod, DenseLinearMethod
 from servelm.models.loader import load_checkpoint
 from servelm.testing.reference_decode import prompt_logits
+from servelm.worker.model_runner import attention_backend_of
 
 
 def _inputs(rows: int, cols: int, out: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +72,9 @@ def test_only_decoder_many_row_matmuls_change(default_models):
     _, models = default_models
     reference, narrow = models["float32"], models[precision]
     assert getattr(narrow.lm_head.method, "gemm", None) is None  # the head's logits stay float32
+    # Prefill's attention computes in bfloat16 too; the reference's in float32.
+    assert attention_backend_of(narrow).prefill_compute_dtype == torch.bfloat16
+    assert attention_backend_of(reference).prefill_compute_dtype is None
     layer, reference_layer = narrow.layers[0].mlp.gate_up_proj, reference.layers[0].mlp.gate_up_proj
     assert isinstance(layer.method, DenseLinearMethod) and layer.method.gemm is not None
     assert isinstance(layer.method, BlockLinearMethod)  # the default model's layers keep their blocks

@@ -50,22 +50,24 @@ def _causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-            mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """query: [q, H, D]; key/value: [k, KVH, D] → [q, H, D], causal with the query block at the end.
-    `mask`: _causal_mask(q, k) when the caller has it (it is the same for every layer of a step)."""
+            mask: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """query: [q, H, D]; key/value: [k, KVH, D] → [q, H, D] in query's dtype, causal with the query
+    block at the end. `mask`: _causal_mask(q, k) when the caller has it (it is the same for every
+    layer of a step). `compute_dtype`: what SDPA computes in (None: query's dtype)."""
     square = query.shape[0] == key.shape[0]  # no context before the queries: SDPA's own causal mask fits
     if mask is None and not square:
         mask = _causal_mask(query.shape[0], key.shape[0], query.device)
+    dtype = compute_dtype or query.dtype
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
-        key.transpose(0, 1).unsqueeze(0).to(query.dtype),  # [1, KVH, k, D]
-        value.transpose(0, 1).unsqueeze(0).to(query.dtype),
+        query.transpose(0, 1).unsqueeze(0).to(dtype),  # [1, H, q, D]
+        key.transpose(0, 1).unsqueeze(0).to(dtype),  # [1, KVH, k, D]
+        value.transpose(0, 1).unsqueeze(0).to(dtype),
         attn_mask=mask,
         is_causal=square and query.shape[0] > 1,
         scale=scale,
         enable_gqa=True,
     )
-    return out.squeeze(0).transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1).to(query.dtype)
 
 
 class PagedDecodeKernel(Protocol):
@@ -231,18 +233,20 @@ class PrefillChunk:
     # With context: which keys each query sees ([end - start, seq_len] bool), made once for every layer
     # (made per layer it was ~2% of a long prompt's prefill).
     context_mask: torch.Tensor | None = None
+    compute_dtype: torch.dtype | None = None  # TorchAttentionBackend.prefill_compute_dtype
 
     def attend(self, query, key, value, kv_cache: LayerKVCache | None, scale: float) -> torch.Tensor:
         s, e = self.start, self.end
         if self.context_slots is None:
-            return _attend(query[s:e], key[s:e], value[s:e], scale)
+            return _attend(query[s:e], key[s:e], value[s:e], scale, compute_dtype=self.compute_dtype)
         assert kv_cache is not None  # TorchAttentionBackend.forward checked
         k = gather_kv(kv_cache, 0, self.context_slots, query.dtype)  # [seq_len, KVH, D]
         v = gather_kv(kv_cache, 1, self.context_slots, query.dtype)
-        return _attend(query[s:e], k, v, scale, self.context_mask)
+        return _attend(query[s:e], k, v, scale, self.context_mask, self.compute_dtype)
 
 
-def _build_chunks(common: CommonAttentionInputs, indices: list[int]) -> tuple[PrefillChunk, ...]:
+def _build_chunks(common: CommonAttentionInputs, indices: list[int],
+                  compute_dtype: torch.dtype | None = None) -> tuple[PrefillChunk, ...]:  # fmt: skip
     """Chunks of requests `indices`; the context slots of all of them reach the device in one copy."""
     starts = common.query_start_loc.tolist()
     seq_lens = common.seq_lens.tolist()
@@ -259,7 +263,7 @@ def _build_chunks(common: CommonAttentionInputs, indices: list[int]) -> tuple[Pr
         on_device = torch.cat(per_request).to(common.device, non_blocking=True)
         context = dict(zip(with_context, on_device.split([seq_lens[i] for i in with_context])))
     masks = {i: _causal_mask(starts[i + 1] - starts[i], seq_lens[i], common.device) for i in context}
-    return tuple(PrefillChunk(starts[i], starts[i + 1], context.get(i), masks.get(i)) for i in indices)
+    return tuple(PrefillChunk(starts[i], starts[i + 1], context.get(i), masks.get(i), compute_dtype) for i in indices)
 
 
 # -- the backend ---------------------------------------------------------------------------
@@ -284,6 +288,12 @@ class TorchAttentionBackend:
     # prepared batch, SDPA's gather slots): built again after every refill, never captured.
     graph_capturable = False
 
+    def __init__(self, prefill_compute_dtype: torch.dtype | None = None) -> None:
+        # What prefill chunks' SDPA computes in; None: the model's dtype. bfloat16 for a CPU float32
+        # model under `--gemm-precision bfloat16` (models/gemm_precision.py): SDPA's two GEMMs on AMX,
+        # the output float32 again. Decode rows stay in the model's dtype.
+        self.prefill_compute_dtype = prefill_compute_dtype
+
     def build_metadata(self, common: CommonAttentionInputs) -> TorchAttentionMetadata:
         """See `AttentionBackend.build_metadata`: once per step, pure."""
         decodes = None
@@ -294,7 +304,8 @@ class TorchAttentionBackend:
             decodes = _build_decodes(common, decode_indices)
         in_decodes = set(decode_indices.tolist()) if decodes is not None else set()
         chunk_indices = [i for i in range(common.num_requests) if i not in in_decodes]
-        return TorchAttentionMetadata(common.slot_mapping, decodes, _build_chunks(common, chunk_indices))
+        chunks = _build_chunks(common, chunk_indices, self.prefill_compute_dtype)
+        return TorchAttentionMetadata(common.slot_mapping, decodes, chunks)
 
     def build_decode_metadata(
         self, buffers: DecodeGraphBuffers, batch: int, *, dtype: torch.dtype, kv_dtype: torch.dtype

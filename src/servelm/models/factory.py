@@ -8,6 +8,7 @@ import torch
 
 from servelm.attention.backend import AttentionBackend, get_backend
 from servelm.attention.selection import resolve_backend_name
+from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.models.arch import ModelArchConfig
 from servelm.models.fused_decode import FusedDecodeLayers
 from servelm.models.fused_ops import select_ops
@@ -58,8 +59,9 @@ def build_model(
     Each linear layer gets its `LinearMethod` from how its tensors are stored: GGUF Q4_1 / Q8_0
     layers (Q4_0 / Q4_1 / Q8_0) keep the file's blocks on CPU in float32 (`linear_methods`);
     `block_linears=False` makes every layer dense (the reference the block path is tested against).
-    `gemm_precision`: what the decoder layers' many-row matmuls compute in (gemm_precision.py; not
-    float32 on CPU float32 models only); the LM head stays float32: its logits pick the tokens.
+    `gemm_precision`: what the decoder layers' many-row matmuls and the torch backend's prefill
+    attention compute in (gemm_precision.py; not float32 on CPU float32 models only); the LM head
+    stays float32: its logits pick the tokens.
     """
     device = torch.device(device)
     check_gemm_precision(gemm_precision, dtype, device)
@@ -77,8 +79,13 @@ def build_model(
     # Built on the meta device and given its dtype there, so the one allocation is `to_empty`'s:
     # no random init, no float32 copy first.
     with torch.device("meta"):
+        backend: AttentionBackend
         if isinstance(attention_backend, str):
-            backend = get_backend(resolve_backend_name(attention_backend, device))
+            name = resolve_backend_name(attention_backend, device)
+            if name == "torch" and gemm_precision == "bfloat16":  # prefill's attention GEMMs too
+                backend = TorchAttentionBackend(prefill_compute_dtype=torch.bfloat16)
+            else:
+                backend = get_backend(name)
         else:
             backend = attention_backend
         model = LlamaForCausalLM(arch, backend, linear_method, tp)

@@ -3,13 +3,15 @@
 A prompt's prefill (and any step of more than `MAX_BLOCK_ROWS` rows) is compute-bound: its
 linear layers are GEMMs over the layer's dense float32 weight. Where the CPU multiplies
 bfloat16 natively (AMX, AVX512-BF16) the decoder layers can compute those GEMMs in it, opt-in, the
-model staying float32 everywhere else (activations between ops, norms, attention, the KV cache,
-the LM head, every few-row matmul of decode):
+model staying float32 everywhere else (activations between ops, norms, the KV cache, decode's
+attention, the LM head, every few-row matmul of decode):
 
     float32    the reference: F.linear over the float32 weight (the default; greedy output
                matches Hugging Face transformers)
     bfloat16   inputs and weight rounded to bfloat16 (8-bit mantissa), products accumulated in
-               float32 by oneDNN (AMX tiles where the CPU has them), the result float32
+               float32 by oneDNN (AMX tiles where the CPU has them), the result float32; prefill
+               chunks' attention likewise (SDPA on q, k, v in bfloat16: its two GEMMs are most
+               of a long prompt's prefill; attention/torch_backend.py)
 
 Its logit error and speed on the default model are in benchmarks/RESULTS.md
 (benchmarks/gemm_precision.py makes them). int8 (each row of the input and of the weight scaled

@@ -11,7 +11,7 @@ rows, and to compute x @ W^T + b. No attribute is bolted on afterwards.
                         weight instead of 4), and the same weights dequantised to dense float32 for
                         many-row matmuls (MKL's blocked GEMM wins there).
 
-Either may compute its many-row matmuls in bfloat16 or int8 instead (`--gemm-precision`,
+Either may compute its many-row matmuls in bfloat16 instead (`--gemm-precision`,
 gemm_precision.py: opt-in, CPU float32 models).
 
 Both paths multiply by bit-identical float32 weights (see gguf_blocks.py); only the
