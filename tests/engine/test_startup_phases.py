@@ -35,6 +35,7 @@ class QueryLensBackend(TorchAttentionBackend):
     """The real torch backend, noting each step's query lengths (one entry per forward)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.query_lens: list[list[int]] = []
 
     def build_metadata(self, common: CommonAttentionInputs) -> AttentionMetadata:

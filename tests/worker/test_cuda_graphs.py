@@ -58,6 +58,7 @@ class RecordingTorchBackend(TorchAttentionBackend):
     """The torch backend, recording every plan asked of it."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.num_builds = 0  # build_metadata calls, those made by build_decode_metadata included
         self.decode_builds: list[list[int]] = []  # per build_decode_metadata call: the seq_lens it read
 

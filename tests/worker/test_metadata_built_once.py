@@ -25,6 +25,7 @@ NUM_LAYERS = 3
 
 class CountingTorchBackend(TorchAttentionBackend):
     def __init__(self) -> None:
+        super().__init__()
         self.built: list[AttentionMetadata] = []
         self.forwards_per_build: list[int] = []
 

@@ -287,6 +287,7 @@ class TorchAttentionBackend:
     # Its decode metadata holds host copies of the buffers' lengths and tables (the CPU kernel's
     # prepared batch, SDPA's gather slots): built again after every refill, never captured.
     graph_capturable = False
+    prefill_compute_dtype: torch.dtype | None = None  # (a subclass that skips __init__ keeps the model's dtype)
 
     def __init__(self, prefill_compute_dtype: torch.dtype | None = None) -> None:
         # What prefill chunks' SDPA computes in; None: the model's dtype. bfloat16 for a CPU float32
