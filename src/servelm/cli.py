@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from servelm.config import EngineConfig
+from servelm.config import GEMM_PRECISIONS, EngineConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine core")
     group.add_argument(
-        "--gemm-precision", default=None, choices=["float32", "bfloat16"],
+        "--gemm-precision", default=None, choices=GEMM_PRECISIONS,
         help="CPU float32 models: what prefill's matmuls compute in (default float32, exact); bfloat16 is faster "
         "where the CPU has AMX / AVX512-BF16, at a measured logit error (benchmarks/RESULTS.md)",
     )  # fmt: skip

@@ -186,8 +186,9 @@ class SchedulerConfig:
     # TBT p99 from 298-353 ms to 158-207 ms for 5-8% fewer tokens/s and a longer TTFT p99
     # (benchmarks/RESULTS.md, issue 19); where steps are fast (a GPU) it never binds.
     max_step_ms: float = 200.0
-    # How long (ms) a request arriving mid-step may have to wait for that step to end; 0 = no bound. Every step, decodes or not, schedules only what its learned cost model says ends in
-    # this time (at least every decode plus one block of prefill). Opt-in: on the mixed profile with
+    # How long (ms) a request arriving mid-step may have to wait for that step to end; 0 = no bound.
+    # Every step, decodes or not, schedules only what its learned cost model says ends in this time
+    # (at least every decode plus one block of prefill). Opt-in: on the mixed profile with
     # a realtime tenant and 150 ms (benchmarks/RESULTS.md, issue 11) voice TTFT p90 was 403 / 619 ms
     # at 0.05 / 0.1 req/s where servelm at defaults had 213 / 196: likely because it also splits
     # the realtime request's own prefill over several steps; it should spare the chunk it protects.

@@ -12,8 +12,8 @@ from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.models.arch import ModelArchConfig
 from servelm.models.fused_decode import FusedDecodeLayers
 from servelm.models.fused_ops import select_ops
-from servelm.models.gemm_precision import check_gemm_precision, many_row_gemm
-from servelm.models.linear_methods import DENSE, DenseLinearMethod, LinearMethod, choose_linear_method
+from servelm.models.gemm_precision import check_gemm_precision
+from servelm.models.linear_methods import LinearMethod, choose_linear_method, dense_method
 from servelm.models.llama import LlamaForCausalLM
 from servelm.models.rotary import RotaryEmbedding, inverse_frequencies
 from servelm.models.weights import CheckpointWeights, Weight, select_model_weights
@@ -71,7 +71,7 @@ def build_model(
     def linear_method(parts: Sequence[str], columns: range | None) -> LinearMethod:
         precision = "float32" if tuple(parts) in head_parts else gemm_precision
         if not block_linears:
-            return DENSE if precision == "float32" else DenseLinearMethod(many_row_gemm(precision))
+            return dense_method(precision)
         # What this rank's shard is stored as: blocks cut inside a block come out dense.
         infos = [source.info(f"{part}.weight").sharded(columns=columns) for part in parts]
         return choose_linear_method(infos, dtype, device, precision)

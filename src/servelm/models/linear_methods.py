@@ -163,9 +163,15 @@ def choose_linear_method(parts: Sequence[TensorInfo], dtype: torch.dtype, device
     differently, or a part that is F32 / F16 / a K-quant: no block form the kernel reads).
     `gemm_precision`: what its many-row matmuls compute in (gemm_precision.check_gemm_precision
     has said it suits the dtype and device)."""
-    gemm = many_row_gemm(gemm_precision)
     storages = {part.storage for part in parts}
     block_type = next(iter(storages)).block_type if len(storages) == 1 else None
     if block_type is None or device.type != "cpu" or dtype != torch.float32 or small_batch_kernel() is None:
-        return DENSE if gemm is None else DenseLinearMethod(gemm)
-    return BlockLinearMethod(block_type, gemm)
+        return dense_method(gemm_precision)
+    return BlockLinearMethod(block_type, many_row_gemm(gemm_precision))
+
+
+def dense_method(gemm_precision: str = "float32") -> LinearMethod:
+    """The dense method whose many-row matmuls compute in `gemm_precision`: the shared DENSE for
+    float32, else one per layer (it keeps the layer's derived weight)."""
+    gemm = many_row_gemm(gemm_precision)
+    return DENSE if gemm is None else DenseLinearMethod(gemm)
