@@ -53,7 +53,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -346,6 +346,7 @@ def measure(
     return {
         "summary": summary.overall.to_dict(),
         "duration_s": result.duration_s,
+        "started_unix": result.started_unix,
         "num_not_sent": result.num_not_sent,
         "hit_time_limit": result.hit_time_limit,
         "expected_output_tokens": sum(r.max_tokens for r in ok),  # what the ok requests asked for
@@ -353,29 +354,84 @@ def measure(
     }
 
 
+@contextmanager
+def checked_server(
+    system: str, tokens: TokenSource, options: Options, model_dir: str | None,
+) -> Iterator[tuple[str, dict[str, Any]]]:  # fmt: skip
+    """A fresh server of `system`, checked and warmed up (check_server): yields its base URL and
+    how it started (startup_s, load_at_start, started_unix, sanity)."""
+    facts: dict[str, Any] = {"load_at_start": os.getloadavg()[0], "started_unix": time.time()}
+    started = time.perf_counter()
+    with serving(system, options, model_dir) as base_url:
+        facts["startup_s"] = time.perf_counter() - started
+        facts["sanity"] = check_server(base_url, probe_server(base_url).model_id, tokens, options.seed)
+        print(f"{system}: up in {facts['startup_s']:.0f} s; {GREETING!r} → {facts['sanity']['answer']!r}; "
+              f"prompt tokens {facts['sanity']['prompt_tokens']}", flush=True)  # fmt: skip
+        yield base_url, facts
+
+
+def _print_measured(system: str, workload: Workload, measured: dict[str, Any]) -> None:
+    cells = ", ".join(f"{m.label} {m.format(m.value(measured['summary']))}" for m in workload.metrics)
+    print(f"  {system} {workload.name}: {cells} ({measured['duration_s']:.0f} s)", flush=True)
+
+
 def run_system(
     system: str, requests: dict[str, list[WorkloadRequest]], tokens: TokenSource, options: Options,
     model_dir: str | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Start `system`, check it, run every workload in `requests` on it, stop it."""
-    result: dict[str, Any] = {"settings": describe_system(system, options), "load_at_start": os.getloadavg()[0]}
+    """Start `system` once, run every workload in `requests` on it, stop it (--order system)."""
+    result: dict[str, Any] = {"settings": describe_system(system, options), "workloads": {}}
     started = time.perf_counter()
-    with serving(system, options, model_dir) as base_url:
-        result["startup_s"] = time.perf_counter() - started
-        model = probe_server(base_url).model_id
-        result["sanity"] = check_server(base_url, model, tokens, options.seed)
-        print(f"{system}: up in {result['startup_s']:.0f} s; {GREETING!r} → {result['sanity']['answer']!r}; "
-              f"prompt tokens {result['sanity']['prompt_tokens']}", flush=True)  # fmt: skip
-        result["workloads"] = {}
+    with checked_server(system, tokens, options, model_dir) as (base_url, facts):
+        result.update(facts)
         for workload in WORKLOADS:
-            if workload.name not in requests:
-                continue
-            measured = measure(system, base_url, workload, requests[workload.name], tokens, options)
-            result["workloads"][workload.name] = measured
-            cells = ", ".join(f"{m.label} {m.format(m.value(measured['summary']))}" for m in workload.metrics)
-            print(f"  {workload.name}: {cells} ({measured['duration_s']:.0f} s)", flush=True)
+            if workload.name in requests:
+                measured = measure(system, base_url, workload, requests[workload.name], tokens, options)
+                result["workloads"][workload.name] = measured
+                _print_measured(system, workload, measured)
     result["wall_s"] = time.perf_counter() - started
     return result
+
+
+def rotated(systems: list[str], turn: int) -> list[str]:
+    """`systems` starting at position `turn`: no system always runs first (or right after another)."""
+    shift = turn % len(systems) if systems else 0
+    return systems[shift:] + systems[:shift]
+
+
+def run_interleaved(
+    systems: list[str], requests: dict[str, list[WorkloadRequest]], tokens: TokenSource, options: Options,
+    model_dir: str | None, skip: set[tuple[str, str]], save: Callable[[], None], report: dict[str, Any],
+) -> None:  # fmt: skip
+    """Workload by workload, every system in turn on a fresh server (--order workload): a host
+    whose speed drifts over the hour (this one did, 1.3x within a run) then moves both sides of a
+    ratio together, since each ratio's two numbers come from adjacent minutes."""
+    for system in systems:
+        report["systems"][system] = {"settings": describe_system(system, options), "workloads": {}, "wall_s": 0.0}
+    turn = 0
+    for workload in WORKLOADS:
+        if workload.name not in requests:
+            continue
+        for system in rotated(systems, turn):
+            entry = report["systems"][system]
+            if "error" in entry or (system, workload.name) in skip:
+                continue
+            started = time.perf_counter()
+            try:
+                with checked_server(system, tokens, options, model_dir) as (base_url, facts):
+                    measured = measure(system, base_url, workload, requests[workload.name], tokens, options)
+            except SystemUnavailable as exc:
+                entry["error"] = str(exc)
+                print(f"  {system} skipped: {start_error_gist(str(exc))}", flush=True)
+                continue
+            sanity = facts.pop("sanity")
+            entry.setdefault("sanity", sanity)  # the first start's (every start is checked)
+            measured["start"] = facts
+            entry["workloads"][workload.name] = measured
+            entry["wall_s"] += time.perf_counter() - started
+            _print_measured(system, workload, measured)
+            save()
+        turn += 1
 
 
 # -- tables (from the JSON report alone) ------------------------------------------------------
@@ -446,17 +502,30 @@ def _measured(report: dict[str, Any], system: str, workload: str) -> dict[str, A
     return ((report["systems"].get(system) or {}).get("workloads") or {}).get(workload)
 
 
+def _starts_text(result: dict[str, Any]) -> str:
+    """How the system was started: once (--order system) or once per workload (--order workload)."""
+    starts = [m["start"] for m in (result.get("workloads") or {}).values() if "start" in m]
+    minutes = f"{result.get('wall_s', 0) / 60:.1f} min in all"
+    if not starts:
+        return (f"Up in {result.get('startup_s', 0):.0f} s, load average {result.get('load_at_start', 0):.2f} at "
+                f"its start, {minutes}")  # fmt: skip
+    ups, loads = [s["startup_s"] for s in starts], [s["load_at_start"] for s in starts]
+    return (f"A fresh server per workload ({len(starts)} starts, up in {min(ups):.0f}-{max(ups):.0f} s, load "
+            f"average {min(loads):.2f}-{max(loads):.2f} at the starts), {minutes}")  # fmt: skip
+
+
 def notes(report: dict[str, Any]) -> list[str]:
     """What a reader needs beside the numbers: settings, checks, where lengths or counts differ."""
     out = []
     for system, result in report["systems"].items():
         if "error" in result:
-            out.append(f"- {system}: not run ({start_error_gist(result['error'])})")
-            continue
+            ran = bool(result.get("workloads"))
+            out.append(f"- {system}: {'stopped' if ran else 'not run'} ({start_error_gist(result['error'])})")
+            if not ran:
+                continue
         sanity = result.get("sanity") or {}
         counts = ", ".join(f"{c['counted']} (ours {c['expected']})" for c in sanity.get("prompt_tokens", []))
-        out.append(f"- {system}: {result['settings']}. Up in {result.get('startup_s', 0):.0f} s, load average "
-                   f"{result['load_at_start']:.2f} at its start, {result.get('wall_s', 0) / 60:.1f} min in all. "
+        out.append(f"- {system}: {result['settings']}. {_starts_text(result)}. "
                    f"Greedy answer to {sanity.get('greeting')!r}: {sanity.get('answer')!r}. "
                    f"Probe prompts counted by the server: {counts}.")  # fmt: skip
         for name, measured in (result.get("workloads") or {}).items():
@@ -475,9 +544,14 @@ def notes(report: dict[str, Any]) -> list[str]:
 def markdown(report: dict[str, Any]) -> str:
     config = report["config"]
     counts = ", ".join(f"{name} {n}" for name, n in report["requests"].items())
+    order = (
+        "workload by workload, each system in turn on a fresh server (the systems' order rotates)"
+        if config.get("order") == "workload"
+        else "each system started once, serving every workload in turn"
+    )
     lines = [
         f"Same requests for every system (seed {config['seed']}; requests per workload: {counts}); "
-        "streamed /v1/completions, greedy, outputs forced to their length; one server at a time. "
+        f"streamed /v1/completions, greedy, outputs forced to their length; one server at a time, {order}. "
         "Ratios are servelm's value over the peer's (below 1 is better for times, above 1 for rates).",
         "",
         side_by_side_table(report),
@@ -505,27 +579,49 @@ def parse_requests(text: str, base: dict[str, int]) -> dict[str, int]:
     return {name: n for name, n in counts.items() if n > 0}
 
 
+def parse_skip(text: str, systems: list[str]) -> set[tuple[str, str]]:
+    """`llama.cpp:poisson,llama.cpp:mixed` → the (system, workload) pairs not to run."""
+    pairs = set()
+    for part in filter(None, text.split(",")):
+        system, _, workload = part.partition(":")
+        if system not in systems or workload not in WORKLOAD_NAMES:
+            raise SystemExit(f"--skip wants SYSTEM:WORKLOAD with SYSTEM in {systems}, WORKLOAD in "
+                             f"{list(WORKLOAD_NAMES)}, got {part!r}")  # fmt: skip
+        pairs.add((system, workload))
+    return pairs
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every system in turn on the same requests; OUT/serving_peers.json is rewritten after each."""
+    """Every system on the same requests, in --order; OUT/serving_peers.json is rewritten as it grows."""
     from servelm.bench.tokens import load_token_source
 
     systems = parse_systems(args.systems, SYSTEMS)
     counts = parse_requests(args.requests, SMOKE_REQUESTS if args.smoke else REQUESTS)
+    skip = parse_skip(args.skip, list(SYSTEMS))
     options = Options(args.out, args.seed, args.duration_s, args.vllm_python, args.llama_cpp_python,
                       args.llama_cpp_flash_attn == "on", tuple(shlex.split(args.servelm_args)))  # fmt: skip
     tokens = load_token_source(None)  # the default model's tokenizer: what every server tokenizes with
     requests = {name: build_requests(workload_of(name), n, tokens, args.seed) for name, n in counts.items()}
     model_dir = prepare_model_dir(Path("/tmp/servelm-offline-bench"))[0] if "vllm" in systems else None
-    report: dict[str, Any] = {"config": {"seed": args.seed, "duration_s": args.duration_s, "smoke": args.smoke},
-                              "requests": counts, "systems": {}}  # fmt: skip
+    config = {"seed": args.seed, "duration_s": args.duration_s, "smoke": args.smoke, "order": args.order,
+              "skip": sorted(f"{s}:{w}" for s, w in skip)}  # fmt: skip
+    report: dict[str, Any] = {"config": config, "requests": counts, "systems": {}}
+
+    def save() -> None:
+        (args.out / "serving_peers.json").write_text(json.dumps(report, indent=1))
+
+    if args.order == "workload":
+        run_interleaved(systems, requests, tokens, options, model_dir, skip, save, report)
+        return report
     for system in systems:
         print(f"{system}: starting", flush=True)
+        wanted = {name: rs for name, rs in requests.items() if (system, name) not in skip}
         try:
-            report["systems"][system] = run_system(system, requests, tokens, options, model_dir)
+            report["systems"][system] = run_system(system, wanted, tokens, options, model_dir)
         except SystemUnavailable as exc:
             report["systems"][system] = {"error": str(exc)}
             print(f"  skipped: {start_error_gist(str(exc))}", flush=True)
-        (args.out / "serving_peers.json").write_text(json.dumps(report, indent=1))  # kept as it grows
+        save()
     return report
 
 
@@ -533,6 +629,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--requests", default="", help="NAME=COUNT,... over the defaults (0 drops a workload)")
+    parser.add_argument("--order", choices=["workload", "system"], default="workload",
+                        help="workload: each workload on every system in turn, a fresh server each (ratios from "
+                             "adjacent minutes); system: each system started once for all workloads")  # fmt: skip
+    parser.add_argument("--skip", default="", help="SYSTEM:WORKLOAD,... pairs not to run (e.g. a peer's slow rows)")
     parser.add_argument("--smoke", action="store_true", help="a few requests per workload (SMOKE_REQUESTS)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--duration-s", type=float, default=1200.0, help="wall-clock limit of each workload")

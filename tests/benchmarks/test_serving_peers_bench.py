@@ -155,6 +155,34 @@ def test_a_target_missed_says_so():
     assert rows["single: TBT p50 ≤ 1x llama.cpp's"][4] == "not measured"  # no llama.cpp in this report
 
 
+def test_interleaved_order_rotates_the_systems_and_says_how_each_started():
+    assert [bench.rotated(["servelm", "vllm", "llama.cpp"], turn) for turn in range(4)] == [
+        ["servelm", "vllm", "llama.cpp"], ["vllm", "llama.cpp", "servelm"], ["llama.cpp", "servelm", "vllm"],
+        ["servelm", "vllm", "llama.cpp"],
+    ]  # fmt: skip
+    start = {"startup_s": 9.0, "load_at_start": 0.25, "started_unix": 0.0}
+    servelm = _system({"single": {**_measured(0.2, 0.03, 2, 5.0), "start": start},
+                       "long": {**_measured(4.0, 0.1, 2, 9.0), "start": {**start, "startup_s": 12.0}}})  # fmt: skip
+    report = {
+        "config": {"seed": 0, "duration_s": 1200.0, "smoke": False, "order": "workload"},
+        "requests": {"single": 2, "long": 2},
+        "systems": {"servelm": servelm,
+                    "vllm": {**_system({"single": _measured(0.5, 0.04, 2, 5.0)}), "error": "vllm died: OOM"}},
+    }  # fmt: skip
+    text = bench.markdown(report)
+    assert "each system in turn on a fresh server" in text
+    assert "A fresh server per workload (2 starts, up in 9-12 s, load average 0.25-0.25 at the starts)" in text
+    assert "- vllm: stopped (" in text  # its rows so far stay in the table
+    assert _cells([line for line in text.splitlines() if line.startswith("| single stream")][0])[3] == "0.40x, 0.75x"
+
+
+def test_skip_option_names_system_and_workload():
+    assert bench.parse_skip("llama.cpp:poisson,llama.cpp:mixed", ["servelm", "llama.cpp"]) == {
+        ("llama.cpp", "poisson"), ("llama.cpp", "mixed")}  # fmt: skip
+    with pytest.raises(SystemExit, match="SYSTEM:WORKLOAD"):
+        bench.parse_skip("llama.cpp:nope", ["llama.cpp"])
+
+
 def test_requests_option_overrides_and_drops():
     counts = bench.parse_requests("single=3,mixed=0", bench.REQUESTS)
     assert counts["single"] == 3 and "mixed" not in counts and counts["poisson"] == bench.REQUESTS["poisson"]
