@@ -151,8 +151,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--arrival-wait-ms", type=float, default=None,
-        help="longest wait (ms) for the running step that a newly arrived request may face: every step is kept "
-        "under it (default off; experimental, see SchedulerConfig.arrival_wait_ms)",
+        help="longest wait (ms) for the running step that a newly arrived request may face: every step's chunks "
+        "are kept under it but those of classes with a TTFT target of at most twice it (default off; see "
+        "SchedulerConfig.arrival_wait_ms)",
     )  # fmt: skip
     group.add_argument(
         "--speculative-config", default=None,

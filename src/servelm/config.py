@@ -187,11 +187,13 @@ class SchedulerConfig:
     # (benchmarks/RESULTS.md, issue 19); where steps are fast (a GPU) it never binds.
     max_step_ms: float = 200.0
     # How long (ms) a request arriving mid-step may have to wait for that step to end; 0 = no bound.
-    # Every step, decodes or not, schedules only what its learned cost model says ends in this time
-    # (at least every decode plus one block of prefill). Opt-in: on the mixed profile with
-    # a realtime tenant and 150 ms (benchmarks/RESULTS.md, issue 11) voice TTFT p90 was 403 / 619 ms
-    # at 0.05 / 0.1 req/s where servelm at defaults had 213 / 196: likely because it also splits
-    # the realtime request's own prefill over several steps; it should spare the chunk it protects.
+    # Every step, decodes or not, gives the chunks of requests it does not protect only what its
+    # learned cost model says ends in this time, but never so few tokens that the step's fixed
+    # part is over a quarter of it. A class whose TTFT target is at most twice the bound is what it
+    # protects (150 ms: a 300 ms realtime class): such a request's own chunk goes whole. Opt-in:
+    # its first form (no protection, no floor) was measured worse on the mixed profile
+    # (benchmarks/RESULTS.md, issue 11: voice TTFT p90 403 / 619 ms at 0.05 / 0.1 req/s against
+    # 213 / 196 at defaults); the form above is measured there too.
     arrival_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:

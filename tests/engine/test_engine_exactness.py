@@ -164,5 +164,6 @@ def test_step_time_target_changes_chunking_not_results(tiny_dir, reference_model
         # The fit the budget uses (the window's last one can be noise on a busy machine: its slope <= 0).
         assert built.core.scheduler.step_cost.current() is not None, "the cost model saw steps of different sizes"
         assert built.core.stats().num_used_blocks == 0
-    # Same work in smaller steps: prompts that arrive while others decode go 16 tokens at a time.
-    assert steps[0.001] > 2 * steps[0.0], steps
+    # Same work in smaller steps: prompts that arrive while others decode go a block per
+    # partial-prefill slot (4 x 16 tokens, the floor) at a time instead of 512.
+    assert steps[0.001] > 1.3 * steps[0.0], steps

@@ -580,7 +580,7 @@ def test_max_step_ms_shrinks_prefill_chunks_while_a_request_decodes() -> None:
     assert so.num_scheduled_tokens == {"a": 1, "b": 17}  # 18 tokens: one decode + 17 of prefill
 
 
-def test_max_step_ms_always_leaves_every_decode_and_a_block_of_prefill() -> None:
+def test_max_step_ms_always_leaves_every_decode_and_a_block_of_prefill_per_slot() -> None:
     s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=256, max_model_len=512, max_step_ms=1.0)
     _teach_cost(s, fixed_s=0.005, per_token_s=0.001)  # even the fixed part is over 1 ms
     for name in ("a", "b", "c"):
@@ -588,8 +588,32 @@ def test_max_step_ms_always_leaves_every_decode_and_a_block_of_prefill() -> None
     step(s)
     s.add_request(request("d", 100))
     so, _ = step(s)
-    # Three decodes plus one block (4 tokens) of d's prompt: the prompt still progresses.
-    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 4}
+    # Three decodes plus a block (4 tokens) per partial-prefill slot (4) of d's prompt: prompts
+    # still progress, a second one next to d as well.
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 16}
+
+
+def test_a_short_prompt_is_admitted_next_to_a_long_one_while_a_stream_decodes() -> None:
+    """Under a step budget the step-time target shrank, the chunk cap shrinks with it, so a
+    short prompt arriving while a long one prefills is scheduled within 2 steps (with the
+    static 512-token cap the long prompt's chunk took the whole shrunken budget, and the short
+    one waited for its whole prefill)."""
+    kv = KVCacheManager(num_blocks=1024, block_size=16)
+    s = Scheduler(SchedulerConfig(max_model_len=8192, aging_s=0.0, max_step_ms=100.0), kv, eos_token_ids=[EOS],
+                  clock=Clock())  # fmt: skip
+    _teach_cost(s, fixed_s=0.004, per_token_s=0.0005)  # 100 ms fits 192 tokens
+    s.add_request(request("stream", 20, max_tokens=100))
+    step(s)
+    s.add_request(request("long", 4000, max_tokens=1))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"stream": 1, "long": 191}  # alone, the top-up gives it all
+    s.add_request(request("short", 63, max_tokens=1))
+    so, out = step(s)
+    # 192 / 4 partial prefills = a 48-token cap: long 48, short 48 (unfinished), the top-up to long.
+    assert so.num_scheduled_tokens == {"stream": 1, "long": 48 + 95, "short": 48}
+    so, out = step(s)
+    assert so.num_scheduled_tokens["short"] == 15 and out["short"].new_token_ids == [TOKEN]
+    assert so.num_scheduled_tokens["long"] == 191 - 15
 
 
 def test_max_step_ms_without_a_fit_or_when_off_keeps_the_static_budget() -> None:
@@ -620,6 +644,18 @@ def test_arrival_wait_ms_bounds_every_step_decodes_or_not() -> None:
     assert so.num_scheduled_tokens == {"short": 6, "long": 12}  # short first, whole; the rest to long
     so, _ = step(s)
     assert so.num_scheduled_tokens == {"short": 1, "long": 17}  # short decodes within the same bound
+
+
+def test_arrival_wait_ms_never_cuts_a_step_below_its_efficiency_floor() -> None:
+    """A fit whose fixed part is over the bound (a noisy machine, long contexts) once cut every
+    step to one block; the floor keeps the fixed part at most a quarter of the step."""
+    s = make_scheduler(
+        num_blocks=256, block_size=4, max_num_batched_tokens=256, max_model_len=512, arrival_wait_ms=20.0
+    )
+    _teach_cost(s, fixed_s=0.030, per_token_s=0.001)  # even the fixed part is over 20 ms
+    s.add_request(request("long", 400))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"long": 90}  # 30 ms fixed is a quarter of 30 + 90 x 1 ms
 
 
 def test_arrival_wait_ms_off_unset_or_unlearned_keeps_the_static_budget() -> None:

@@ -190,7 +190,9 @@ def test_the_step_that_gives_a_realtime_prompt_its_first_token_stays_within_its_
     assert so.num_scheduled_tokens == {"rt": 1, "doc": 17}  # now a realtime decode bounds the step
     s.add_request(slo_request("doc2", 40, BATCH))
     so, _ = step(s)  # a batch prompt's first token bounds nothing beyond the decode's target
-    assert so.num_scheduled_tokens == {"rt": 1, "doc": 17}
+    # doc2 is admitted next to doc: each capped at a quarter of the shrunken budget (4 tokens),
+    # the top-up to doc.
+    assert so.num_scheduled_tokens == {"rt": 1, "doc": 13, "doc2": 4}
 
 
 def test_a_realtime_stream_shortens_steps_and_batch_alone_lets_them_grow() -> None:
@@ -210,3 +212,30 @@ def test_a_realtime_stream_shortens_steps_and_batch_alone_lets_them_grow() -> No
     so, _ = step(s)
     assert so.num_scheduled_tokens == {"doc": 1, "doc2": 200}  # a batch decode only: the whole budget again
     assert s.get_request("doc2").status is RequestStatus.RUNNING
+
+
+# -- the arrival bound protects the class it is for ------------------------------------------
+
+
+def test_the_arrival_bound_spares_the_realtime_prompt_it_protects() -> None:
+    """With arrival_wait_ms 150 the realtime class (TTFT 0.3 s) is protected: its own prompt
+    is scheduled whole in one step, while a batch prompt's chunks fill the step only up to the
+    bound (before, the bound split the realtime prompt over several steps too)."""
+    s = make_scheduler(num_blocks=512, block_size=4, max_num_batched_tokens=1024, max_model_len=2048,
+                       arrival_wait_ms=150.0)  # fmt: skip
+    _teach_cost(s, fixed_s=0.010, per_token_s=0.001)  # 150 ms fits 140 tokens
+    s.add_request(slo_request("batch", 1500, BATCH, max_tokens=1))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"batch": 140}
+    # Without a TBT target the realtime decode leaves steps to the arrival bound alone.
+    voice = RequestSlo(tenant="voice", slo_class="realtime", ttft_target_s=0.3)
+    s.add_request(slo_request("realtime", 300, voice, max_tokens=4))
+    so, out = step(s)
+    assert so.num_scheduled_tokens == {"realtime": 300}  # whole: over the bound, so no batch chunk
+    assert out["realtime"].new_token_ids == [7]
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"realtime": 1, "batch": 139}  # the bound again for the rest
+    slow = RequestSlo(tenant="chat", slo_class="interactive", ttft_target_s=1.0)
+    s.add_request(slo_request("interactive", 300, slow, max_tokens=1))
+    so, _ = step(s)
+    assert sum(so.num_scheduled_tokens.values()) == 140  # a 1 s target is not the bound's to protect

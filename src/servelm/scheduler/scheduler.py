@@ -12,7 +12,8 @@ arrival + the class's TTFT target, with fair share between the tenants of a clas
        (effective priority, deadline, running before waiting). So a better or more urgent
        class goes first even against a prompt already running: the running one's chunk
        shrinks or skips the step and keeps its KV. Each chunk is capped at
-       long_prefill_token_threshold, then by the budget left. A chunk that leaves its prompt
+       long_prefill_token_threshold (no more than a 1/max_num_partial_prefills share of a
+       budget the step-time target shrank), then by the budget left. A chunk that leaves its prompt
        unfinished takes one of max_num_partial_prefills slots (of max_long_partial_prefills if
        the prompt has more than the cap left); with no slot left the prompt sits this step
        out. A prompt finished by its chunk takes no slot: short prompts are admitted next to
@@ -43,7 +44,9 @@ budget. A prompt with a class TBT target that completes in step 2 bounds the res
 the same way (its first token is due at the step's end), so the top-up does not fill a
 realtime request's first step with others' bulk prefill. arrival_wait_ms bounds every step,
 decodes or not: how long a request arriving mid-step can wait for the step to end (a step is
-never interrupted); opt-in (see SchedulerConfig.arrival_wait_ms for what it measured).
+never interrupted). It holds the chunks of every request but those it protects (classes with a
+TTFT target of at most ARRIVAL_PROTECTS x the bound, whose own chunk goes whole), and never cuts
+a step so small that its fixed cost dominates; opt-in (SchedulerConfig.arrival_wait_ms).
 
 Calling protocol (one thread, the engine core's): schedule() → the runner executes the
 SchedulerOutput → update() with that output, before the next schedule(). add_request()
@@ -82,6 +85,12 @@ from servelm.scheduler.step_plan import StepPlan
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.tier_loads import Admission, TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
+
+# The arrival bound (arrival_wait_ms): it protects classes whose TTFT target is at most this many
+# times the bound (150 ms protects a 300 ms realtime target), and it never shrinks a step so far
+# that the cost model's fixed part (weights read, Python, sampling) is over this share of the step.
+ARRIVAL_PROTECTS = 2.0
+ARRIVAL_MAX_FIXED_SHARE = 0.25
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -286,18 +295,53 @@ class Scheduler:
     # -- schedule -------------------------------------------------------------------
 
     def _step_budget(self) -> int:
-        """max_num_batched_tokens, or less while requests decode under a step-time target, or
-        under the arrival bound (arrival_wait_ms) at any time."""
+        """max_num_batched_tokens, or less while requests decode under a step-time target."""
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self._running if not r.is_prefilling]
-        bounds = [self._tokens_within(self.config.max_step_ms, decoding) if decoding else None]
-        if self.config.arrival_wait_ms > 0:
-            bounds.append(self.step_cost.tokens_within(self.config.arrival_wait_ms / 1000.0))
-        fits = min((b for b in bounds if b is not None), default=None)
+        fits = self._tokens_within(self.config.max_step_ms, decoding) if decoding else None
         if fits is None:
             return budget
-        # Every decode, and at least one block of prefill so waiting prompts still move.
-        return min(budget, max(fits, len(decoding) + self._kv.block_size))
+        # Every decode, and at least a block of prefill per partial-prefill slot, so a prompt that
+        # arrives next to a long one still moves (_chunk_cap shares the prefill part out).
+        least = len(decoding) + self._kv.block_size * self.config.max_num_partial_prefills
+        return min(budget, max(fits, least))
+
+    def _chunk_cap(self, budget: int) -> int:
+        """The cap on one prompt's chunk before the top-up: long_prefill_token_threshold (its
+        default a 1/max_num_partial_prefills share of max_num_batched_tokens), and no more than
+        that share of a step budget the step-time target shrank. The cap is what lets a prompt
+        arriving next to a long one into the step: left at its static size under a shrunken
+        budget, the long prompt's chunk took all of it, and a 63-token prompt arriving while a
+        3,000-token one prefilled next to a decoding stream waited 62 steps, that whole prefill
+        (2 CPU cores). The top-up still hands the long prompt what nobody else takes."""
+        cap = self.config.prefill_chunk_cap
+        if not cap or budget >= self.config.max_num_batched_tokens:
+            return cap
+        return min(cap, max(self._kv.block_size, budget // self.config.max_num_partial_prefills))
+
+    def _arrival_limit(self) -> int | None:
+        """The arrival bound in tokens (StepPlan.bulk_limit): what the cost model says ends within
+        arrival_wait_ms, but never so few that the step's fixed part is over ARRIVAL_MAX_FIXED_SHARE
+        of it (the floor: without it a fit whose fixed part exceeded the bound cut every step to
+        one block, and a 4,000-token prompt took 167 steps instead of 2); None when off or unlearned."""
+        if self.config.arrival_wait_ms <= 0:
+            return None
+        fitted = self.step_cost.current()
+        within = self.step_cost.tokens_within(self.config.arrival_wait_ms / 1000.0)
+        if fitted is None or within is None:
+            return None
+        fixed_s, per_token_s = fitted
+        floor = int(fixed_s * (1.0 - ARRIVAL_MAX_FIXED_SHARE) / (ARRIVAL_MAX_FIXED_SHARE * per_token_s) + 1e-9)
+        return min(self.config.max_num_batched_tokens, max(within, floor, self._kv.block_size))
+
+    def _protected(self, request: Request) -> bool:
+        """Does the arrival bound exist for `request`'s class? Those whose TTFT target is at most
+        ARRIVAL_PROTECTS x arrival_wait_ms: a step of ordinary length would eat much of it. Their
+        own chunks are not held to the bound (it was measured splitting a realtime prompt over
+        several steps, which cost it more than the bound saved it)."""
+        target = request.slo.ttft_target_s
+        wait_ms = self.config.arrival_wait_ms
+        return wait_ms > 0 and target is not None and 1000.0 * target <= ARRIVAL_PROTECTS * wait_ms
 
     def _tokens_within(self, max_step_ms: float, requests: Iterable[Request]) -> int | None:
         """Tokens a step may carry to end within the step-time target of max_step_ms and these
@@ -318,9 +362,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self._clock()
         config = self.config
+        budget = self._step_budget()
         plan = StepPlan(
-            budget=self._step_budget(),
-            chunk_cap=config.prefill_chunk_cap,
+            budget=budget,
+            chunk_cap=self._chunk_cap(budget),
+            long_threshold=config.prefill_chunk_cap,
+            bulk_limit=self._arrival_limit(),
             # Unchunked, no prompt may be left unfinished: a chunk is the whole prompt or nothing.
             partial_slots=config.max_num_partial_prefills if config.enable_chunked_prefill else 0,
             long_slots=config.max_long_partial_prefills,
@@ -428,7 +475,7 @@ class Scheduler:
 
     def _schedule_prefill_chunk(self, request: Request, plan: StepPlan, now: float) -> None:
         num_uncomputed = request.num_tokens - request.num_computed_tokens
-        num_new = plan.prefill_chunk(num_uncomputed)
+        num_new = plan.prefill_chunk(num_uncomputed, self._protected(request))
         if not num_new:
             plan.sat_out.append(request)  # no slot: it keeps its KV; only the top-up may move it
             return
@@ -458,7 +505,8 @@ class Scheduler:
         Returns the blocks that took, or None when it cannot grow."""
         num_scheduled = plan.num_scheduled_tokens.get(request.request_id, 0)
         room = self._kv.max_new_tokens(request.request_id, num_computed_tokens=request.num_computed_tokens)
-        num_total = min(request.num_tokens - request.num_computed_tokens, num_scheduled + plan.budget, room)
+        num_total = min(request.num_tokens - request.num_computed_tokens,
+                        num_scheduled + plan.room(self._protected(request)), room)  # fmt: skip
         if num_total <= num_scheduled:
             return None
         more = self._kv.allocate_slots(request.request_id, num_total, num_computed_tokens=request.num_computed_tokens)
@@ -541,7 +589,7 @@ class Scheduler:
                 # DEFER: it stays in the queue, its pull waiting for room.
                 return admission is Admission.LOADING
         num_uncomputed = request.num_tokens - hit.num_computed_tokens
-        num_new = plan.prefill_chunk(num_uncomputed)
+        num_new = plan.prefill_chunk(num_uncomputed, self._protected(request))
         room = self._kv.max_new_tokens(
             request.request_id, num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit
         )

@@ -1,8 +1,9 @@
 """One step's plan while the Scheduler builds it: budget, prefill slots, the runner's diffs.
 
 The slot arithmetic of step 2 (scheduler.py) lives here: a prefill chunk is capped at
-chunk_cap, then by the budget; a chunk that leaves its prompt unfinished takes a partial
-slot, and a long one (more than chunk_cap tokens left) a long slot too.
+chunk_cap, then by the budget (and, for a request the arrival bound does not protect, by
+what bulk_limit leaves); a chunk that leaves its prompt unfinished takes a partial slot, and
+a long one (more than long_threshold tokens left) a long slot too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ class StepPlan:
     budget: int  # tokens left this step
     chunk_cap: int = 0  # most tokens a prefill chunk takes before the top-up (0: no cap)
     partial_slots: int = 0  # chunks this step may still leave their prompt unfinished with
-    long_slots: int = 0  # ... of them for prompts with more than chunk_cap tokens left
+    long_slots: int = 0  # ... of them for prompts with more than long_threshold tokens left
+    # What makes a prompt long (long_prefill_token_threshold): the static cap, even when this
+    # step's chunk_cap is smaller (a shrunken budget's share); 0: as chunk_cap.
+    long_threshold: int = 0
+    # The arrival bound (SchedulerConfig.arrival_wait_ms): most tokens the whole step may carry for
+    # chunks of requests it does not protect; a protected request's own chunk is held to the budget
+    # alone. None: no such bound.
+    bulk_limit: int | None = None
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -43,16 +51,23 @@ class StepPlan:
         self.budget -= num_tokens
 
     def _is_long(self, num_uncomputed: int) -> bool:
-        return 0 < self.chunk_cap < num_uncomputed
+        return 0 < (self.long_threshold or self.chunk_cap) < num_uncomputed
 
     def has_slot(self, num_uncomputed: int) -> bool:
         """May a chunk leave a prompt with `num_uncomputed` tokens left unfinished this step?"""
         return self.partial_slots > 0 and (not self._is_long(num_uncomputed) or self.long_slots > 0)
 
-    def prefill_chunk(self, num_uncomputed: int) -> int:
-        """A prompt's chunk before the top-up: capped, then by the budget; 0 when it would stay
+    def room(self, protected: bool = False) -> int:
+        """Tokens a chunk may still take: the budget left, and for a request the arrival bound
+        does not protect, no more than bulk_limit leaves of the step."""
+        if protected or self.bulk_limit is None:
+            return self.budget
+        return max(0, min(self.budget, self.bulk_limit - self.num_tokens))
+
+    def prefill_chunk(self, num_uncomputed: int, protected: bool = False) -> int:
+        """A prompt's chunk before the top-up: capped, then by its room; 0 when it would stay
         unfinished and no slot for that is left."""
-        chunk = min(num_uncomputed, self.budget, self.chunk_cap or num_uncomputed)
+        chunk = min(num_uncomputed, self.room(protected), self.chunk_cap or num_uncomputed)
         return chunk if chunk == num_uncomputed or self.has_slot(num_uncomputed) else 0
 
     def take_prefill(self, request: Request, num_tokens: int, num_uncomputed: int, block_ids: list[int]) -> None:
