@@ -594,10 +594,10 @@ def test_max_step_ms_always_leaves_every_decode_and_a_block_of_prefill_per_slot(
 
 
 def test_a_short_prompt_is_admitted_next_to_a_long_one_while_a_stream_decodes() -> None:
-    """Under a step budget the step-time target shrank, the chunk cap shrinks with it, so a
-    short prompt arriving while a long one prefills is scheduled within 2 steps (with the
-    static 512-token cap the long prompt's chunk took the whole shrunken budget, and the short
-    one waited for its whole prefill)."""
+    """Under a step budget the step-time target shrank, the long prompts' chunk cap shrinks with
+    it, so a short prompt arriving while a long one prefills is scheduled in the next step (with
+    the static 512-token cap the long prompt's chunk took the whole shrunken budget, and the
+    short one waited for its whole prefill)."""
     kv = KVCacheManager(num_blocks=1024, block_size=16)
     s = Scheduler(SchedulerConfig(max_model_len=8192, aging_s=0.0, max_step_ms=100.0), kv, eos_token_ids=[EOS],
                   clock=Clock())  # fmt: skip
@@ -609,11 +609,13 @@ def test_a_short_prompt_is_admitted_next_to_a_long_one_while_a_stream_decodes() 
     assert so.num_scheduled_tokens == {"stream": 1, "long": 191}  # alone, the top-up gives it all
     s.add_request(request("short", 63, max_tokens=1))
     so, out = step(s)
-    # 192 / 4 partial prefills = a 48-token cap: long 48, short 48 (unfinished), the top-up to long.
-    assert so.num_scheduled_tokens == {"stream": 1, "long": 48 + 95, "short": 48}
-    so, out = step(s)
-    assert so.num_scheduled_tokens["short"] == 15 and out["short"].new_token_ids == [TOKEN]
-    assert so.num_scheduled_tokens["long"] == 191 - 15
+    # The long prompt capped at 192 / 4 partial prefills = 48 tokens, the short one (not long:
+    # at most 512) whole, the top-up to the long one.
+    assert so.num_scheduled_tokens == {"stream": 1, "long": 48 + 80, "short": 63}
+    assert out["short"].new_token_ids == [TOKEN]
+    assert out["short"].finish_reason is not None
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"stream": 1, "long": 191}  # alone again
 
 
 def test_max_step_ms_without_a_fit_or_when_off_keeps_the_static_budget() -> None:

@@ -190,9 +190,9 @@ def test_the_step_that_gives_a_realtime_prompt_its_first_token_stays_within_its_
     assert so.num_scheduled_tokens == {"rt": 1, "doc": 17}  # now a realtime decode bounds the step
     s.add_request(slo_request("doc2", 40, BATCH))
     so, _ = step(s)  # a batch prompt's first token bounds nothing beyond the decode's target
-    # doc2 is admitted next to doc: each capped at a quarter of the shrunken budget (4 tokens),
-    # the top-up to doc.
-    assert so.num_scheduled_tokens == {"rt": 1, "doc": 13, "doc2": 4}
+    # doc2 is admitted next to doc: the long doc capped at a quarter of the shrunken budget (4
+    # tokens), doc2 (not long) takes the rest.
+    assert so.num_scheduled_tokens == {"rt": 1, "doc": 4, "doc2": 13}
 
 
 def test_a_realtime_stream_shortens_steps_and_batch_alone_lets_them_grow() -> None:

@@ -1,7 +1,7 @@
 """One step's plan while the Scheduler builds it: budget, prefill slots, the runner's diffs.
 
-The slot arithmetic of step 2 (scheduler.py) lives here: a prefill chunk is capped at
-chunk_cap, then by the budget (and, for a request the arrival bound does not protect, by
+The slot arithmetic of step 2 (scheduler.py) lives here: a long prompt's prefill chunk is
+capped at chunk_cap, then by the budget (and, for a request the arrival bound does not protect, by
 what bulk_limit leaves); a chunk that leaves its prompt unfinished takes a partial slot, and
 a long one (more than long_threshold tokens left) a long slot too.
 """
@@ -65,9 +65,13 @@ class StepPlan:
         return max(0, min(self.budget, self.bulk_limit - self.num_tokens))
 
     def prefill_chunk(self, num_uncomputed: int, protected: bool = False) -> int:
-        """A prompt's chunk before the top-up: capped, then by its room; 0 when it would stay
-        unfinished and no slot for that is left."""
-        chunk = min(num_uncomputed, self.room(protected), self.chunk_cap or num_uncomputed)
+        """A prompt's chunk before the top-up: capped if the prompt is long, then by its room; 0
+        when it would stay unfinished and no slot for that is left. Only long prompts are capped
+        (vLLM's long_prefill_token_threshold): a burst of short ones goes first come, first
+        served, each with the whole budget, where capping them too shared the budget out and
+        gave the first of the burst its first token as late as the last's."""
+        cap = self.chunk_cap if self._is_long(num_uncomputed) else num_uncomputed
+        chunk = min(num_uncomputed, self.room(protected), cap)
         return chunk if chunk == num_uncomputed or self.has_slot(num_uncomputed) else 0
 
     def take_prefill(self, request: Request, num_tokens: int, num_uncomputed: int, block_ids: list[int]) -> None:
