@@ -191,9 +191,10 @@ class SchedulerConfig:
     # learned cost model says ends in this time, but never so few tokens that the step's fixed
     # part is over a quarter of it. A class whose TTFT target is at most twice the bound is what it
     # protects (150 ms: a 300 ms realtime class): such a request's own chunk goes whole. Opt-in:
-    # its first form (no protection, no floor) was measured worse on the mixed profile
-    # (benchmarks/RESULTS.md, issue 11: voice TTFT p90 403 / 619 ms at 0.05 / 0.1 req/s against
-    # 213 / 196 at defaults); the form above is measured there too.
+    # measured on the mixed profile at 0.1 req/s (benchmarks/RESULTS.md, issue 11, 2026-12-02) it
+    # took voice TTFT p90 from 575 to 520 ms but doubled a 4k code prompt's (8.2 -> 15.4 s): the
+    # step-cost model it plans with has no context term, so small chunks at long contexts run
+    # longer than planned. Its first form (no protection, no floor) was worse still.
     arrival_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:
