@@ -62,3 +62,12 @@ def test_keeps_its_last_fit_when_the_window_holds_only_one_step_size() -> None:
         model.observe(41, 0.051)
     assert model.fit() is None
     assert model.tokens_within(0.050) == 40
+
+
+def test_a_fixed_share_floor_keeps_steps_from_shrinking_to_their_fixed_part() -> None:
+    model = StepCostModel()
+    for tokens in (1, 8, 32, 64, 128):
+        model.observe(tokens, 0.030 + 0.001 * tokens)  # 30 ms fixed, 1 ms a token
+    assert model.tokens_within(0.020) == 0  # even the fixed part is over 20 ms
+    assert model.tokens_within(0.020, max_fixed_share=0.25) == 90  # 30 ms is a quarter of 30 + 90
+    assert model.tokens_within(0.200, max_fixed_share=0.25) == 170  # over the floor: the bound itself

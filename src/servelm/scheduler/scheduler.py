@@ -326,13 +326,10 @@ class Scheduler:
         one block, and a 4,000-token prompt took 167 steps instead of 2); None when off or unlearned."""
         if self.config.arrival_wait_ms <= 0:
             return None
-        fitted = self.step_cost.current()
-        within = self.step_cost.tokens_within(self.config.arrival_wait_ms / 1000.0)
-        if fitted is None or within is None:
+        within = self.step_cost.tokens_within(self.config.arrival_wait_ms / 1000.0, ARRIVAL_MAX_FIXED_SHARE)
+        if within is None:
             return None
-        fixed_s, per_token_s = fitted
-        floor = int(fixed_s * (1.0 - ARRIVAL_MAX_FIXED_SHARE) / (ARRIVAL_MAX_FIXED_SHARE * per_token_s) + 1e-9)
-        return min(self.config.max_num_batched_tokens, max(within, floor, self._kv.block_size))
+        return min(self.config.max_num_batched_tokens, max(within, self._kv.block_size))
 
     def _protected(self, request: Request) -> bool:
         """Does the arrival bound exist for `request`'s class? Those whose TTFT target is at most

@@ -71,11 +71,16 @@ class StepCostModel:
         """The fit the scheduler uses: the window's own, else the last good one; None before any."""
         return self.fit() or self._last_fit
 
-    def tokens_within(self, seconds: float) -> int | None:
+    def tokens_within(self, seconds: float, max_fixed_share: float | None = None) -> int | None:
         """Most tokens a step may schedule to take at most `seconds` (0 if even the fixed part
-        is over it); None while the model has no fit."""
+        is over it); None while the model has no fit. With `max_fixed_share`, never fewer than
+        the tokens at which the fixed part is that share of the step (a bound below the fixed
+        part would otherwise cut steps to nothing and pay the fixed part for every few tokens)."""
         fitted = self.current()
         if fitted is None:
             return None
         fixed, per_token = fitted
-        return max(0, int((seconds - fixed) / per_token + 1e-9))  # + epsilon: 17.999… fits 18
+        tokens = max(0, int((seconds - fixed) / per_token + 1e-9))  # + epsilon: 17.999… fits 18
+        if max_fixed_share is not None:
+            tokens = max(tokens, int(fixed * (1.0 - max_fixed_share) / (max_fixed_share * per_token) + 1e-9))
+        return tokens
