@@ -42,6 +42,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "where the CPU has AMX / AVX512-BF16, at a measured logit error (benchmarks/RESULTS.md)",
     )  # fmt: skip
     group.add_argument(
+        "--keep-warm-s", type=float, default=None,
+        help="CPU: seconds between reads of every page of the weights and KV pool, keeping them warm where a "
+        "VM's host reclaims memory left unread (default 5; 0 = off)",
+    )  # fmt: skip
+    group.add_argument(
         "--hf-overrides", type=json.loads, default=None,
         help='JSON of Hugging Face config keys replacing the checkpoint\'s, e.g. \'{"rope_scaling": {"rope_type": '
         '"linear", "factor": 2.0}, "max_position_embeddings": 16384}\'',
@@ -176,6 +181,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "max_model_len",
             "num_threads",
             "gemm_precision",
+            "keep_warm_s",
             "hf_overrides",
             "download_dir",
             "pull_connections",

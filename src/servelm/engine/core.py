@@ -24,6 +24,7 @@ from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.kv.tiers import KVTiers
 from servelm.scheduler.scheduler import Scheduler
 from servelm.schemas.core_stats import CoreStats, TierStats
+from servelm.worker.host_residency import HostResidency
 from servelm.worker.model_runner import ModelRunner
 from servelm.worker.multi_rank import RankFailedError
 
@@ -35,10 +36,23 @@ CLOSE_MAX_STEPS = 1000
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        kv_manager: KVCacheManager,
+        residency: HostResidency | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv_manager = kv_manager  # read-only here: for stats and invariant checks
+        self.residency = residency  # CPU: keeps the weights and KV pool warm (worker/host_residency.py)
+
+    def keep_warm(self) -> None:
+        """Between steps, idle or not: read every page of the weights and the KV pool when
+        ModelConfig.keep_warm_s has passed since the last time (a no-op without a residency)."""
+        if self.residency is not None:
+            self.residency.maybe_touch()
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(request)

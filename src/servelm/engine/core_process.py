@@ -33,6 +33,7 @@ from servelm.engine.messages import (
     to_core_decoder,
 )
 from servelm.obs.startup import StartupTimeline
+from servelm.worker.host_residency import enable_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     # Ctrl-C in a terminal reaches the whole process group; the API process owns shutdown
     # (it drains in-flight requests, then sends Shutdown), so the core must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    enable_huge_pages()  # before this process's first tensor: PyTorch reads the switch once
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)
@@ -137,6 +139,7 @@ def _serve(
             stats.recent_steps = core.take_step_records()
             batch = OutputBatch(outputs=step_outputs, stats=stats, timestamp=time.time())
             outputs.send(from_core_encoder.encode(batch))
+        core.keep_warm()  # after the outputs went out: a touch (~10 ms) delays the next step, not this one
 
 
 def _add_request(core: EngineCore, request: EngineRequest) -> EngineOutput | None:

@@ -1,0 +1,116 @@
+"""Keeping a CPU engine's weights and KV pool in fast memory while it idles or only decodes.
+
+On a virtual machine the host may treat guest memory that has not been read for a few seconds
+as cold (reclaiming, compressing or unmapping it behind the guest); the guest cannot see or stop
+that, and the next read of each page pays for bringing it back. Measured on this project's
+2-vCPU VM (benchmarks/RESULTS.md): a 63-token prompt's first token took ~100 ms warm, +15-35 ms
+after 2 s of idle, +60-85 ms after 10-30 s and +200-250 ms after 60-100 s, all of it in the
+matmuls reading the weights (the same GEMMs over a small, cache-resident weight did not slow).
+Decode reads only the quantised blocks, so the float32 weights that prefill reads go cold during
+a long decode too, and the first prompt after it pays.
+
+Two things keep it from happening:
+
+- huge pages for the engine process's large allocations (`enable_huge_pages`, PyTorch's
+  THP_MEM_ALLOC_ENABLE, read once at the process's first allocation): a 2 MiB page is one entry
+  where 4 KiB pages were 512, which the host tracks and restores as a unit;
+- `HostResidency.touch`: every `interval_s`, one read per 4 KiB page of every CPU tensor the
+  model holds and of the KV pool. One strided read per storage: ~10 ms for the default model and
+  its 2 GB pool, paid between steps.
+
+With both, the 63-token prompt after 30 s idle measured within ~10 ms of warm (THP alone: +50 ms).
+On a host that never reclaims, a pass costs the same ~10 ms and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's: allocations of 2 MiB and more get madvise(MADV_HUGEPAGE)
+_MAX_DEPTH = 4  # how far below a module's attributes to look for tensors (linear methods' block tensors)
+
+
+def enable_huge_pages() -> None:
+    """Ask PyTorch's CPU allocator for transparent huge pages in this process, unless the user said
+    otherwise. Must run before the process's first tensor allocation (PyTorch reads it once)."""
+    os.environ.setdefault(THP_ENV, "1")
+
+
+def _byte_views(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Each distinct CPU storage among `tensors`, once, as a flat uint8 tensor over all its bytes
+    (of two storages at one address, as views made with `set_` or `frombuffer` can be, the larger)."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        known = storages.get(storage.data_ptr())
+        if storage.nbytes() >= PAGE_BYTES and (known is None or storage.nbytes() > known.nbytes()):
+            storages[storage.data_ptr()] = storage
+    return [torch.empty(0, dtype=torch.uint8).set_(storage) for storage in storages.values()]
+
+
+def _tensors_under(obj: object, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors held by `obj`'s attributes, lists, tuples and dicts, `_MAX_DEPTH` levels down."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth >= _MAX_DEPTH or isinstance(obj, (str, bytes, int, float, type)):
+        return
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_under(item, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_under(item, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):  # submodules are walked by modules()
+        for item in vars(obj).values():
+            yield from _tensors_under(item, depth + 1)
+
+
+def model_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor `model` holds: parameters, buffers, and those its modules keep in helper objects
+    (a quantised layer's blocks, a dense copy for prefill) that `parameters()` does not list."""
+    for module in model.modules():
+        yield from module.parameters(recurse=False)
+        yield from module.buffers(recurse=False)
+        for name, value in vars(module).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                yield from _tensors_under(value)
+
+
+@dataclass
+class HostResidency:
+    """Reads one byte per page of the given CPU tensors every `interval_s` (`maybe_touch`)."""
+
+    tensors: list[torch.Tensor]
+    interval_s: float
+    _views: list[torch.Tensor] = field(init=False)
+    _last_touch: float = field(init=False)
+    num_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._views = _byte_views(self.tensors)
+        self.num_bytes = sum(view.numel() for view in self._views)
+        self._last_touch = time.monotonic()
+
+    def touch(self) -> None:
+        for view in self._views:
+            view[::PAGE_BYTES].sum()  # a read of each page; the sum is only there to make the read
+
+    def maybe_touch(self, now: float | None = None) -> bool:
+        """Touch when `interval_s` has passed since the last touch; True if it did."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_touch < self.interval_s:
+            return False
+        self.touch()
+        self._last_touch = now
+        return True

@@ -1,0 +1,96 @@
+"""Keeping a CPU engine's memory warm: what is touched, when, and huge pages in the engine process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from servelm.config import EngineConfig
+from servelm.engine.builder import build_engine
+from servelm.models.arch import ModelArchConfig
+from servelm.models.factory import build_model
+from servelm.models.gguf_loader import gguf_hf_config, load_gguf_weights, open_gguf
+from servelm.models.linear_methods import small_batch_kernel
+from servelm.server.launcher import launch_server
+from servelm.testing.process_tree import descendants
+from servelm.testing.tiny_model import write_tiny_checkpoint, write_tiny_gguf
+from servelm.worker.host_residency import PAGE_BYTES, HostResidency, model_tensors
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages (by address; the larger of two at one address)."""
+    sizes: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        sizes[storage.data_ptr()] = max(sizes.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(sizes.values())
+
+
+@pytest.mark.skipif(small_batch_kernel() is None, reason="no C compiler: the block kernels cannot be built here")
+def test_a_quantised_models_blocks_are_touched_not_only_its_parameters(tmp_path: Path):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf", arch="llama", seed=3)
+    reader = open_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", hf_dir, tensor_type=Q.Q4_1))
+    arch = ModelArchConfig.from_hf_config(gguf_hf_config(reader))
+    model = build_model(arch, load_gguf_weights(reader, arch, source="tiny"), torch.float32, "cpu")
+    held = list(model_tensors(model))
+    parameters = list(model.parameters()) + list(model.buffers())
+    blocks = [t for t in held if t.dtype == torch.uint8]
+    assert blocks, "a Q4_1 model's layers keep their GGUF blocks (uint8), which parameters() does not list"
+    residency = HostResidency(held, interval_s=5.0)
+    assert residency.num_bytes == _storage_bytes([t for t in held if t.untyped_storage().nbytes() >= PAGE_BYTES])
+    held_storages = {t.untyped_storage().data_ptr() for t in held}
+    assert {t.untyped_storage().data_ptr() for t in parameters} <= held_storages
+    pages = [t for t in parameters + blocks if t.untyped_storage().nbytes() >= PAGE_BYTES]  # smaller ones: not kept
+    assert residency.num_bytes >= _storage_bytes(pages)
+
+
+def test_touches_once_per_interval_and_reads_every_storage_once():
+    weight = torch.ones(3 * PAGE_BYTES // 4)
+    same_storage = weight[PAGE_BYTES // 4 :]
+    other = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+    residency = HostResidency([weight, same_storage, other, torch.ones(3)], interval_s=5.0)  # a tiny one: not kept
+    assert residency.num_bytes == 3 * PAGE_BYTES + PAGE_BYTES
+    start = residency._last_touch
+    assert not residency.maybe_touch(start + 4.9)
+    assert residency.maybe_touch(start + 5.0)
+    assert not residency.maybe_touch(start + 9.9)
+    assert residency.maybe_touch(start + 10.0)
+
+
+def test_the_engine_keeps_warm_on_cpu_unless_turned_off(tiny_dir):
+    on = build_engine(EngineConfig.from_flat(str(tiny_dir), num_blocks=64)).core
+    assert on.residency is not None and on.residency.interval_s == 5.0
+    kept = [*on.runner.kv_block_tensors, *on.runner.model.parameters()]
+    assert on.residency.num_bytes >= _storage_bytes([t for t in kept if t.untyped_storage().nbytes() >= PAGE_BYTES])
+    off = build_engine(EngineConfig.from_flat(str(tiny_dir), num_blocks=64, keep_warm_s=0)).core
+    assert off.residency is None
+    off.keep_warm()  # a no-op, not an error
+
+
+def test_negative_interval_is_refused():
+    with pytest.raises(ValueError, match="keep_warm_s"):
+        EngineConfig.from_flat(keep_warm_s=-1)
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this kernel")
+def test_the_engine_process_allocates_huge_pages(tmp_path: Path):
+    # A pool of 64 MiB: allocations of 2 MiB and more are what PyTorch asks huge pages for.
+    model_dir = write_tiny_checkpoint(tmp_path / "model", seed=3)
+    with launch_server(model_dir, ["--num-blocks", "8192", "--num-threads", "1"]) as server:
+        engine_pids = [pid for pid, command in descendants(server.process.pid).items() if "multiprocessing" in command]
+        assert engine_pids, descendants(server.process.pid)
+        rollups = [Path(f"/proc/{pid}/smaps_rollup").read_text() for pid in engine_pids]
+        huge_kib = max(int(line.split()[1]) for text in rollups for line in text.splitlines()
+                       if line.startswith("AnonHugePages:"))  # fmt: skip
+        assert huge_kib >= 2048, rollups
