@@ -32,7 +32,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import prepare_model_dir
-from peer_servers import SystemUnavailable, servelm_server, vllm_server
+from peer_servers import SystemUnavailable, servelm_server, stop_servers_on_sigterm, vllm_server
 
 from servelm.bench.tokens import TokenSource, load_token_source
 
@@ -120,6 +120,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    stop_servers_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument(

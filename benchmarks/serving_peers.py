@@ -73,6 +73,7 @@ from peer_servers import (  # noqa: E402
     parse_systems,
     servelm_server,
     start_error_gist,
+    stop_servers_on_sigterm,
     vllm_server,
 )
 
@@ -626,6 +627,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    stop_servers_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--requests", default="", help="NAME=COUNT,... over the defaults (0 drops a workload)")

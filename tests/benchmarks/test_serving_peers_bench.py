@@ -188,3 +188,35 @@ def test_requests_option_overrides_and_drops():
     assert counts["single"] == 3 and "mixed" not in counts and counts["poisson"] == bench.REQUESTS["poisson"]
     with pytest.raises(SystemExit, match="NAME=COUNT"):
         bench.parse_requests("nope=3", bench.REQUESTS)
+
+
+def test_sigterm_unwinds_a_benchmark_so_its_servers_stop(tmp_path: Path):
+    """`timeout` or `kill` on a benchmark: every `with` block on the way out runs its exit (where a
+    server is stopped), and the process ends with 128 + SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+
+    stopped = tmp_path / "stopped"
+    script = f"""
+import contextlib, sys, time
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+from peer_servers import stop_servers_on_sigterm
+stop_servers_on_sigterm()
+
+@contextlib.contextmanager
+def server():
+    try:
+        yield
+    finally:
+        open({str(stopped)!r}, "w").write("stopped")
+
+with server():
+    print("serving", flush=True)
+    time.sleep(60)
+"""
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "serving"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    assert stopped.read_text() == "stopped"
