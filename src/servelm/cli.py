@@ -43,8 +43,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--keep-warm-s", type=float, default=None,
-        help="CPU: seconds between reads of every page of the weights and KV pool, keeping them warm where a "
-        "VM's host reclaims memory left unread (default 5; 0 = off)",
+        help="CPU: seconds between reads of every page of the weights (the KV pool: 5x that), keeping them warm "
+        "where a VM's host lets memory left unread go cold (default 1; 0 = off)",
     )  # fmt: skip
     group.add_argument(
         "--hf-overrides", type=json.loads, default=None,

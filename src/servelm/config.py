@@ -271,11 +271,11 @@ class ModelConfig:
     # float32 (exact, the default) or bfloat16 (opt-in, faster where the CPU has AMX / AVX512-BF16;
     # its logit error is measured in benchmarks/RESULTS.md). models/gemm_precision.py.
     gemm_precision: str = "float32"
-    # CPU: every this many seconds (0 = never), read one byte per page of the weights and the KV pool,
-    # so memory a virtual machine's host treats as cold after seconds unread is warm when the next
-    # prompt comes (a 63-token prompt's first token after 60 s idle: +200 ms without it here).
-    # worker/host_residency.py.
-    keep_warm_s: float = 5.0
+    # CPU: every this many seconds (0 = never), read one byte per page of the weights (and of the KV
+    # pool, 5x less often), so memory a virtual machine's host treats as cold after seconds unread is
+    # warm when the next prompt comes (a 63-token prompt's first token after 60 s idle: +200 ms
+    # without it here; after a 1.4 s decode, +40 ms). worker/host_residency.py.
+    keep_warm_s: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.keep_warm_s >= 0, f"keep_warm_s must be >= 0 (0 = off), got {self.keep_warm_s}")

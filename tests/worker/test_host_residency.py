@@ -17,7 +17,7 @@ from servelm.models.linear_methods import small_batch_kernel
 from servelm.server.launcher import launch_server
 from servelm.testing.process_tree import descendants
 from servelm.testing.tiny_model import write_tiny_checkpoint, write_tiny_gguf
-from servelm.worker.host_residency import PAGE_BYTES, HostResidency, model_tensors
+from servelm.worker.host_residency import KV_POOL_WARM_FACTOR, PAGE_BYTES, HostResidency, model_tensors
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -62,11 +62,13 @@ def test_touches_once_per_interval_and_reads_every_storage_once():
 
 def test_the_engine_keeps_warm_on_cpu_unless_turned_off(tiny_dir):
     on = build_engine(EngineConfig.from_flat(str(tiny_dir), num_blocks=64)).core
-    assert on.residency is not None and on.residency.interval_s == 5.0
-    kept = [*on.runner.kv_block_tensors, *on.runner.model.parameters()]
-    assert on.residency.num_bytes >= _storage_bytes([t for t in kept if t.untyped_storage().nbytes() >= PAGE_BYTES])
+    weights, pool = on.residencies
+    assert (weights.interval_s, pool.interval_s) == (1.0, KV_POOL_WARM_FACTOR * 1.0)
+    big = [t for t in on.runner.model.parameters() if t.untyped_storage().nbytes() >= PAGE_BYTES]
+    assert weights.num_bytes >= _storage_bytes(big)
+    assert pool.num_bytes == _storage_bytes(list(on.runner.kv_block_tensors))
     off = build_engine(EngineConfig.from_flat(str(tiny_dir), num_blocks=64, keep_warm_s=0)).core
-    assert off.residency is None
+    assert off.residencies == []
     off.keep_warm()  # a no-op, not an error
 
 

@@ -42,7 +42,7 @@ from servelm.worker.block_table import BlockTable
 from servelm.worker.cuda_graphs import DecodeGraphMode, DecodeGraphRunner, decode_graph_mode, resolve_capture_sizes
 from servelm.worker.draft_model import DraftModel, load_draft_model
 from servelm.worker.draft_proposer import DraftModelProposer
-from servelm.worker.host_residency import HostResidency, model_tensors
+from servelm.worker.host_residency import KV_POOL_WARM_FACTOR, HostResidency, model_tensors
 from servelm.worker.kv_cache import (
     DEVICE_MEMORY_RESERVE_BYTES,
     allocate_kv_caches,
@@ -215,13 +215,15 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
         config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative,
         kv_tiers=tiers, kv_transfer=config.kv_transfer,
     )  # fmt: skip
-    residency = None
+    residencies: list[HostResidency] = []
     if device.type == "cpu" and config.model.keep_warm_s > 0:
         draft_weights = list(model_tensors(draft_model)) if draft_model is not None else []
-        residency = HostResidency([*model_tensors(model), *draft_weights, *block_tensors([*kv_caches, *draft_kv])],
-                                  config.model.keep_warm_s)  # fmt: skip
+        residencies = [
+            HostResidency([*model_tensors(model), *draft_weights], config.model.keep_warm_s),
+            HostResidency(block_tensors([*kv_caches, *draft_kv]), KV_POOL_WARM_FACTOR * config.model.keep_warm_s),
+        ]
     return BuiltEngine(
-        core=EngineCore(scheduler, runner, kv_manager, residency),
+        core=EngineCore(scheduler, runner, kv_manager, residencies),
         tokenizer=tokenizer,
         arch=arch,
         max_model_len=max_model_len,

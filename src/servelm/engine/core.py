@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Sequence
 
 import torch
 
@@ -41,18 +42,19 @@ class EngineCore:
         scheduler: Scheduler,
         runner: ModelRunner,
         kv_manager: KVCacheManager,
-        residency: HostResidency | None = None,
+        residencies: Sequence[HostResidency] = (),
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv_manager = kv_manager  # read-only here: for stats and invariant checks
-        self.residency = residency  # CPU: keeps the weights and KV pool warm (worker/host_residency.py)
+        # CPU: the weights and the KV pool, each kept warm at its own interval (worker/host_residency.py)
+        self.residencies = list(residencies)
 
     def keep_warm(self) -> None:
-        """Between steps, idle or not: read every page of the weights and the KV pool when
-        ModelConfig.keep_warm_s has passed since the last time (a no-op without a residency)."""
-        if self.residency is not None:
-            self.residency.maybe_touch()
+        """Between steps, idle or not: read every page of what is due (ModelConfig.keep_warm_s:
+        the weights; the KV pool at KV_POOL_WARM_FACTOR times that); a no-op without residencies."""
+        for residency in self.residencies:
+            residency.maybe_touch()
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(request)
