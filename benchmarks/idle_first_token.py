@@ -8,7 +8,7 @@ runs its matmuls over cold weights. This drives each system through the API the 
         sleep L, send a short prompt (its TTFT: "after idle"), then at once another ("warm")
 
 Each prompt is fresh (no prefix-cache hit), --prompt-tokens long, asks --max-tokens tokens
-(streamed, greedy). Systems (SYSTEMS): servelm at its defaults (huge pages, --keep-warm-s 5),
+(streamed, greedy). Systems (SYSTEMS): servelm at its defaults (huge pages, --keep-warm-s 1),
 without the touching, as before both, and vLLM-CPU; one fresh server each, one after another.
 
     PYTHONPATH=src .venv/bin/python benchmarks/idle_first_token.py --out /tmp/idle-first-token
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -54,17 +53,8 @@ def serving(system: str, log_dir: Path) -> Iterator[str]:
             yield base_url
         return
     flags, env = settings
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)  # the server's processes inherit it
-    try:
-        with servelm_server(flags) as base_url:
-            yield base_url
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with servelm_server(flags, env) as base_url:
+        yield base_url
 
 
 def ttft_s(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> float:

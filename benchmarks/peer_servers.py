@@ -97,11 +97,12 @@ def vllm_server(
 
 
 @contextlib.contextmanager
-def servelm_server(extra_args: Sequence[str] = ()) -> Iterator[str]:
-    """A fresh `servelm serve` of the default model with `extra_args`, ready: yields its base URL,
-    stops it on exit. SystemUnavailable (with the server's log tail) when it does not start."""
+def servelm_server(extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> Iterator[str]:
+    """A fresh `servelm serve` of the default model with `extra_args` (and `env` over this process's
+    environment), ready: yields its base URL, stops it on exit. SystemUnavailable (with the
+    server's log tail) when it does not start."""
     try:
-        server = launch_server(None, extra_args)
+        server = launch_server(None, extra_args, env=env)
     except RuntimeError as exc:
         raise SystemUnavailable(str(exc)) from None
     with server:

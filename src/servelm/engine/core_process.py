@@ -139,7 +139,7 @@ def _serve(
             stats.recent_steps = core.take_step_records()
             batch = OutputBatch(outputs=step_outputs, stats=stats, timestamp=time.time())
             outputs.send(from_core_encoder.encode(batch))
-        core.keep_warm()  # after the outputs went out: a touch (~10 ms) delays the next step, not this one
+        core.keep_warm()  # after the outputs went out: a pass (5-18 ms) delays the next step, not this one
 
 
 def _add_request(core: EngineCore, request: EngineRequest) -> EngineOutput | None:
