@@ -19,6 +19,7 @@ from servelm.kv import KVCacheManager
 from servelm.sampling_params import SamplingParams
 from servelm.scheduler.request import RequestStatus
 from servelm.scheduler.scheduler import Scheduler
+from servelm.scheduler.step_cost import chunk_pairs
 
 EOS = 2
 TOKEN = 7  # what the fake model samples unless told otherwise
@@ -616,6 +617,37 @@ def test_a_short_prompt_is_admitted_next_to_a_long_one_while_a_stream_decodes() 
     assert out["short"].finish_reason is not None
     so, _ = step(s)
     assert so.num_scheduled_tokens == {"stream": 1, "long": 191}  # alone again
+
+
+def test_max_step_ms_prices_a_chunk_deep_in_a_long_prompt_by_its_attention() -> None:
+    """A token deep in a long prompt attends to everything before it: a step bound that priced
+    every token alike let such chunks run twice the bound next to a decode (benchmarks/step_bound.py).
+    With the pair cost learned, each chunk shrinks with its depth so the step stays in the bound."""
+    s = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=2048, max_model_len=8192,
+                       max_step_ms=100.0)  # fmt: skip
+
+    def cost(tokens: int, pairs: int) -> float:  # 2 ms fixed, 0.5 ms a token, 1 µs a pair
+        return 0.002 + 0.0005 * tokens + 1e-6 * pairs
+
+    for tokens in (1, 8, 32, 64, 128, 256):
+        for context in (0, 1000, 3000):
+            s.step_cost.observe(tokens, cost(tokens, chunk_pairs(tokens, context)), chunk_pairs(tokens, context))
+    s.add_request(request("stream", 20, max_tokens=1000))
+    step(s)
+    s.add_request(request("long", 4000, max_tokens=1))
+    chunks: list[tuple[int, int]] = []  # (depth, chunk)
+    while (r := s.get_request("long")) is not None and r.num_computed_tokens < 3000:
+        depth = r.num_computed_tokens
+        so, _ = step(s)
+        assert so.num_scheduled_tokens["stream"] == 1
+        chunk = so.num_scheduled_tokens["long"]
+        chunks.append((depth, chunk))
+        assert cost(chunk + 1, chunk_pairs(chunk, depth)) <= 0.100, (depth, chunk)
+    assert chunks[0] == (0, 166)  # the whole prompt is still to come: priced at its start
+    depths = [d for d, _ in chunks]
+    sizes = [c for _, c in chunks]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0] / 2, chunks
+    assert depths[-1] > 2500
 
 
 def test_max_step_ms_without_a_fit_or_when_off_keeps_the_static_budget() -> None:

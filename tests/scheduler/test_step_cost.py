@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from servelm.scheduler.step_cost import StepCostModel
+from servelm.scheduler.step_cost import StepCostModel, chunk_pairs
 
 
 def test_no_answer_before_the_window_can_separate_fixed_from_per_token_cost() -> None:
@@ -71,3 +71,45 @@ def test_a_fixed_share_floor_keeps_steps_from_shrinking_to_their_fixed_part() ->
     assert model.tokens_within(0.020) == 0  # even the fixed part is over 20 ms
     assert model.tokens_within(0.020, max_fixed_share=0.25) == 90  # 30 ms is a quarter of 30 + 90
     assert model.tokens_within(0.200, max_fixed_share=0.25) == 170  # over the floor: the bound itself
+
+
+def _chunked_cost(tokens: int, context: int) -> float:
+    """10 ms fixed, 0.5 ms a token, 1 µs an attention pair."""
+    return 0.010 + 0.0005 * tokens + 1e-6 * chunk_pairs(tokens, context)
+
+
+def test_recovers_the_attention_cost_of_chunks_deep_in_a_prompt() -> None:
+    model = StepCostModel()
+    rng = random.Random(1)
+    for _ in range(40):
+        tokens, context = rng.randint(1, 512), rng.choice((0, 0, 500, 1500, 3000))
+        model.observe(tokens, _chunked_cost(tokens, context), chunk_pairs(tokens, context))
+    fixed, per_token = model.fit()
+    assert fixed == pytest.approx(0.010, rel=1e-6) and per_token == pytest.approx(0.0005, rel=1e-6)
+    assert model.per_pair_s == pytest.approx(1e-6, rel=1e-6)
+    assert model.tokens_within(0.110) == 200  # tokens without pairs (decodes): as before
+    for context in (0, 1000, 3000):
+        n = model.tokens_within(0.110, context=context)
+        assert _chunked_cost(n, context) <= 0.110 < _chunked_cost(n + 1, context), context
+    assert model.tokens_within(0.110, context=3000) == 28  # ~0.0035 s a token at that depth
+
+
+def test_a_window_without_chunks_keeps_the_pair_cost_and_nets_it_out() -> None:
+    model = StepCostModel(window=16)
+    for tokens, context in [(t, c) for t in (16, 64, 128, 256) for c in (0, 2000)]:
+        model.observe(tokens, _chunked_cost(tokens, context), chunk_pairs(tokens, context))
+    assert model.fit() is not None and model.per_pair_s == pytest.approx(1e-6, rel=1e-6)
+    for tokens in (1, 4, 8, 16, 2, 6, 12, 3) * 2:  # decodes only, now twice as slow per token
+        model.observe(tokens, 0.010 + 0.001 * tokens)
+    fixed, per_token = model.fit()
+    assert per_token == pytest.approx(0.001, rel=1e-6) and model.per_pair_s == pytest.approx(1e-6, rel=1e-6)
+    # A mixed window whose pairs only follow its tokens (every chunk at the same depth) cannot
+    # tell them apart: the known pair cost is taken off and the tokens fitted to the rest.
+    model = StepCostModel(window=16)
+    for tokens, context in [(t, c) for t in (16, 64, 128, 256) for c in (0, 2000)]:
+        model.observe(tokens, _chunked_cost(tokens, context), chunk_pairs(tokens, context))
+    assert model.fit() is not None  # the scheduler asks every step: the pair cost is learned here
+    for tokens in (10, 20, 30, 40) * 4:
+        model.observe(tokens, 0.010 + 0.0005 * tokens + 1e-6 * tokens * 1000, tokens * 1000)
+    fixed, per_token = model.fit()
+    assert fixed == pytest.approx(0.010, abs=1e-9) and per_token == pytest.approx(0.0005, rel=1e-6)

@@ -79,7 +79,7 @@ from servelm.kv.tiers import KVTiers
 from servelm.scheduler.drafts import DraftScheduling, SpecCounters
 from servelm.scheduler.ranking import FairShare, Ranking, prefill_order
 from servelm.scheduler.request import Request, RequestStatus
-from servelm.scheduler.step_cost import StepCostModel, step_time_target_s
+from servelm.scheduler.step_cost import StepCostModel, chunk_pairs, step_time_target_s
 from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.step_plan import StepPlan
 from servelm.scheduler.stop import check_stop
@@ -295,10 +295,13 @@ class Scheduler:
     # -- schedule -------------------------------------------------------------------
 
     def _step_budget(self) -> int:
-        """max_num_batched_tokens, or less while requests decode under a step-time target."""
+        """max_num_batched_tokens, or less while requests decode under a step-time target: the
+        tokens that fit as a chunk of the deepest prompt mid-prefill, whose tokens cost the most
+        (a newly admitted prompt's first chunk is priced at its start)."""
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self._running if not r.is_prefilling]
-        fits = self._tokens_within(self.config.max_step_ms, decoding) if decoding else None
+        deepest = max((r.num_computed_tokens for r in self._running if r.is_prefilling), default=0)
+        fits = self._tokens_within(self.config.max_step_ms, decoding, deepest) if decoding else None
         if fits is None:
             return budget
         # Every decode, and at least a block of prefill per partial-prefill slot, so a prompt that
@@ -340,11 +343,23 @@ class Scheduler:
         wait_ms = self.config.arrival_wait_ms
         return wait_ms > 0 and target is not None and 1000.0 * target <= ARRIVAL_PROTECTS * wait_ms
 
-    def _tokens_within(self, max_step_ms: float, requests: Iterable[Request]) -> int | None:
-        """Tokens a step may carry to end within the step-time target of max_step_ms and these
+    def _tokens_within(self, max_step_ms: float, requests: Iterable[Request], context: int | None = None) -> int | None:
+        """Tokens a step may carry (as a prompt chunk after `context` tokens, see
+        StepCostModel.tokens_within) to end within the step-time target of max_step_ms and these
         requests' classes (None: no target, or no cost model yet)."""
         target_s = step_time_target_s(max_step_ms, (r.slo.tbt_target_s for r in requests))
-        return None if target_s is None else self.step_cost.tokens_within(target_s)
+        return None if target_s is None else self.step_cost.tokens_within(target_s, context=context)
+
+    def _chunk_pairs(self, scheduler_output: SchedulerOutput) -> int:
+        """The attention pairs of the step's prompt chunks (step_cost.chunk_pairs), read before
+        update() advances their requests. Decodes and drafts count none: their attention is a
+        read of the cache, priced in the fixed and per-token parts."""
+        pairs = 0
+        for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(request_id)
+            if request is not None and request.is_prefilling:
+                pairs += chunk_pairs(num_scheduled, request.num_computed_tokens)
+        return pairs
 
     def _bound_for_first_token(self, request: Request, plan: StepPlan) -> None:
         """`request`'s prompt completes in this step: its first token is due at the step's end, a
@@ -639,7 +654,9 @@ class Scheduler:
         now = self._clock()
         # The fit is of the target's step; the proposer's time is charged to drafts (drafts.py).
         forward_seconds = model_output.execute_seconds - model_output.propose_seconds
-        self.step_cost.observe(scheduler_output.total_num_scheduled_tokens, forward_seconds)
+        self.step_cost.observe(
+            scheduler_output.total_num_scheduled_tokens, forward_seconds, self._chunk_pairs(scheduler_output)
+        )
         if self._drafts is not None:
             num_drafts_made = sum(len(drafts) for drafts in model_output.draft_token_ids.values())
             self._drafts.proposed(model_output.propose_seconds, num_drafts_made)
