@@ -176,8 +176,9 @@ class SchedulerConfig:
     # for room for its whole chunk. 0 disables both.
     aging_s: float = 10.0
     # Inter-token latency target (ms) for steps that carry decodes; 0 = off. While any request
-    # is decoding, a step schedules only the tokens its learned cost model (step_cost.py) says
-    # fit in this time: a long prompt is then prefilled in smaller chunks and running streams
+    # is decoding, a step schedules only the tokens its learned cost model (step_cost.py: per
+    # token, and per attention pair of a prompt chunk, priced at the deepest prompt mid-prefill)
+    # says fit in this time: a long prompt is then prefilled in smaller chunks and running streams
     # keep their pace. Each step still takes every decode plus at least one block of prefill,
     # so prompts always progress. Steps with no decode keep the full budget (TTFT first).
     # Requests whose class has a TBT target (RequestSlo.tbt_target_s) tighten it while they
@@ -192,9 +193,10 @@ class SchedulerConfig:
     # part is over a quarter of it. A class whose TTFT target is at most twice the bound is what it
     # protects (150 ms: a 300 ms realtime class): such a request's own chunk goes whole. Opt-in:
     # measured on the mixed profile at 0.1 req/s (benchmarks/RESULTS.md, issue 11, 2026-12-02) it
-    # took voice TTFT p90 from 575 to 520 ms but doubled a 4k code prompt's (8.2 -> 15.4 s): the
-    # step-cost model it plans with has no context term, so small chunks at long contexts run
-    # longer than planned. Its first form (no protection, no floor) was worse still.
+    # took voice TTFT p90 from 575 to 520 ms but doubled a 4k code prompt's (8.2 -> 15.4 s): its
+    # bound is priced in tokens alone (the step budget prices a chunk's depth since 2026-12-02,
+    # this bound not yet), so small chunks at long contexts run longer than planned. Its first
+    # form (no protection, no floor) was worse still.
     arrival_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:
