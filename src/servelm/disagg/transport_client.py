@@ -98,6 +98,7 @@ class KVTransferClient:
         self._pull_ids = itertools.count()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._context = zmq.Context()
+        self._context.setsockopt(zmq.LINGER, 0)  # as async_client's: a dropped context never blocks in term()
         self._sockets: dict[str, zmq.Socket[bytes]] = {}  # address → DEALER; the I/O thread's only
         self._poller = zmq.Poller()
         self._waker = Waker()

@@ -113,6 +113,9 @@ class AsyncEngineClient:
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._ipc_dir = tempfile.mkdtemp(prefix="servelm-ipc-")
         self._context = zmq.asyncio.Context()
+        # Sockets default to no linger: a context dropped without close() (garbage-collected on
+        # some failure path) then cannot block forever in term() on messages for a dead peer.
+        self._context.setsockopt(zmq.LINGER, 0)
         self._to_core: zmq.asyncio.Socket | None = None  # this launch's sockets
         self._from_core: zmq.asyncio.Socket | None = None
         self._process: multiprocessing.process.BaseProcess | None = None

@@ -96,6 +96,7 @@ class Router:
         )
         self.metrics = RouterMetrics(lambda: self.replicas)
         self._zmq = zmq.asyncio.Context()
+        self._zmq.setsockopt(zmq.LINGER, 0)  # as async_client's: a dropped context never blocks in term()
         self._subscribers: dict[str, KVSubscriber] = {}
 
     def cached_blocks(self, url: str, block_hashes: Sequence[BlockHash]) -> KVMatch:

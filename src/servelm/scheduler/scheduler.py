@@ -297,7 +297,8 @@ class Scheduler:
     def _step_budget(self) -> int:
         """max_num_batched_tokens, or less while requests decode under a step-time target: the
         tokens that fit as a chunk of the deepest prompt mid-prefill, whose tokens cost the most
-        (a newly admitted prompt's first chunk is priced at its start)."""
+        (depth 0 when none is: a prompt admitted after a long prefix hit is not priced deeper,
+        the budget being set before admission)."""
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self._running if not r.is_prefilling]
         deepest = max((r.num_computed_tokens for r in self._running if r.is_prefilling), default=0)

@@ -157,6 +157,7 @@ class StepBroadcaster:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
         self.layout = layout_of(config)
         self._context = zmq.Context()
+        self._context.setsockopt(zmq.LINGER, 0)  # as async_client's: a dropped context never blocks in term()
         self._sockets: list[zmq.Socket] = []
         self._processes: list[subprocess.Popen[bytes]] = []
         self._failure: str | None = None
