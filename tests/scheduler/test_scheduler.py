@@ -621,7 +621,7 @@ def test_a_short_prompt_is_admitted_next_to_a_long_one_while_a_stream_decodes() 
 
 def test_max_step_ms_prices_a_chunk_deep_in_a_long_prompt_by_its_attention() -> None:
     """A token deep in a long prompt attends to everything before it: a step bound that priced
-    every token alike let such chunks run twice the bound next to a decode (benchmarks/step_bound.py).
+    every token alike let such chunks run ~2x the bound next to a decode (benchmarks/step_time_target.py).
     With the pair cost learned, each chunk shrinks with its depth so the step stays in the bound."""
     s = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=2048, max_model_len=8192,
                        max_step_ms=100.0)  # fmt: skip

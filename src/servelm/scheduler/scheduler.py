@@ -301,8 +301,10 @@ class Scheduler:
         the budget being set before admission)."""
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self._running if not r.is_prefilling]
+        if not decoding:
+            return budget
         deepest = max((r.num_computed_tokens for r in self._running if r.is_prefilling), default=0)
-        fits = self._tokens_within(self.config.max_step_ms, decoding, deepest) if decoding else None
+        fits = self._tokens_within(self.config.max_step_ms, decoding, deepest)
         if fits is None:
             return budget
         # Every decode, and at least a block of prefill per partial-prefill slot, so a prompt that

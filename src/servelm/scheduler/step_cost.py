@@ -5,8 +5,9 @@ its prompt chunks (each new prompt token against every earlier token of its prom
 part is the decode batch reading every weight once, Python, the sampler; a token costs its
 matmul FLOPs; a pair costs the attention's. Tokens alone priced a chunk deep in a long prompt
 like one at its start: a 148-token chunk after 3,640 cached tokens, planned at 200 ms next to a
-decode, took 408 ms (2 CPU cores, the default model; benchmarks/step_bound.py), so the decode's
-next token waited twice the step bound. The scheduler asks the inverse question — how many
+decode, took 408 ms (2 CPU cores, the default model), and a stream decoding beside a 4,000-token
+prefill waited 301 ms a token at the median under a 200 ms bound (benchmarks/step_time_target.py;
+212 ms with pairs priced). The scheduler asks the inverse question — how many
 tokens of a chunk at a given context fit in a time — to keep steps that carry decodes under a
 target, so one long prompt's chunk cannot stall every stream's next token (on a CPU a
 2,048-token chunk of a 135M model is several seconds).
@@ -58,6 +59,10 @@ class StepCostModel:
     _steps: deque[tuple[int, int, float]] = field(init=False)  # (tokens, pairs, seconds), the last `window`
     _last_fit: tuple[float, float] | None = None
     _per_pair: float = 0.0  # seconds per attention pair: the last fit that could tell it apart
+    # fit()'s answer for the window as it stands: the scheduler asks several times a step, and the
+    # window changes only in observe(), which marks it stale
+    _window_fit: tuple[float, float] | None = None
+    _window_fit_stale: bool = True
 
     def __post_init__(self) -> None:
         self._steps = deque(maxlen=self.window)
@@ -71,10 +76,16 @@ class StepCostModel:
         """One step's time: its scheduled tokens and its prompt chunks' pairs (chunk_pairs)."""
         if num_tokens > 0 and seconds > 0:
             self._steps.append((num_tokens, max(0, num_pairs), seconds))
+            self._window_fit_stale = True
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), both >= 0; None while the window cannot tell them
         apart. Refits the pair cost (per_pair_s) too when the window can tell it apart."""
+        if self._window_fit_stale:
+            self._window_fit, self._window_fit_stale = self._fit_window(), False
+        return self._window_fit
+
+    def _fit_window(self) -> tuple[float, float] | None:
         if len(self._steps) < MIN_OBSERVATIONS:
             return None
         xs = [float(n) for n, _, _ in self._steps]
