@@ -18,7 +18,8 @@ then compares the two and should name `expected_cause`.
 
 Sizes: `full` is for the real default model on 2 CPU cores (windows of a minute or two, rates it
 sustains at baseline); `quick` is for CI on the tiny random model (~10 s windows, prompts scaled
-down to its 1024-token context).
+down to its 1024-token context, or at real lengths where only they show the cause: long-docs,
+long-histories; those need the 8192-token tiny model).
 """
 
 from __future__ import annotations
@@ -146,8 +147,14 @@ SCENARIOS: dict[str, Scenario] = {
             baseline=WindowLoad(profile="chat", endpoint="chat"),
             today=WindowLoad(profile="longchat", endpoint="chat"),
             full=ScenarioSize(rate=1.0, seconds=90.0, max_output_tokens=64),
-            quick=_QUICK,
-            quick_server_args=_QUICK_SERVER,
+            # Real lengths and a rate only a fast engine sustains: the tiny model computes a
+            # history's new tokens in a few ms, so the API process's rendering and tokenizing of
+            # thousands of tokens per request is what saturates (the symptom). On 2 CPU cores the
+            # default model saturates first (its prefill grows far more than the ingress). The
+            # engine keeps both threads: with one, the API's tokenizer threads slow it enough that
+            # its prefill growth outweighs the ingress on 2 cores. Named frontend in 5 of 8 runs
+            # (the rest within the noise floor): a benchmark, not a CI test (RESULTS.md, issue 11).
+            quick=ScenarioSize(rate=16.0, seconds=10.0, max_output_tokens=32, drain_s=30.0),
         ),
     )
 }
