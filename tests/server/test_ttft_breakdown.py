@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from helpers_http import KEY, wait_idle
+from helpers_http import KEY, metric_value, wait_idle
 
 COMPONENTS = ("ingress", "queue", "prefill", "preemption", "output")
 HOLD_S = 0.3  # how long two hogs keep a probe waiting for a slot
@@ -93,12 +93,19 @@ def test_queued_requests_raise_queue_wait(restricted):
                         return
         raise AssertionError("a hog finished before the probe was measured")
 
+    async def probe_waiting(client: httpx.AsyncClient) -> None:
+        while metric_value((await client.get("/metrics")).text, "servelm:num_requests_waiting") < 1:
+            await asyncio.sleep(0.01)
+
     async def with_busy_slots() -> float:
         async with httpx.AsyncClient(base_url=restricted.base_url, timeout=120, headers=headers) as client:
             started, release = [asyncio.Event(), asyncio.Event()], asyncio.Event()
             hogs = [asyncio.create_task(hog(client, event, release)) for event in started]
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)  # both running
             probe = asyncio.get_running_loop().run_in_executor(None, probe_queue_ms)
+            # The hold starts once the engine holds the probe waiting, not when it is sent: on a busy
+            # 2-core host the probe's thread and connect took most of a fixed hold (CI: 199 ms of 300).
+            await asyncio.wait_for(probe_waiting(client), 60)
             # The probe waits for a slot until the hogs let go (a closed stream aborts its request):
             # its queue time is at least this hold, however fast the machine generates.
             await asyncio.sleep(HOLD_S)
