@@ -42,6 +42,7 @@ from servelm.disagg.protocol import (
     client_encoder,
     reply_decoder,
 )
+from servelm.zmq_contexts import non_lingering_context
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,7 @@ class KVTransferClient:
         self._by_id: dict[int, _Pull] = {}
         self._pull_ids = itertools.count()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._context = zmq.Context()
-        self._context.setsockopt(zmq.LINGER, 0)  # as async_client's: a dropped context never blocks in term()
+        self._context = non_lingering_context()
         self._sockets: dict[str, zmq.Socket[bytes]] = {}  # address → DEALER; the I/O thread's only
         self._poller = zmq.Poller()
         self._waker = Waker()

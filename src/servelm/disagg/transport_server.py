@@ -30,6 +30,7 @@ from servelm.disagg.protocol import (
     check_address,
     client_decoder,
 )
+from servelm.zmq_contexts import non_lingering_context
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,8 @@ class KVTransferServer:
         self._registry = registry
         self._corrupt_every = corrupt_every
         self._num_blocks_sent = 0
-        self._context = zmq.Context()
+        self._context = non_lingering_context()
         self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         # A send to a client that is gone raises (EHOSTUNREACH) instead of vanishing silently,
         # and a full queue raises Again instead of dropping the block.

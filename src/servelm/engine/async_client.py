@@ -48,6 +48,7 @@ from servelm.engine.messages import (
     to_core_encoder,
 )
 from servelm.schemas.core_stats import CoreStats
+from servelm.zmq_contexts import non_lingering_async_context
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +113,7 @@ class AsyncEngineClient:
         self.dead_error: str | None = None
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._ipc_dir = tempfile.mkdtemp(prefix="servelm-ipc-")
-        self._context = zmq.asyncio.Context()
-        # Sockets default to no linger: a context dropped without close() (garbage-collected on
-        # some failure path) then cannot block forever in term() on messages for a dead peer.
-        self._context.setsockopt(zmq.LINGER, 0)
+        self._context = non_lingering_async_context()
         self._to_core: zmq.asyncio.Socket | None = None  # this launch's sockets
         self._from_core: zmq.asyncio.Socket | None = None
         self._process: multiprocessing.process.BaseProcess | None = None

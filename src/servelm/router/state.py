@@ -15,8 +15,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import zmq.asyncio
-
 from servelm.kv.block_hash import BlockHash
 from servelm.router.disagg import DisaggSettings
 from servelm.router.kv_index import KVIndex, KVMatch
@@ -31,6 +29,7 @@ from servelm.router.policies import (
 )
 from servelm.router.prefix_index import PrefixIndex
 from servelm.router.replicas import Replica, ReplicaSet, ReplicaSpec
+from servelm.zmq_contexts import non_lingering_async_context
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +94,7 @@ class Router:
             SessionAffinity(policy, settings, overload=2 * options.capacity) if options.session_affinity else policy
         )
         self.metrics = RouterMetrics(lambda: self.replicas)
-        self._zmq = zmq.asyncio.Context()
-        self._zmq.setsockopt(zmq.LINGER, 0)  # as async_client's: a dropped context never blocks in term()
+        self._zmq = non_lingering_async_context()
         self._subscribers: dict[str, KVSubscriber] = {}
 
     def cached_blocks(self, url: str, block_hashes: Sequence[BlockHash]) -> KVMatch:

@@ -57,6 +57,7 @@ from servelm.parallel.context_layout import AttentionHeads
 from servelm.parallel.groups import ParallelGroups, ParallelLayout, default_backend
 from servelm.parallel.shm_collectives import process_alive
 from servelm.worker.kv_cache import allocate_kv_caches, resolve_kv_dtype
+from servelm.zmq_contexts import non_lingering_context
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +157,7 @@ class StepBroadcaster:
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
         self.layout = layout_of(config)
-        self._context = zmq.Context()
-        self._context.setsockopt(zmq.LINGER, 0)  # as async_client's: a dropped context never blocks in term()
+        self._context = non_lingering_context()
         self._sockets: list[zmq.Socket] = []
         self._processes: list[subprocess.Popen[bytes]] = []
         self._failure: str | None = None
