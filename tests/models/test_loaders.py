@@ -43,7 +43,12 @@ from servelm.models.weights import (
     validate_weights,
 )
 from servelm.testing.tiny_model import llama_cpp_permute, write_tiny_checkpoint, write_tiny_gguf
-from servelm.tokenization.loading import load_gguf_tokenizer, tokenizer_cache_path
+from servelm.tokenization.loading import (
+    hf_tokenizer_cache_path,
+    load_gguf_tokenizer,
+    load_hf_tokenizer,
+    tokenizer_cache_path,
+)
 
 EXPECTED_PATH_HINT = "a Hugging Face model directory with config.json or a .gguf file"
 
@@ -140,6 +145,38 @@ def test_tokenizer_conversion_is_cached(default_checkpoint: LoadedCheckpoint, is
     assert time.perf_counter() - started < 5.0  # the conversion itself takes ~9 s here
     assert again.chat_template == default_checkpoint.tokenizer.chat_template
     assert again.encode("paged attention") == default_checkpoint.tokenizer.encode("paged attention")
+
+
+def test_a_directory_tokenizer_is_cached_by_content(tmp_path: Path, isolated_cache: Path):
+    """The tokenizer saved under the cache reloads identically; an edited tokenizer file is a new
+    entry; a copy of the directory elsewhere hits the same entry."""
+    import transformers
+
+    directory = write_tiny_checkpoint(tmp_path / "a", seed=2)
+    assert not hf_tokenizer_cache_path(directory).exists()
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    first = load_hf_tokenizer(directory)
+    cached = hf_tokenizer_cache_path(directory)
+    assert cached.is_dir() and cached.is_relative_to(isolated_cache) and not (cached / "config.json").exists()
+    again = load_hf_tokenizer(directory)
+    texts = ["Hello world! Paged attention, über-fast 123.", "  spaces\n\ttabs <|im_start|> 🤖", ""]
+    for tokenizer in (first, again):
+        assert type(tokenizer) is type(reference) and len(tokenizer) == len(reference)
+        assert tokenizer.all_special_tokens == reference.all_special_tokens
+        assert tokenizer.chat_template == reference.chat_template
+        for text in texts:
+            ids = tokenizer.encode(text)
+            assert ids == reference.encode(text) and tokenizer.decode(ids) == reference.decode(ids)
+        chat = [{"role": "user", "content": "hi"}]
+        assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+            reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        )
+    copy = write_tiny_checkpoint(tmp_path / "b", seed=2)  # the same files at another path: the same entry
+    assert hf_tokenizer_cache_path(copy) == cached
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    assert hf_tokenizer_cache_path(directory) != cached
+    assert load_hf_tokenizer(directory).model_max_length == 77
 
 
 @pytest.mark.slow
@@ -352,7 +389,7 @@ def test_unsupported_gguf_architecture(tmp_path: Path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(UnsupportedModelError) as err:
-        gguf_hf_config(gguf.GGUFReader(tmp_path / "phi.gguf"))
+        gguf_hf_config(open_gguf(tmp_path / "phi.gguf"))
     assert "'phi3'" in str(err.value) and "llama" in str(err.value) and "qwen2" in str(err.value)
 
 

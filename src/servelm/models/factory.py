@@ -90,7 +90,9 @@ def build_model(
             backend = attention_backend
         model = LlamaForCausalLM(arch, backend, linear_method, tp)
     model.to(dtype)
-    model.to_empty(device=device)
+    # `to_empty` less its `empty_like`, whose meta-tensor reference implementation imports sympy
+    # (~1 s of every engine start-up); the meta parameters are contiguous, so `empty` is the same.
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if arch.tie_word_embeddings:  # to_empty breaks the tie; restore it before loading
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(source)

@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
+from servelm.gguf_file import GGUFFile, read_gguf
 from servelm.models.arch import ModelArchConfig, UnsupportedModelError
 from servelm.models.gguf_blocks import BLOCK, BlockType, BlockWeight
 from servelm.models.weights import CheckpointWeights, Storage, TensorInfo, Weight, select_model_weights, slice_weight
@@ -80,34 +81,12 @@ def load_gguf(path: Path) -> tuple[ModelArchConfig, CheckpointWeights, Any]:
     return arch, weights, load_gguf_tokenizer(path, chat_template=_field(reader, "tokenizer.chat_template", None))
 
 
-class _PlainViewGGUFReader(GGUFReader):
-    """GGUFReader that slices a plain ndarray view of its memory map instead of the np.memmap itself.
-
-    The reader slices once per metadata value (~250k times for a 49k-token vocabulary with
-    merges) and every np.memmap slice pays for memmap bookkeeping: this cuts opening the
-    default model from ~4-7 s to ~2 s on a shared 2-core machine. Same bytes, same views.
-    Overrides a private method of the pinned gguf==0.19.0; `open_gguf` falls back if it is gone.
-    """
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        plain = self.__dict__.get("_plain_view")
-        if plain is None:
-            plain = self.__dict__["_plain_view"] = np.asarray(self.data)
-        count = int(count)
-        values = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
-        return values.view(values.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+def open_gguf(path: Path) -> GGUFFile:
+    """`path`'s metadata and tensor directory (memory-mapped, read-only); ValueError naming the file if unreadable."""
+    return read_gguf(path)
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """A GGUFReader over `path` (memory-mapped, read-only)."""
-    reader_class = _PlainViewGGUFReader if hasattr(GGUFReader, "_get") else GGUFReader
-    try:
-        return reader_class(path)
-    except ValueError as exc:  # bad magic or version: name the file, not just the symptom
-        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
-
-
-def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
+def gguf_hf_config(reader: GGUFFile) -> dict[str, Any]:
     """The GGUF metadata as a Hugging Face `config.json` dict (what `ModelArchConfig.from_hf_config` reads)."""
     name = _field(reader, "general.architecture")
     if name not in GGUF_ARCHITECTURES:
@@ -147,7 +126,7 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
     return config
 
 
-def load_gguf_weights(reader: GGUFReader, arch: ModelArchConfig, source: str) -> CheckpointWeights:
+def load_gguf_weights(reader: GGUFFile, arch: ModelArchConfig, source: str) -> CheckpointWeights:
     """The tensors the model uses, by HF name, validated against `arch`; each is decoded when accessed.
 
     Tensor types are checked here, before any is read (UnsupportedQuantizationError).
@@ -270,7 +249,7 @@ def unpermute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(values.shape))
 
 
-def _rope_scaling(reader: GGUFReader, name: str, rope_theta: float) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, name: str, rope_theta: float) -> dict[str, Any] | None:
     kind = _field(reader, f"{name}.rope.scaling.type", None)
     if kind not in (None, "none"):
         factor = float(_field(reader, f"{name}.rope.scaling.factor", 1.0))
@@ -308,10 +287,10 @@ def llama3_scaling_from_rope_freqs(divisors: np.ndarray, rope_theta: float) -> d
             "original_max_position_embeddings": original}  # fmt: skip
 
 
-def _vocab_size_from_tokens(reader: GGUFReader) -> int:
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+def _vocab_size_from_tokens(reader: GGUFFile) -> int:
+    tokens = reader.metadata.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        return len(tokens.data)
+        return len(tokens)
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
         raise ValueError("GGUF file has neither a vocab_size, a token list nor token_embd.weight")
@@ -321,10 +300,9 @@ def _vocab_size_from_tokens(reader: GGUFReader) -> int:
 _REQUIRED = object()
 
 
-def _field(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _field(reader: GGUFFile, key: str, default: Any = _REQUIRED) -> Any:
+    if key not in reader.metadata:
         if default is _REQUIRED:
-            raise ValueError(f"GGUF file {reader.data.filename} lacks the required metadata key {key!r}")
+            raise ValueError(f"GGUF file {reader.path} lacks the required metadata key {key!r}")
         return default
-    return field.contents()
+    return reader.metadata[key]

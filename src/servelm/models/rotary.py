@@ -11,7 +11,9 @@ from servelm.models.arch import RopeScaling
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, scaled as the checkpoint asks."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU even under a `torch.device("meta")` context (the model is built there): the meta
+    # device runs these ops through torch._refs, whose first use imports torch._dynamo (~2 s of start-up).
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":

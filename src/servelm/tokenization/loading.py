@@ -2,11 +2,13 @@
 loaders): it reads tokenizer files and GGUF metadata, never weights, and imports no torch.
 
     HF directory  ─▶ tokenizer.json / tokenizer_config.json / tokenizer.model ─▶ AutoTokenizer
-    .gguf file    ─▶ transformers' GGUF conversion, cached under $SERVELM_CACHE_DIR/tokenizers
+    .gguf file    ─▶ transformers' GGUF conversion
+    either        ─▶ saved once under $SERVELM_CACHE_DIR/tokenizers, reloaded from there
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -15,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import transformers
-from gguf import GGUFReader
 
 from servelm import envs
 from servelm.default_model import default_model_path
+from servelm.gguf_file import read_gguf
 
 # Any one of these means the directory carries a tokenizer AutoTokenizer can build.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -32,18 +34,46 @@ def load_tokenizer(path: str | Path | None = None) -> Any:
     if resolved.is_dir():
         return load_hf_tokenizer(resolved)
     if resolved.is_file() and resolved.suffix.lower() == ".gguf":
-        # The reader memory-maps the file; only metadata is touched here.
-        field = GGUFReader(resolved).fields.get("tokenizer.chat_template")
-        return load_gguf_tokenizer(resolved, chat_template=field.contents() if field is not None else None)
+        # The file is memory-mapped; only its header is read here.
+        chat_template = read_gguf(resolved).metadata.get("tokenizer.chat_template")
+        return load_gguf_tokenizer(resolved, chat_template=chat_template)
     raise FileNotFoundError(f"no tokenizer at {resolved}: expected a Hugging Face model directory or a .gguf file")
 
 
 def load_hf_tokenizer(path: Path) -> Any:
-    """The directory's own tokenizer; never reaches for the hub."""
+    """The directory's own tokenizer; never reaches for the hub.
+
+    AutoTokenizer reads the directory's config.json through AutoConfig, which imports the model
+    type's transformers modules and, through them, torch.distributed and sympy: ~3 s of every
+    process's start-up (API server, engine core, router) on a 2-core host. The tokenizer saved
+    once under the cache dir (no config.json beside it) reloads as the same class from the same
+    files in well under a second.
+    """
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing" if path.is_dir() else "no such directory"
         raise FileNotFoundError(f"no tokenizer in {path}: expected one of {list(TOKENIZER_FILES)}, found {found}")
-    return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    cached = hf_tokenizer_cache_path(path)
+    if cached.is_dir():
+        return transformers.AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+# Files that never shape a tokenizer: left out of its cache key.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def hf_tokenizer_cache_path(path: Path) -> Path:
+    """Keyed by the contents of every file of the directory but its weights (tokenizer files,
+    config.json, chat template: an edited one gets a new entry) and the transformers version.
+    By content, not by path: copies of one checkpoint share an entry."""
+    digest = hashlib.sha256()
+    for entry in sorted(path.iterdir()):
+        if entry.is_file() and not entry.name.endswith(_WEIGHT_SUFFIXES):
+            digest.update(f"{entry.name}\0{entry.stat().st_size}\0".encode())
+            digest.update(entry.read_bytes())
+    return envs.cache_dir() / "tokenizers" / f"hf-{digest.hexdigest()[:24]}-transformers-{transformers.__version__}"
 
 
 def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> Any:
@@ -82,6 +112,7 @@ def _save_atomically(tokenizer: Any, target: Path) -> None:
         tokenizer.save_pretrained(str(partial))
         os.rename(partial, target)
     except OSError as exc:  # read-only home, or another process won the rename: the load still succeeds
-        logger.warning("could not cache the converted tokenizer at %s: %s", target, exc)
+        if not target.is_dir():
+            logger.warning("could not cache the tokenizer at %s: %s", target, exc)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
