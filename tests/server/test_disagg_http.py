@@ -31,6 +31,8 @@ PREFILL_ARGS = [*WORKER_ARGS, "--kv-role", "prefill", "--kv-transfer-hold-s", "2
 # Small prefill chunks make a long prompt's prefill take many steps, so its pull streams.
 SLOW_PREFILL_ARGS = [*PREFILL_ARGS, "--max-num-batched-tokens", "32", "--long-prefill-token-threshold", "32"]
 DECODE_ARGS = [*WORKER_ARGS, "--kv-role", "decode", "--kv-transfer-wait-s", "1"]
+# 40 blocks of pulls at most: a 300-token prompt wants 18, so two pull at once and the rest wait.
+CAPPED_DECODE_ARGS = [*DECODE_ARGS, "--kv-transfer-max-reserved-blocks", "40"]
 MAX_TOKENS = 12
 
 
@@ -89,59 +91,76 @@ def workers(
             yield prefill, decode
 
 
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A slow-prefill producer and a consumer, shared by this module's tests (a server start
+    is ~10 s of a 2-core host). Each test leaves both at baseline and reads their counters as
+    deltas; a test that kills or freezes a producer, or needs other consumer flags, starts its own."""
+    with workers(tiny_model_dir, prefill_args=SLOW_PREFILL_ARGS) as both:
+        yield both
+
+
+def load_failures(server: ServerProcess) -> float:
+    return metric_value(scrape(server), "servelm:kv_load_failures_total")
+
+
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, 500) for _ in range(n)] for n in lengths]
 
 
-def test_disaggregated_greedy_output_is_the_aggregated_output(tiny_model_dir: Path):
+def test_disaggregated_greedy_output_is_the_aggregated_output(pair: tuple[ServerProcess, ServerProcess]):
     rng = random.Random(5)
     shared = [rng.randrange(1, 500) for _ in range(3 * BLOCK)]
     cases = prompts(6, [5, 17, 40, 64, 200, 333]) + [shared + p for p in prompts(7, [20, 90])]
-    with workers(tiny_model_dir, prefill_args=SLOW_PREFILL_ARGS) as (prefill, decode):
-        # The reference: the same server computing alone (its own namespace: no help from pulled blocks).
-        expected = [text(complete(decode, p, cache_salt="aggregated")) for p in cases]
-        before = pulled_bytes(decode)
-        got = [text(disaggregated(prefill, decode, p)) for p in cases]
-        assert got == expected
-        assert pulled_bytes(decode) > before
-        # Prefix hits on either side: the shared prefix is cached on both now, the rest still pulls.
-        again = shared + prompts(8, [70])[0]
-        assert text(disaggregated(prefill, decode, again)) == text(complete(decode, again, cache_salt="aggregated"))
-        metrics = scrape(decode)
-        assert metric_value(metrics, "servelm:kv_pull_seconds_count") >= len(cases)
-        assert metric_value(metrics, "servelm:ttft_component_seconds_count", 'component="kv_transfer"') >= 1
-        assert_baseline(prefill, decode)
+    prefill, decode = pair
+    # The reference: the same server computing alone (its own namespace: no help from pulled blocks).
+    expected = [text(complete(decode, p, cache_salt="aggregated")) for p in cases]
+    before = pulled_bytes(decode)
+    got = [text(disaggregated(prefill, decode, p)) for p in cases]
+    assert got == expected
+    assert pulled_bytes(decode) > before
+    # Prefix hits on either side: the shared prefix is cached on both now, the rest still pulls.
+    again = shared + prompts(8, [70])[0]
+    assert text(disaggregated(prefill, decode, again)) == text(complete(decode, again, cache_salt="aggregated"))
+    metrics = scrape(decode)
+    assert metric_value(metrics, "servelm:kv_pull_seconds_count") >= len(cases)  # cumulative: only grows
+    assert metric_value(metrics, "servelm:ttft_component_seconds_count", 'component="kv_transfer"') >= 1
+    assert_baseline(prefill, decode)
 
 
-def test_bad_kv_transfer_params_are_400s(tiny_model_dir: Path):
-    with launch_server(tiny_model_dir, [*WORKER_ARGS, "--kv-role", "decode"]) as decode:
-        cases = [
-            {"do_remote_decode": True, "transfer_id": "t"},  # a decode-only server cannot prefill for others
-            {"do_remote_prefill": True, "transfer_id": "t"},  # no remote_address
-            {"do_remote_prefill": True, "do_remote_decode": True, "transfer_id": "t", "remote_address": "tcp://x:1"},
-            {"do_remote_prefill": True, "transfer_id": "t", "remote_address": "http://127.0.0.1:1"},
-            {"do_remote_prefill": True, "transfer_id": "t", "remote_address": "tcp://127.0.0.1:1", "extra": 1},
-        ]
-        for params in cases:
-            body = {"prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": params}
-            response = httpx.post(f"{decode.base_url}/v1/completions", json=body, timeout=30)
-            assert response.status_code == 400, (params, response.text)
-            assert response.json()["error"]["param"].startswith("kv_transfer_params")
-        assert httpx.get(f"{decode.base_url}/v1/kv_transfer", timeout=10).json()["address"] is None
-    with launch_server(tiny_model_dir, WORKER_ARGS) as plain:
-        body = {
-            "prompt": [1, 2, 3],
-            "max_tokens": 2,
-            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t"},
-        }
-        assert httpx.post(f"{plain.base_url}/v1/completions", json=body, timeout=30).status_code == 400
-        assert httpx.get(f"{plain.base_url}/v1/kv_transfer", timeout=10).status_code == 404
+def test_bad_kv_transfer_params_are_400s(pair: tuple[ServerProcess, ServerProcess], server: ServerProcess):
+    """`server`: the session's plain server (no --kv-role)."""
+    _, decode = pair
+    cases = [
+        {"do_remote_decode": True, "transfer_id": "t"},  # a decode-only server cannot prefill for others
+        {"do_remote_prefill": True, "transfer_id": "t"},  # no remote_address
+        {"do_remote_prefill": True, "do_remote_decode": True, "transfer_id": "t", "remote_address": "tcp://x:1"},
+        {"do_remote_prefill": True, "transfer_id": "t", "remote_address": "http://127.0.0.1:1"},
+        {"do_remote_prefill": True, "transfer_id": "t", "remote_address": "tcp://127.0.0.1:1", "extra": 1},
+    ]
+    for params in cases:
+        body = {"prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": params}
+        response = httpx.post(f"{decode.base_url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 400, (params, response.text)
+        assert response.json()["error"]["param"].startswith("kv_transfer_params")
+    assert httpx.get(f"{decode.base_url}/v1/kv_transfer", timeout=10).json()["address"] is None
+    body = {
+        "prompt": [1, 2, 3],
+        "max_tokens": 2,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t"},
+    }
+    assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30).status_code == 400
+    assert httpx.get(f"{server.base_url}/v1/kv_transfer", timeout=10).status_code == 404
 
 
-def test_a_dead_or_frozen_prefill_worker_costs_a_recompute_not_the_request(tiny_model_dir: Path):
+def test_a_dead_or_frozen_prefill_worker_costs_a_recompute_not_the_request(
+    tiny_model_dir: Path, pair: tuple[ServerProcess, ServerProcess]
+):
     frozen_prompt, dead_prompt = prompts(9, [1000, 600])
-    with workers(tiny_model_dir, prefill_args=SLOW_PREFILL_ARGS) as (prefill, decode):
+    _, decode = pair  # the producer is this test's own: it is frozen, then killed
+    failures = load_failures(decode)
+    with launch_server(tiny_model_dir, SLOW_PREFILL_ARGS) as prefill:
         expected = [text(complete(decode, p, cache_salt="aggregated")) for p in (frozen_prompt, dead_prompt)]
         address = transfer_address(prefill)
         # Frozen while the decode worker's pull is open: its heartbeats stop, the decode worker
@@ -160,12 +179,12 @@ def test_a_dead_or_frozen_prefill_worker_costs_a_recompute_not_the_request(tiny_
             finally:
                 os.kill(prefill.process.pid, signal.SIGKILL)
                 os.kill(prefill.process.pid, signal.SIGCONT)
-        assert metric_value(scrape(decode), "servelm:kv_load_failures_total") == 1
+        assert load_failures(decode) == failures + 1
         # Dead before the request: the pull fails fast and the decode worker computes.
         started = _now()
         assert text(disaggregated_to_dead_peer(decode, dead_prompt, address)) == expected[1]
         assert _now() - started < 10
-        assert metric_value(scrape(decode), "servelm:kv_load_failures_total") == 2
+        assert load_failures(decode) == failures + 2
         assert_baseline(decode)
 
 
@@ -174,10 +193,14 @@ def disaggregated_to_dead_peer(decode: ServerProcess, prompt: list[int], address
     return complete(decode, prompt, kv_transfer_params=consumer)
 
 
-def test_a_pull_past_its_timeout_is_cancelled_and_computed(tiny_model_dir: Path):
+def test_a_pull_past_its_timeout_is_cancelled_and_computed(
+    tiny_model_dir: Path, pair: tuple[ServerProcess, ServerProcess]
+):
     prompt = prompts(10, [400])[0]
+    prefill, _ = pair
+    # This consumer's own flags: a pull ends at 1 s, long before the producer's 2 s hold gives it up.
     decode_args = [*WORKER_ARGS, "--kv-role", "decode", "--kv-transfer-wait-s", "30", "--kv-transfer-timeout-s", "1"]
-    with workers(tiny_model_dir, prefill_args=SLOW_PREFILL_ARGS, decode_args=decode_args) as (prefill, decode):
+    with launch_server(tiny_model_dir, decode_args) as decode:
         expected = text(complete(decode, prompt, cache_salt="aggregated"))
         # The producer half never comes: the export is unknown and the pull would wait 30 s for it.
         started = _now()
@@ -186,11 +209,14 @@ def test_a_pull_past_its_timeout_is_cancelled_and_computed(tiny_model_dir: Path)
         assert_baseline(prefill, decode)
 
 
-def test_the_pull_cap_makes_requests_wait_or_compute_never_starve(tiny_model_dir: Path):
-    # 40 blocks of pulls at most; each prompt wants 18: two pull at once, the others wait their turn.
-    decode_args = [*DECODE_ARGS, "--kv-transfer-max-reserved-blocks", "40"]
+def test_the_pull_cap_makes_requests_wait_or_compute_never_starve(
+    tiny_model_dir: Path, pair: tuple[ServerProcess, ServerProcess]
+):
     cases = prompts(11, [300] * 5)
-    with workers(tiny_model_dir, prefill_args=SLOW_PREFILL_ARGS, decode_args=decode_args) as (prefill, decode):
+    prefill, _ = pair
+    with launch_server(
+        tiny_model_dir, [*CAPPED_DECODE_ARGS, "--kv-transfer-peers", transfer_address(prefill)]
+    ) as decode:
         expected = [text(complete(decode, p, cache_salt="aggregated")) for p in cases]
         with ThreadPoolExecutor(len(cases)) as pool:
             got = list(pool.map(lambda p: text(disaggregated(prefill, decode, p)), cases))
@@ -201,15 +227,18 @@ def test_the_pull_cap_makes_requests_wait_or_compute_never_starve(tiny_model_dir
         assert_baseline(prefill, decode)
 
 
-def test_a_corrupt_block_is_caught_and_the_rest_computed(tiny_model_dir: Path):
+def test_a_corrupt_block_is_caught_and_the_rest_computed(
+    tiny_model_dir: Path, pair: tuple[ServerProcess, ServerProcess]
+):
     prompt = prompts(13, [250])[0]
     env = {**os.environ, "SERVELM_FAULT_KV_CORRUPT_EVERY": "3"}
-    with workers(tiny_model_dir, prefill_env=env) as (prefill, decode):
+    _, decode = pair  # the producer is this test's own: it corrupts every third block it sends
+    failures, pulled = load_failures(decode), pulled_bytes(decode)
+    with launch_server(tiny_model_dir, PREFILL_ARGS, env=env) as prefill:
         expected = text(complete(decode, prompt, cache_salt="aggregated"))
         assert text(disaggregated(prefill, decode, prompt)) == expected
-        metrics = scrape(decode)
-        assert metric_value(metrics, "servelm:kv_load_failures_total") >= 1
-        assert 0 < metric_value(metrics, "servelm:kv_transfer_bytes_total", 'direction="load",medium="remote"')
+        assert load_failures(decode) >= failures + 1
+        assert pulled_bytes(decode) > pulled
         assert_baseline(prefill, decode)
 
 
