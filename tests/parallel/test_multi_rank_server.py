@@ -33,16 +33,24 @@ def complete(base_url: str, prompt: list[int], max_tokens: int) -> list[int]:
     return response.json()["choices"][0]["text"]
 
 
+PROMPT = list(range(100, 140))
+
+
+@pytest.fixture(scope="module")
+def one_rank_text(tiny_dir) -> str:
+    """The one-rank server's greedy text for PROMPT: the reference every layout must serve."""
+    with launch_server(tiny_dir, ARGS) as single:
+        return complete(single.base_url, PROMPT, 16)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--tensor-parallel-size", "2"], ["--context-parallel-size", "2"]], ids=["tp2", "cp2"])
-def test_a_two_rank_server_serves_the_one_rank_output_and_a_dead_rank_makes_it_unhealthy(tiny_dir, layout):
-    prompt = list(range(100, 140))
-    with launch_server(tiny_dir, ARGS) as single:
-        want = complete(single.base_url, prompt, 16)
+def test_a_two_rank_server_serves_the_one_rank_output_and_a_dead_rank_makes_it_unhealthy(tiny_dir, one_rank_text, layout):
+    prompt = PROMPT
     server = launch_server(tiny_dir, [*ARGS, *layout])
     try:
         [follower] = rank_followers(server.process.pid)
-        assert complete(server.base_url, prompt, 16) == want
+        assert complete(server.base_url, prompt, 16) == one_rank_text
         body = {"prompt": prompt, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True, "stream": True}
         started = time.monotonic()
         chunks, error = 0, None
