@@ -241,6 +241,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from servelm.engine.async_client import prestart_core_process
+
+    prestart_core_process()  # it imports torch and the model code while this process imports the server
     from servelm.server.app import run_server
 
     return run_server(engine_config_from_args(args), args)

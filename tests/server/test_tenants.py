@@ -7,18 +7,22 @@ tenant and SLO class labels."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import ssl
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from helpers_http import metric_value
 from servelm.server.launcher import ServerProcess, launch_server
+from servelm.testing.delivery_cluster import wait_until
 
 TENANTS = """
 tenants:
@@ -131,7 +135,21 @@ def test_priority_is_clamped_into_the_tenant_range_and_labels_name_tenant_and_cl
 def test_a_bad_tenants_file_stops_serve_with_the_file_and_field(tmp_path, tiny_model_dir):
     bad = tmp_path / "tenants.yaml"
     bad.write_text("tenants: {a: {api_keys: [k], class: gold}}")
+    marker = uuid.uuid4().hex  # finds any process this serve left behind (its prestarted engine core)
     done = subprocess.run([sys.executable, "-m", "servelm.cli", "serve", "--model", str(tiny_model_dir), "--tenants",
-                           str(bad)], capture_output=True, text=True, timeout=120)  # fmt: skip
+                           str(bad)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SERVELM_TEST_MARKER": marker})  # fmt: skip
     assert done.returncode == 2
     assert f"{bad}: tenants.a.class: 'gold'" in done.stderr
+    wait_until(lambda: not _processes_marked(marker), 10, "the prestarted engine core to leave")
+
+
+def _processes_marked(marker: str) -> list[psutil.Process]:
+    marked = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("SERVELM_TEST_MARKER") == marker:
+                marked.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return marked
