@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -136,9 +137,13 @@ def test_default_tokenizer_round_trips_and_has_chat_template(default_checkpoint:
     assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_tokenizer_conversion_is_cached(default_checkpoint: LoadedCheckpoint, isolated_cache: Path):
+def test_tokenizer_conversion_is_cached(default_checkpoint: LoadedCheckpoint, isolated_cache: Path, tmp_path: Path):
     cached = tokenizer_cache_path(default_model_path())
     assert cached.is_dir() and cached.is_relative_to(isolated_cache)
+    # By content: a copy (another mtime, another directory) finds the same conversion.
+    copy = Path(shutil.copy(default_model_path(), tmp_path / default_model_path().name))
+    os.utime(copy, (1, 1))
+    assert tokenizer_cache_path(copy) == cached
     assert not [p for p in cached.parent.iterdir() if ".partial-" in p.name]
     started = time.perf_counter()
     again = load_gguf_tokenizer(default_model_path())

@@ -99,10 +99,13 @@ def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> Any:
 
 
 def tokenizer_cache_path(path: Path) -> Path:
-    """Keyed by size and mtime (a replaced file gets a new entry) and the converter's version."""
-    stat = path.stat()
-    key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
-    return envs.cache_dir() / "tokenizers" / key
+    """Keyed by the file's header (every metadata value, the vocabulary and chat template among
+    them, and the tensor directory: a few MB, memory-mapped) and the converter's version. By
+    content, not by size and mtime: a copy of the file (a peer's pull, a model store's) hits."""
+    header = read_gguf(path)
+    with path.open("rb") as file:
+        digest = hashlib.sha256(file.read(header.data_offset)).hexdigest()[:24]
+    return envs.cache_dir() / "tokenizers" / f"{path.stem}-{digest}-transformers-{transformers.__version__}"
 
 
 def _save_atomically(tokenizer: Any, target: Path) -> None:
