@@ -9,6 +9,7 @@ loaders): it reads tokenizer files and GGUF metadata, never weights, and imports
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -54,7 +55,7 @@ def load_hf_tokenizer(path: Path) -> Any:
         raise FileNotFoundError(f"no tokenizer in {path}: expected one of {list(TOKENIZER_FILES)}, found {found}")
     cached = hf_tokenizer_cache_path(path)
     if cached.is_dir():
-        return transformers.AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        return _load_saved(cached)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     _save_atomically(tokenizer, cached)
     return tokenizer
@@ -86,7 +87,7 @@ def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> Any:
     """
     cached = tokenizer_cache_path(path)
     if cached.is_dir():
-        return transformers.AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        return _load_saved(cached)
     started = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         str(path.parent), gguf_file=path.name, local_files_only=True
@@ -96,6 +97,20 @@ def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> Any:
     logger.info("converted the tokenizer of %s in %.1f s", path.name, time.perf_counter() - started)
     _save_atomically(tokenizer, cached)
     return tokenizer
+
+
+def _load_saved(cached: Path) -> Any:
+    """A tokenizer `_save_atomically` wrote, loaded by the class its tokenizer_config.json names.
+    AutoTokenizer resolves the same class through transformers' auto machinery, which imports
+    torch for its config utilities: ~2.5 s of an API process or router that needs no torch."""
+    try:
+        name = json.loads((cached / "tokenizer_config.json").read_text())["tokenizer_class"]
+        tokenizer_class = None if name.endswith("Fast") else getattr(transformers, name, None)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        tokenizer_class = None
+    if tokenizer_class is None:  # a legacy "...Fast" name, or one only the auto machinery maps
+        return transformers.AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+    return tokenizer_class.from_pretrained(str(cached), local_files_only=True)
 
 
 def tokenizer_cache_path(path: Path) -> Path:
