@@ -62,7 +62,7 @@ def test_slow_readers_are_a_seeded_fraction(tokens: TokenSource):
     assert marked == again
 
 
-def _peak_backlog(base_url: str, reading: SlowReading) -> tuple[float, list]:
+def _peak_backlog(base_url: str, reading: SlowReading, duration_s: float) -> tuple[float, list]:
     """Run 3 slow-reader streams (logprobs: ~0.9 kB per token, 540 kB each: more than the ~220 kB of socket buffers between client and server) while polling the server's backlog gauge."""
     requests = [WorkloadRequest(index=i, traffic_class="chat", prompt_ids=[], num_prompt_tokens=3, max_tokens=600,
                                 prompt_text=" hello world", arrival_s=0.1 * i, slow_reader=True) for i in range(3)]  # fmt: skip
@@ -79,7 +79,7 @@ def _peak_backlog(base_url: str, reading: SlowReading) -> tuple[float, list]:
     poller = threading.Thread(target=poll)
     poller.start()
     try:
-        result = asyncio.run(run_workload(requests, client, RunLimits(duration_s=8, progress=False)))
+        result = asyncio.run(run_workload(requests, client, RunLimits(duration_s=duration_s, progress=False)))
     finally:
         stop.set()
         poller.join()
@@ -87,10 +87,12 @@ def _peak_backlog(base_url: str, reading: SlowReading) -> tuple[float, list]:
 
 
 def test_slow_readers_back_up_the_servers_output_path(bench_server):
-    fast_peak, fast = _peak_backlog(bench_server.base_url, SlowReading(read_delay_s=0.0))
+    # Clients that read at once end when their 600 tokens do (~6 s here; the cap only guards a hang).
+    fast_peak, fast = _peak_backlog(bench_server.base_url, SlowReading(read_delay_s=0.0), duration_s=60)
     assert all(r.ok and r.slow_reader and r.num_output_tokens == 600 for r in fast)
     assert fast_peak <= 5, f"clients that read at once left {fast_peak:.0f} outputs queued"
-    slow_peak, slow = _peak_backlog(bench_server.base_url, SlowReading(read_delay_s=0.2, read_bytes=1024))
+    # Slow readers would read for minutes: 8 s of them is the backlog's build-up.
+    slow_peak, slow = _peak_backlog(bench_server.base_url, SlowReading(read_delay_s=0.2, read_bytes=1024), duration_s=8)
     assert slow_peak >= 100, f"slow readers left only {slow_peak:.0f} outputs queued in the API"
     assert all(r.slow_reader and r.first_token_s is not None for r in slow)
 
