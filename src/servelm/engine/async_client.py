@@ -128,6 +128,9 @@ def prestart_core_process() -> None:
 
 
 def _waiting_core_entry(arguments: multiprocessing.connection.Connection) -> None:
+    # As run_engine_core does, before its imports: a terminal's Ctrl-C reaches the whole process
+    # group, and it is the API process that drains and then tells (or never tells) this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from servelm.engine.core_process import run_engine_core
 
     try:
