@@ -84,9 +84,9 @@ def assert_baseline(*servers: ServerProcess) -> None:
 
 @contextmanager
 def workers(
-    tiny_model_dir: Path, prefill_args=PREFILL_ARGS, decode_args=DECODE_ARGS, prefill_env=None
+    tiny_model_dir: Path, prefill_args=PREFILL_ARGS, decode_args=DECODE_ARGS
 ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    with launch_server(tiny_model_dir, prefill_args, env=prefill_env) as prefill:
+    with launch_server(tiny_model_dir, prefill_args) as prefill:
         with launch_server(tiny_model_dir, [*decode_args, "--kv-transfer-peers", transfer_address(prefill)]) as decode:
             yield prefill, decode
 

@@ -78,7 +78,7 @@ def load_gguf(path: Path) -> tuple[ModelArchConfig, CheckpointWeights, Any]:
     arch = ModelArchConfig.from_hf_config(gguf_hf_config(reader))
     weights = load_gguf_weights(reader, arch, source=str(path))
     logger.info("loaded %s weights in %.1f s", path.name, time.perf_counter() - started)
-    return arch, weights, load_gguf_tokenizer(path, chat_template=_field(reader, "tokenizer.chat_template", None))
+    return arch, weights, load_gguf_tokenizer(path, reader)  # the header parsed once, for both
 
 
 def open_gguf(path: Path) -> GGUFFile:

@@ -21,7 +21,7 @@ import transformers
 
 from servelm import envs
 from servelm.default_model import default_model_path
-from servelm.gguf_file import read_gguf
+from servelm.gguf_file import GGUFFile, read_gguf
 
 # Any one of these means the directory carries a tokenizer AutoTokenizer can build.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -35,9 +35,7 @@ def load_tokenizer(path: str | Path | None = None) -> Any:
     if resolved.is_dir():
         return load_hf_tokenizer(resolved)
     if resolved.is_file() and resolved.suffix.lower() == ".gguf":
-        # The file is memory-mapped; only its header is read here.
-        chat_template = read_gguf(resolved).metadata.get("tokenizer.chat_template")
-        return load_gguf_tokenizer(resolved, chat_template=chat_template)
+        return load_gguf_tokenizer(resolved)
     raise FileNotFoundError(f"no tokenizer at {resolved}: expected a Hugging Face model directory or a .gguf file")
 
 
@@ -77,21 +75,24 @@ def hf_tokenizer_cache_path(path: Path) -> Path:
     return envs.cache_dir() / "tokenizers" / f"hf-{digest.hexdigest()[:24]}-transformers-{transformers.__version__}"
 
 
-def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> Any:
+def load_gguf_tokenizer(path: Path, header: GGUFFile | None = None) -> Any:
     """The tokenizer the GGUF metadata describes, carrying the file's chat template.
 
     transformers' GGUF conversion re-reads the file and rebuilds the BPE (about 9 s for the
     default model on 2 shared cores), so the result is saved once under the cache dir and
-    reloaded from there (well under a second). `chat_template`, when given, is the file's
-    `tokenizer.chat_template`, enforced in case the conversion dropped it.
+    reloaded from there (well under a second). `header`: the file's, when the caller has parsed
+    it already (it keys the cache; its `tokenizer.chat_template` is enforced in case the
+    conversion dropped it); read here otherwise (memory-mapped, the header only).
     """
-    cached = tokenizer_cache_path(path)
+    header = header if header is not None else read_gguf(path)
+    cached = tokenizer_cache_path(path, header)
     if cached.is_dir():
         return _load_saved(cached)
     started = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         str(path.parent), gguf_file=path.name, local_files_only=True
     )
+    chat_template = header.metadata.get("tokenizer.chat_template")
     if chat_template and tokenizer.chat_template != chat_template:
         tokenizer.chat_template = chat_template
     logger.info("converted the tokenizer of %s in %.1f s", path.name, time.perf_counter() - started)
@@ -113,11 +114,12 @@ def _load_saved(cached: Path) -> Any:
     return tokenizer_class.from_pretrained(str(cached), local_files_only=True)
 
 
-def tokenizer_cache_path(path: Path) -> Path:
+def tokenizer_cache_path(path: Path, header: GGUFFile | None = None) -> Path:
     """Keyed by the file's header (every metadata value, the vocabulary and chat template among
     them, and the tensor directory: a few MB, memory-mapped) and the converter's version. By
-    content, not by size and mtime: a copy of the file (a peer's pull, a model store's) hits."""
-    header = read_gguf(path)
+    content, not by size and mtime: a copy of the file (a peer's pull, a model store's) hits.
+    `header`: the file's parsed header, if the caller has it (else it is read)."""
+    header = header if header is not None else read_gguf(path)
     with path.open("rb") as file:
         digest = hashlib.sha256(file.read(header.data_offset)).hexdigest()[:24]
     return envs.cache_dir() / "tokenizers" / f"{path.stem}-{digest}-transformers-{transformers.__version__}"
