@@ -118,10 +118,9 @@ def prestart_core_process() -> None:
     torch and the model code (~4.5 s on a 2-core host) while the API imports its own (~2.5 s), on
     the other core. The first launch then hands it its arguments instead of spawning."""
     global _waiting_core
-    arguments, child_end = multiprocessing.get_context("spawn").Pipe()
-    process = multiprocessing.get_context("spawn").Process(
-        target=_waiting_core_entry, args=(child_end,), name="servelm-engine-core", daemon=True
-    )
+    spawn = multiprocessing.get_context("spawn")
+    arguments, child_end = spawn.Pipe()
+    process = spawn.Process(target=_waiting_core_entry, args=(child_end,), name="servelm-engine-core", daemon=True)
     process.start()
     child_end.close()
     _waiting_core = _WaitingCore(process, arguments)
