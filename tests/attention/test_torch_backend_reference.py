@@ -19,7 +19,13 @@ import torch
 
 from servelm.attention import torch_backend
 from servelm.attention.backend import CommonAttentionInputs
-from servelm.attention.torch_backend import SHORT_QUERY_MAX, GatherDecodes, KernelDecodes, TorchAttentionBackend
+from servelm.attention.torch_backend import (
+    SHORT_QUERY_MAX,
+    SPLIT_ATTENTION_MIN_QUERIES,
+    GatherDecodes,
+    KernelDecodes,
+    TorchAttentionBackend,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, SCALE = 6, 2, 16, 0.3
 
@@ -34,6 +40,15 @@ BATCHES = {
     "spec_verify_mixed": [(3, 40), (1, 13), (9, 60), (2, 2), (SHORT_QUERY_MAX, 33), (1, 1), (SHORT_QUERY_MAX + 1, 50)],
     "spec_verify_only": [(2, 30), (5, 21), (SHORT_QUERY_MAX, SHORT_QUERY_MAX + 1), (1, 7), (8, 64)],
     "spec_verify_lone": [(6, 45)],
+    # long chunks after context (two flash calls merged) beside one just under the bound (one
+    # masked call), a decode and a fresh prompt
+    "long_chunks_after_context": [
+        (SPLIT_ATTENTION_MIN_QUERIES, 300),
+        (1, 20),
+        (SPLIT_ATTENTION_MIN_QUERIES + 37, 450),
+        (SPLIT_ATTENTION_MIN_QUERIES - 1, 270),
+        (40, 40),
+    ],
 }
 
 
@@ -115,6 +130,10 @@ def test_paged_backend_equals_dense_reference(monkeypatch, batch, use_kernel, bl
         assert metadata.decodes is None
     chunked = [r for r, row in zip(requests, as_rows) if not row]
     assert [(c.end - c.start, c.context_slots is None) for c in metadata.chunks] == [(n, n == s) for n, s in chunked]
+
+    for chunk in metadata.chunks:  # a mask only where one call attends queries after context
+        masked_call = chunk.context_slots is not None and 1 < chunk.end - chunk.start < SPLIT_ATTENTION_MIN_QUERIES
+        assert (chunk.context_mask is not None) == masked_call
 
     out = backend.forward(q, k, v, pool, metadata, SCALE)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,88 @@
+"""Prefill time on the default model for prompts that arrive cold or after a prefix hit: what a
+code assistant's first turn (a cold 3-4k-token context) and its next turns (a few hundred to
+1.5k new tokens after a cached 2-3k) cost the engine, at the default step budget (a cold prompt
+over 2,048 tokens is two chunks, the second one attending to the first's cached K/V).
+
+Each case: the context alone first (untimed: it fills the prefix cache), then context + new
+tokens with max_tokens=1, timed from add_request to the finished output; median of --repeats
+(fresh random tokens each repeat). With --baseline-src the same cases run in a subprocess
+against another checkout's src/ (one after the other, not interleaved: run it twice in both
+orders when the difference is small).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/prefill_after_context.py
+    PYTHONPATH=src .venv/bin/python benchmarks/prefill_after_context.py --baseline-src ../base/src
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from servelm.config import EngineConfig
+from servelm.datatypes import EngineRequest
+from servelm.engine.builder import build_engine
+from servelm.sampling_params import SamplingParams
+
+# (cached context tokens, new tokens): cold prompts of the mixed profile's code contexts, and
+# code turns after a prefix hit (their sizes in the mixed run of benchmarks/RESULTS.md, issue 11).
+CASES = [(0, 4021), (0, 2764), (1600, 1564), (2528, 657), (3072, 128)]
+
+
+def measure(repeats: int) -> dict[str, float]:
+    core = build_engine(EngineConfig.from_flat(max_model_len=8192)).core
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    counter = iter(range(1_000_000))
+
+    def run(prompt: list[int]) -> float:
+        core.add_request(EngineRequest(request_id=f"r{next(counter)}", prompt_token_ids=prompt, sampling_params=params))
+        started = time.perf_counter()
+        while not any(out.finish_reason is not None for out in core.step()):
+            pass
+        return time.perf_counter() - started
+
+    run(torch.randint(100, 10000, (512,), generator=gen).tolist())  # the step cost model and kernels warm
+    results = {}
+    for cached, new in CASES:
+        times = []
+        for _ in range(repeats):
+            prompt = torch.randint(100, 10000, (cached + new,), generator=gen).tolist()
+            if cached:
+                run(prompt[:cached])
+            times.append(run(prompt))
+        results[f"{cached}+{new}"] = statistics.median(times)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline-src", default=None, help="another checkout's src/, measured the same way after")
+    parser.add_argument("--json", action="store_true", help="print the seconds per case as JSON (the subprocess form)")
+    args = parser.parse_args()
+    ours = measure(args.repeats)
+    if args.json:
+        print(json.dumps(ours))
+        return
+    baseline = None
+    if args.baseline_src:
+        command = [sys.executable, __file__, "--repeats", str(args.repeats), "--json"]
+        env = {**os.environ, "PYTHONPATH": args.baseline_src}
+        baseline = json.loads(subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout)
+    print("| cached + new tokens | this checkout (s) | baseline (s) | ratio |")
+    print("|---|---:|---:|---:|")
+    for case, seconds in ours.items():
+        base = baseline[case] if baseline else None
+        ratio = f"{seconds / base:.2f}x" if base else "—"
+        print(f"| {case} | {seconds:.2f} | {f'{base:.2f}' if base else '—'} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
