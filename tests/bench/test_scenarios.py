@@ -30,8 +30,13 @@ def test_the_registry_names_each_scenario_and_its_cause():
 
 
 # (scenario, window seconds): the quick sizes the tiny model shows each cause at, end to end.
-# The rest of the suite (kv-pressure, long-histories) needs the real model's costs: the benchmark.
-CI_SCENARIOS = [("network-delay", 6.0), ("long-docs", 10.0), ("slow-readers", 8.0)]
+# The rest of the suite needs the real model's costs: the benchmark. kv-pressure and
+# long-histories never showed on the tiny model; long-docs stopped showing once a long chunk's
+# attention after cached context got cheaper (two flash calls, commit 497efea): TTFT 12 -> 37-46 ms
+# at 4, 6 and 10 req/s, x3 but under diagnose's 50 ms floor, because the documents' own
+# prefill no longer queues the short prompts. The scheduler cause stays end to end in CI in
+# tests/diagnose/test_diagnose_e2e.py (7,500-token documents next to short prompts).
+CI_SCENARIOS = [("network-delay", 6.0), ("slow-readers", 8.0)]
 
 
 @pytest.mark.parametrize(("name", "seconds"), CI_SCENARIOS)

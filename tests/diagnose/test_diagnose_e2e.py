@@ -21,7 +21,7 @@ from servelm.diagnose.capture import WindowRecorder
 SHORT_RATE = 8.0  # requests / s
 SECONDS = 2.5
 LONG_EVERY = 4  # one long document per 4 short requests
-LONG_WORDS = 5000  # ~1 token each: well inside the test model's 8192-token context
+LONG_WORDS = 7500  # ~1 token each: inside the test model's 8192-token context
 
 
 async def _window(base_url: str, out: Path, label: str, with_documents: bool) -> None:

@@ -26,7 +26,7 @@ from servelm.obs.startup import StartupTimeline
 from servelm.sampling_params import SamplingParams
 from servelm.spec.suffix import SuffixProposer
 from servelm.testing.reference_decode import greedy_decode
-from servelm.worker.warmup import WARMUP_PROMPT_TOKENS
+from servelm.worker.warmup import CALIBRATION_PROMPT_TOKENS, WARMUP_PROMPT_TOKENS
 
 ENGINE_PHASES = ["kernel_build", "load", "kv_sizing", "warmup"]
 
@@ -92,7 +92,12 @@ def test_warm_up_runs_a_prefill_and_a_decode_and_leaves_nothing_behind(tiny_dir,
     )  # fmt: skip
     core = assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, "test").core
 
-    assert backend.query_lens == [[WARMUP_PROMPT_TOKENS], [1]], "a prefill, then one decode token"
+    calibrated = [n for n in CALIBRATION_PROMPT_TOKENS if n + 1 <= 16 * 4]  # what the 64-token pool holds
+    assert calibrated, "the pool holds at least the shortest calibration prompt"
+    expected = [[WARMUP_PROMPT_TOKENS], [1]]  # a prefill, then one decode token
+    for n in calibrated:  # then each calibration prompt, and a decode after it
+        expected += [[n], [1]]
+    assert backend.query_lens == expected
     runner, kv = core.runner, core.kv_manager
     assert runner.requests == {}
     assert not runner.block_table.table.any() and runner.block_table.num_blocks == [0] * config.scheduler.max_num_seqs
@@ -102,7 +107,7 @@ def test_warm_up_runs_a_prefill_and_a_decode_and_leaves_nothing_behind(tiny_dir,
     stats = core.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_used_blocks, stats.prefix_queries, stats.prefix_hits,
             stats.spec_num_drafts, stats.num_preemptions) == (0, 0, 0, 0, 0, 0, 0)  # fmt: skip
-    assert core.take_step_records() == []
+    assert core.take_step_records() == []  # the calibration's timings went to the cost model only
     proposer = runner.proposer
     assert isinstance(proposer, SuffixProposer)
     assert proposer.num_requests == 0 and proposer.finished.num_requests == 0
@@ -115,3 +120,14 @@ def test_warm_up_runs_a_prefill_and_a_decode_and_leaves_nothing_behind(tiny_dir,
         tokens += [t for output in core.step() for t in output.new_token_ids]
     assert tokens == greedy_decode(reference_model, prompt, 8)
     assert core.stats().prefix_hits == 0
+
+
+def test_the_step_cost_model_is_fitted_before_the_first_request(tiny_dir):
+    """The calibration's timed steps seed the scheduler's step-cost model: a step-time target
+    binds from the first long prompt next to a decoding stream on, instead of the static budget
+    until four real steps of different sizes ran."""
+    core = build_engine(EngineConfig.from_flat(model=str(tiny_dir), num_blocks=64, block_size=16)).core
+    fitted = core.scheduler.step_cost.current()
+    assert fitted is not None
+    fixed_s, per_token_s = fitted
+    assert fixed_s >= 0 and per_token_s > 0

@@ -619,6 +619,27 @@ def test_a_short_prompt_is_admitted_next_to_a_long_one_while_a_stream_decodes() 
     assert so.num_scheduled_tokens == {"stream": 1, "long": 191}  # alone again
 
 
+def test_a_long_prompts_tail_under_the_threshold_is_still_capped_while_a_short_one_waits() -> None:
+    """The tail of a long prompt (its rest under long_prefill_token_threshold, 512) no longer
+    counts as long; left uncapped under a shrunken budget it took every step until it finished,
+    and a short prompt arriving meanwhile waited for all of it. A prompt mid-prefill whose rest
+    does not fit the step is capped like a long one; the top-up gives it what is left."""
+    kv = KVCacheManager(num_blocks=1024, block_size=16)
+    s = Scheduler(SchedulerConfig(max_model_len=8192, aging_s=0.0, max_step_ms=100.0), kv, eos_token_ids=[EOS],
+                  clock=Clock())  # fmt: skip
+    _teach_cost(s, fixed_s=0.004, per_token_s=0.0005)  # 100 ms fits 192 tokens
+    s.add_request(request("stream", 20, max_tokens=100))
+    step(s)
+    s.add_request(request("long", 600, max_tokens=1))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"stream": 1, "long": 191}  # 409 left: under the threshold
+    s.add_request(request("short", 63, max_tokens=1))
+    so, out = step(s)
+    # long capped at 192 / 4 = 48, short whole, the top-up to long (80 more).
+    assert so.num_scheduled_tokens == {"stream": 1, "long": 48 + 80, "short": 63}
+    assert out["short"].finish_reason is not None
+
+
 def test_max_step_ms_prices_a_chunk_deep_in_a_long_prompt_by_its_attention() -> None:
     """A token deep in a long prompt attends to everything before it: a step bound that priced
     every token alike let such chunks run ~2x the bound next to a decode (benchmarks/step_time_target.py).
@@ -648,6 +669,48 @@ def test_max_step_ms_prices_a_chunk_deep_in_a_long_prompt_by_its_attention() -> 
     sizes = [c for _, c in chunks]
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0] / 2, chunks
     assert depths[-1] > 2500
+
+
+def test_a_short_prompt_goes_whole_past_a_budget_priced_at_a_deep_prompt_when_the_step_still_fits() -> None:
+    """The step budget prices every token at the deepest prompt mid-prefill; a short prompt's
+    tokens are shallow and cost far less. When the cost model says the step, the short prompt
+    whole in it, still ends within the target, it goes whole (its first token a step sooner);
+    when it does not, it is cut to the budget as before."""
+
+    def cost(tokens: int, pairs: int) -> float:  # 2 ms fixed, 0.5 ms a token, 1 µs a pair
+        return 0.002 + 0.0005 * tokens + 1e-6 * pairs
+
+    for short_len, goes_whole in ((63, True), (200, False)):
+        s = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=2048, max_model_len=8192,
+                           max_step_ms=100.0)  # fmt: skip
+        for tokens in (1, 8, 32, 64, 128, 256):
+            for context in (0, 1000, 3000):
+                s.step_cost.observe(tokens, cost(tokens, chunk_pairs(tokens, context)), chunk_pairs(tokens, context))
+        s.add_request(request("stream", 20, max_tokens=1000))
+        step(s)
+        s.add_request(request("long", 4000, max_tokens=1))
+        while (r := s.get_request("long")) is not None and r.num_computed_tokens < 3000:
+            step(s)
+        depth = s.get_request("long").num_computed_tokens
+        s.add_request(request("short", short_len, max_tokens=1))
+        so, out = step(s)
+        chunk = so.num_scheduled_tokens
+        assert chunk["stream"] == 1 and chunk["long"] > 0, chunk
+        budget = cost_budget_tokens(s, depth)  # what the step-time target gives, priced at the long prompt's depth
+        if goes_whole:
+            assert chunk["short"] == short_len and out["short"].finish_reason is not None
+            assert 1 + chunk["long"] + short_len > budget, "the budget alone would have cut it"
+            step_s = cost(1 + chunk["long"] + short_len, chunk_pairs(chunk["long"], depth) + chunk_pairs(short_len, 0))
+            assert step_s <= 0.100
+        else:
+            assert chunk["short"] < short_len and sum(chunk.values()) <= budget, chunk
+
+
+def cost_budget_tokens(s: Scheduler, depth: int) -> int:
+    """The step budget in tokens a 100 ms target gives at `depth` (what the scheduler priced)."""
+    fits = s.step_cost.tokens_within(0.100, context=depth)
+    assert fits is not None
+    return fits
 
 
 def test_max_step_ms_without_a_fit_or_when_off_keeps_the_static_budget() -> None:

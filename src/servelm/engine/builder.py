@@ -37,6 +37,7 @@ from servelm.models.sharding import local_num_kv_heads
 from servelm.obs.startup import StartupTimeline
 from servelm.parallel.groups import GroupMember
 from servelm.scheduler.scheduler import Scheduler
+from servelm.scheduler.step_cost import chunk_pairs
 from servelm.spec.proposer import Proposer, build_proposer
 from servelm.worker.block_table import BlockTable
 from servelm.worker.cuda_graphs import DecodeGraphMode, DecodeGraphRunner, decode_graph_mode, resolve_capture_sizes
@@ -62,7 +63,7 @@ from servelm.worker.multi_rank import (
     layout_of,
     rank_device,
 )
-from servelm.worker.warmup import warm_up
+from servelm.worker.warmup import TimedStep, calibrate, warm_up
 
 logger = logging.getLogger(__name__)
 # A producer's host tier when --kv-offloading-size is not given: exports wait for their pull there.
@@ -210,11 +211,13 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     )  # fmt: skip
     with startup.phase("warmup"):
         warm_up(runner)
+        calibration = calibrate(runner)
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
     scheduler = Scheduler(
         config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative,
         kv_tiers=tiers, kv_transfer=config.kv_transfer,
     )  # fmt: skip
+    _seed_step_cost(scheduler, calibration)
     residencies: list[HostResidency] = []
     if device.type == "cpu" and config.model.keep_warm_s > 0:
         draft_weights = list(model_tensors(draft_model)) if draft_model is not None else []
@@ -291,6 +294,7 @@ def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline) -> 
     try:
         with startup.phase("warmup"):
             warm_up(runner)
+            calibration = calibrate(runner)
     except BaseException:
         runner.close()  # the other ranks stop too
         raise
@@ -298,8 +302,17 @@ def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline) -> 
                                 config.kv_events.enabled)  # fmt: skip
     scheduler = Scheduler(config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids,
                           speculative=speculative)  # fmt: skip
+    _seed_step_cost(scheduler, calibration)
     core = EngineCore(scheduler, runner, kv_manager)
     return BuiltEngine(core, tokenizer, arch, max_model_len, num_blocks, source)
+
+
+def _seed_step_cost(scheduler: Scheduler, steps: list[TimedStep]) -> None:
+    """The calibration's timed steps into the scheduler's step-cost model, so a step-time target
+    binds from the first request on (worker/warmup.py says why)."""
+    for step in steps:
+        pairs = chunk_pairs(step.num_tokens, step.num_computed) if step.is_prompt else 0
+        scheduler.step_cost.observe(step.num_tokens, step.seconds, pairs)
 
 
 def _kv_tiers(

@@ -17,7 +17,10 @@ arrival + the class's TTFT target, with fair share between the tenants of a clas
        unfinished takes one of max_num_partial_prefills slots (of max_long_partial_prefills if
        the prompt has more than the cap left); with no slot left the prompt sits this step
        out. A prompt finished by its chunk takes no slot: short prompts are admitted next to
-       long chunks. Waiting requests are admitted only while nobody was preempted (blocks are
+       long chunks. Under a step-time target the budget prices every token at the deepest
+       prompt's depth; a short prompt (at most the cap) that the budget would leave unfinished
+       goes whole when the cost model says the step still ends within the target, its shallow
+       tokens being far cheaper than the deep ones the budget was priced at. Waiting requests are admitted only while nobody was preempted (blocks are
        short then: admitting would thrash), a seat and a free block remain. A running chunk
        without blocks preempts as in 1; a waiting request that does not fit is SKIPPED, never
        waited for.
@@ -304,7 +307,8 @@ class Scheduler:
         if not decoding:
             return budget
         deepest = max((r.num_computed_tokens for r in self._running if r.is_prefilling), default=0)
-        fits = self._tokens_within(self.config.max_step_ms, decoding, deepest)
+        target_s = self._step_target_s(decoding)
+        fits = None if target_s is None else self.step_cost.tokens_within(target_s, context=deepest)
         if fits is None:
             return budget
         # Every decode, and at least a block of prefill per partial-prefill slot, so a prompt that
@@ -346,19 +350,17 @@ class Scheduler:
         wait_ms = self.config.arrival_wait_ms
         return wait_ms > 0 and target is not None and 1000.0 * target <= ARRIVAL_PROTECTS * wait_ms
 
-    def _tokens_within(self, max_step_ms: float, requests: Iterable[Request], context: int | None = None) -> int | None:
-        """Tokens a step may carry (as a prompt chunk after `context` tokens, see
-        StepCostModel.tokens_within) to end within the step-time target of max_step_ms and these
-        requests' classes (None: no target, or no cost model yet)."""
-        target_s = step_time_target_s(max_step_ms, (r.slo.tbt_target_s for r in requests))
-        return None if target_s is None else self.step_cost.tokens_within(target_s, context=context)
+    def _step_target_s(self, decoding: Iterable[Request]) -> float | None:
+        """The step-time target while these requests decode: max_step_ms or, tighter, their
+        classes' TBT targets (None: neither)."""
+        return step_time_target_s(self.config.max_step_ms, (r.slo.tbt_target_s for r in decoding))
 
-    def _chunk_pairs(self, scheduler_output: SchedulerOutput) -> int:
-        """The attention pairs of the step's prompt chunks (step_cost.chunk_pairs), read before
+    def _chunk_pairs(self, num_scheduled_tokens: dict[str, int]) -> int:
+        """The attention pairs of a step's prompt chunks (step_cost.chunk_pairs), read before
         update() advances their requests. Decodes and drafts count none: their attention is a
         read of the cache, priced in the fixed and per-token parts."""
         pairs = 0
-        for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+        for request_id, num_scheduled in num_scheduled_tokens.items():
             request = self._requests.get(request_id)
             if request is not None and request.is_prefilling:
                 pairs += chunk_pairs(num_scheduled, request.num_computed_tokens)
@@ -370,7 +372,8 @@ class Scheduler:
         by its step-time target, so a realtime prompt does not wait for others' bulk prefill in
         its own step. Its own chunk is already in: it is never cut. Only a class's target counts
         here: max_step_ms bounds steps that carry decodes, as it always has."""
-        fits = self._tokens_within(0.0, (request,))
+        target_s = step_time_target_s(0.0, (request.slo.tbt_target_s,))
+        fits = None if target_s is None else self.step_cost.tokens_within(target_s)
         if fits is not None:
             plan.budget = min(plan.budget, max(0, fits - plan.num_tokens))
 
@@ -378,8 +381,10 @@ class Scheduler:
         now = self._clock()
         config = self.config
         budget = self._step_budget()
+        decoding = [r for r in self._running if not r.is_prefilling]
         plan = StepPlan(
             budget=budget,
+            time_target_s=self._step_target_s(decoding) if decoding else None,
             chunk_cap=self._chunk_cap(budget),
             long_threshold=config.prefill_chunk_cap,
             bulk_limit=self._arrival_limit(),
@@ -488,9 +493,31 @@ class Scheduler:
             and self._kv.num_free_blocks > 0
         )
 
+    def _prefill_chunk(self, request: Request, num_computed: int, plan: StepPlan) -> int:
+        """`request`'s chunk before the top-up (StepPlan.prefill_chunk), or its whole rest where
+        the token budget would leave a short prompt unfinished but the step, that prompt whole
+        in it, still ends within the step-time target: the budget priced every token at the
+        deepest prompt's depth. A 83-token voice prompt arriving while a 2,764-token one
+        prefilled next to a decoding stream (default model, 2 CPU cores) got 77 tokens of a
+        103-token budget priced at depth ~2,000 and its first token a step later, 383 ms after
+        it arrived."""
+        num_uncomputed = request.num_tokens - num_computed
+        protected = self._protected(request)
+        num_new = plan.prefill_chunk(num_uncomputed, protected, mid_prefill=request.status is RequestStatus.RUNNING)
+        if num_new == num_uncomputed or plan.time_target_s is None or plan.is_long(num_uncomputed):
+            return num_new
+        if plan.bulk_limit is not None and not protected:
+            return num_new  # the arrival bound holds it
+        num_tokens = plan.num_tokens + num_uncomputed
+        if num_tokens > self.config.max_num_batched_tokens:
+            return num_new
+        pairs = self._chunk_pairs(plan.num_scheduled_tokens) + chunk_pairs(num_uncomputed, num_computed)
+        predicted = self.step_cost.predict(num_tokens, pairs)
+        return num_uncomputed if predicted is not None and predicted <= plan.time_target_s else num_new
+
     def _schedule_prefill_chunk(self, request: Request, plan: StepPlan, now: float) -> None:
         num_uncomputed = request.num_tokens - request.num_computed_tokens
-        num_new = plan.prefill_chunk(num_uncomputed, self._protected(request))
+        num_new = self._prefill_chunk(request, request.num_computed_tokens, plan)
         if not num_new:
             plan.sat_out.append(request)  # no slot: it keeps its KV; only the top-up may move it
             return
@@ -604,7 +631,7 @@ class Scheduler:
                 # DEFER: it stays in the queue, its pull waiting for room.
                 return admission is Admission.LOADING
         num_uncomputed = request.num_tokens - hit.num_computed_tokens
-        num_new = plan.prefill_chunk(num_uncomputed, self._protected(request))
+        num_new = self._prefill_chunk(request, hit.num_computed_tokens, plan)
         room = self._kv.max_new_tokens(
             request.request_id, num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit
         )
@@ -658,7 +685,9 @@ class Scheduler:
         # The fit is of the target's step; the proposer's time is charged to drafts (drafts.py).
         forward_seconds = model_output.execute_seconds - model_output.propose_seconds
         self.step_cost.observe(
-            scheduler_output.total_num_scheduled_tokens, forward_seconds, self._chunk_pairs(scheduler_output)
+            scheduler_output.total_num_scheduled_tokens,
+            forward_seconds,
+            self._chunk_pairs(scheduler_output.num_scheduled_tokens),
         )
         if self._drafts is not None:
             num_drafts_made = sum(len(drafts) for drafts in model_output.draft_token_ids.values())

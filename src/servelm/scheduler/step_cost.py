@@ -113,6 +113,15 @@ class StepCostModel:
         """The fit the scheduler uses: the window's own, else the last good one; None before any."""
         return self.fit() or self._last_fit
 
+    def predict(self, num_tokens: int, num_pairs: int = 0) -> float | None:
+        """Seconds a step of `num_tokens` scheduled tokens whose prompt chunks have `num_pairs`
+        attention pairs should take; None while the model has no fit."""
+        fitted = self.current()
+        if fitted is None:
+            return None
+        fixed, per_token = fitted
+        return fixed + per_token * num_tokens + self._per_pair * num_pairs
+
     def tokens_within(
         self, seconds: float, max_fixed_share: float | None = None, context: int | None = None
     ) -> int | None:

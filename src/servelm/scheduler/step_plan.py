@@ -30,6 +30,11 @@ class StepPlan:
     # chunks of requests it does not protect; a protected request's own chunk is held to the budget
     # alone. None: no such bound.
     bulk_limit: int | None = None
+    # The step-time target while requests decode (step_cost.step_time_target_s), None without
+    # one: the budget is that target in tokens priced at the deepest prompt mid-prefill; a
+    # prompt that finishes in the step may go past it when the step still ends in time
+    # (Scheduler._prefill_chunk).
+    time_target_s: float | None = None
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -50,12 +55,12 @@ class StepPlan:
         self.num_scheduled_tokens[request_id] = self.num_scheduled_tokens.get(request_id, 0) + num_tokens
         self.budget -= num_tokens
 
-    def _is_long(self, num_uncomputed: int) -> bool:
+    def is_long(self, num_uncomputed: int) -> bool:
         return 0 < (self.long_threshold or self.chunk_cap) < num_uncomputed
 
     def has_slot(self, num_uncomputed: int) -> bool:
         """May a chunk leave a prompt with `num_uncomputed` tokens left unfinished this step?"""
-        return self.partial_slots > 0 and (not self._is_long(num_uncomputed) or self.long_slots > 0)
+        return self.partial_slots > 0 and (not self.is_long(num_uncomputed) or self.long_slots > 0)
 
     def room(self, protected: bool = False) -> int:
         """Tokens a chunk may still take: the budget left, and for a request the arrival bound
@@ -64,20 +69,28 @@ class StepPlan:
             return self.budget
         return max(0, min(self.budget, self.bulk_limit - self.num_tokens))
 
-    def prefill_chunk(self, num_uncomputed: int, protected: bool = False) -> int:
-        """A prompt's chunk before the top-up: capped if the prompt is long, then by its room; 0
-        when it would stay unfinished and no slot for that is left. Only long prompts are capped
-        (vLLM's long_prefill_token_threshold): a burst of short ones goes first come, first
-        served, each with the whole budget, where capping them too shared the budget out and
-        gave the first of the burst its first token as late as the last's."""
-        cap = self.chunk_cap if self._is_long(num_uncomputed) else num_uncomputed
-        chunk = min(num_uncomputed, self.room(protected), cap)
+    def prefill_chunk(self, num_uncomputed: int, protected: bool = False, mid_prefill: bool = False) -> int:
+        """A prompt's chunk before the top-up: capped if the prompt is long or, `mid_prefill` (it
+        ran a chunk before), its rest is over the room; then by its room; 0 when it would stay unfinished and no slot for that is left. A
+        short prompt that fits is not capped (vLLM's long_prefill_token_threshold): a burst of
+        short ones goes first come, first served, each with the whole budget, where capping them
+        too shared the budget out and gave the first of the burst its first token as late as the
+        last's."""
+        room = self.room(protected)
+        # A prompt mid-prefill whose rest does not fit the room is left unfinished either way:
+        # capped too, so that a prompt behind it can finish in this step (the top-up returns what
+        # nobody takes). Its rest may be under long_threshold: the tail of a long prompt under a
+        # budget the step-time target shrank to ~100 tokens took every step for ~1 s while an
+        # 83-token prompt waited (2 CPU cores, the default model).
+        capped = self.is_long(num_uncomputed) or (mid_prefill and num_uncomputed > room)
+        cap = self.chunk_cap if capped and self.chunk_cap else num_uncomputed
+        chunk = min(num_uncomputed, room, cap)
         return chunk if chunk == num_uncomputed or self.has_slot(num_uncomputed) else 0
 
     def take_prefill(self, request: Request, num_tokens: int, num_uncomputed: int, block_ids: list[int]) -> None:
         self.take(request.request_id, num_tokens)
         if num_tokens < num_uncomputed:
             self.partial_slots -= 1
-            if self._is_long(num_uncomputed):
+            if self.is_long(num_uncomputed):
                 self.long_slots -= 1
             self.unfinished_prefills.append((request, block_ids))
