@@ -594,18 +594,21 @@ def test_max_step_ms_always_leaves_every_decode_and_a_block_of_prefill_per_slot(
     assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 16}
 
 
-def test_a_short_prompt_is_admitted_next_to_a_long_one_while_a_stream_decodes() -> None:
+@pytest.mark.parametrize("long_len", [4000, 600])
+def test_a_short_prompt_is_admitted_next_to_a_long_one_while_a_stream_decodes(long_len: int) -> None:
     """Under a step budget the step-time target shrank, the long prompts' chunk cap shrinks with
     it, so a short prompt arriving while a long one prefills is scheduled in the next step (with
     the static 512-token cap the long prompt's chunk took the whole shrunken budget, and the
-    short one waited for its whole prefill)."""
+    short one waited for its whole prefill). 600: a long prompt's tail (its rest, 409, under
+    long_prefill_token_threshold, 512) is capped too while its rest does not fit the step; left
+    uncapped it took every step until it finished, and the short prompt waited for all of it."""
     kv = KVCacheManager(num_blocks=1024, block_size=16)
     s = Scheduler(SchedulerConfig(max_model_len=8192, aging_s=0.0, max_step_ms=100.0), kv, eos_token_ids=[EOS],
                   clock=Clock())  # fmt: skip
     _teach_cost(s, fixed_s=0.004, per_token_s=0.0005)  # 100 ms fits 192 tokens
     s.add_request(request("stream", 20, max_tokens=100))
     step(s)
-    s.add_request(request("long", 4000, max_tokens=1))
+    s.add_request(request("long", long_len, max_tokens=1))
     so, _ = step(s)
     assert so.num_scheduled_tokens == {"stream": 1, "long": 191}  # alone, the top-up gives it all
     s.add_request(request("short", 63, max_tokens=1))
@@ -619,43 +622,30 @@ def test_a_short_prompt_is_admitted_next_to_a_long_one_while_a_stream_decodes() 
     assert so.num_scheduled_tokens == {"stream": 1, "long": 191}  # alone again
 
 
-def test_a_long_prompts_tail_under_the_threshold_is_still_capped_while_a_short_one_waits() -> None:
-    """The tail of a long prompt (its rest under long_prefill_token_threshold, 512) no longer
-    counts as long; left uncapped under a shrunken budget it took every step until it finished,
-    and a short prompt arriving meanwhile waited for all of it. A prompt mid-prefill whose rest
-    does not fit the step is capped like a long one; the top-up gives it what is left."""
-    kv = KVCacheManager(num_blocks=1024, block_size=16)
-    s = Scheduler(SchedulerConfig(max_model_len=8192, aging_s=0.0, max_step_ms=100.0), kv, eos_token_ids=[EOS],
-                  clock=Clock())  # fmt: skip
-    _teach_cost(s, fixed_s=0.004, per_token_s=0.0005)  # 100 ms fits 192 tokens
-    s.add_request(request("stream", 20, max_tokens=100))
-    step(s)
-    s.add_request(request("long", 600, max_tokens=1))
-    so, _ = step(s)
-    assert so.num_scheduled_tokens == {"stream": 1, "long": 191}  # 409 left: under the threshold
-    s.add_request(request("short", 63, max_tokens=1))
-    so, out = step(s)
-    # long capped at 192 / 4 = 48, short whole, the top-up to long (80 more).
-    assert so.num_scheduled_tokens == {"stream": 1, "long": 48 + 80, "short": 63}
-    assert out["short"].finish_reason is not None
+def cost(tokens: int, pairs: int) -> float:
+    """The step time _stream_beside_a_long_prompt teaches: 2 ms fixed, 0.5 ms a token, 1 µs an attention pair."""
+    return 0.002 + 0.0005 * tokens + 1e-6 * pairs
 
 
-def test_max_step_ms_prices_a_chunk_deep_in_a_long_prompt_by_its_attention() -> None:
-    """A token deep in a long prompt attends to everything before it: a step bound that priced
-    every token alike let such chunks run ~2x the bound next to a decode (benchmarks/step_time_target.py).
-    With the pair cost learned, each chunk shrinks with its depth so the step stays in the bound."""
+def _stream_beside_a_long_prompt() -> Scheduler:
+    """A 100 ms step-time target, the cost model taught `cost`, one stream decoding and a
+    4,000-token prompt waiting."""
     s = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=2048, max_model_len=8192,
                        max_step_ms=100.0)  # fmt: skip
-
-    def cost(tokens: int, pairs: int) -> float:  # 2 ms fixed, 0.5 ms a token, 1 µs a pair
-        return 0.002 + 0.0005 * tokens + 1e-6 * pairs
-
     for tokens in (1, 8, 32, 64, 128, 256):
         for context in (0, 1000, 3000):
             s.step_cost.observe(tokens, cost(tokens, chunk_pairs(tokens, context)), chunk_pairs(tokens, context))
     s.add_request(request("stream", 20, max_tokens=1000))
     step(s)
     s.add_request(request("long", 4000, max_tokens=1))
+    return s
+
+
+def test_max_step_ms_prices_a_chunk_deep_in_a_long_prompt_by_its_attention() -> None:
+    """A token deep in a long prompt attends to everything before it: a step bound that priced
+    every token alike let such chunks run ~2x the bound next to a decode (benchmarks/step_time_target.py).
+    With the pair cost learned, each chunk shrinks with its depth so the step stays in the bound."""
+    s = _stream_beside_a_long_prompt()
     chunks: list[tuple[int, int]] = []  # (depth, chunk)
     while (r := s.get_request("long")) is not None and r.num_computed_tokens < 3000:
         depth = r.num_computed_tokens
@@ -676,19 +666,8 @@ def test_a_short_prompt_goes_whole_past_a_budget_priced_at_a_deep_prompt_when_th
     tokens are shallow and cost far less. When the cost model says the step, the short prompt
     whole in it, still ends within the target, it goes whole (its first token a step sooner);
     when it does not, it is cut to the budget as before."""
-
-    def cost(tokens: int, pairs: int) -> float:  # 2 ms fixed, 0.5 ms a token, 1 µs a pair
-        return 0.002 + 0.0005 * tokens + 1e-6 * pairs
-
     for short_len, goes_whole in ((63, True), (200, False)):
-        s = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=2048, max_model_len=8192,
-                           max_step_ms=100.0)  # fmt: skip
-        for tokens in (1, 8, 32, 64, 128, 256):
-            for context in (0, 1000, 3000):
-                s.step_cost.observe(tokens, cost(tokens, chunk_pairs(tokens, context)), chunk_pairs(tokens, context))
-        s.add_request(request("stream", 20, max_tokens=1000))
-        step(s)
-        s.add_request(request("long", 4000, max_tokens=1))
+        s = _stream_beside_a_long_prompt()
         while (r := s.get_request("long")) is not None and r.num_computed_tokens < 3000:
             step(s)
         depth = s.get_request("long").num_computed_tokens
