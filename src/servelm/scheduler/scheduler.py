@@ -20,8 +20,10 @@ arrival + the class's TTFT target, with fair share between the tenants of a clas
        long chunks. Under a step-time target the budget prices every token at the deepest
        prompt's depth; a short prompt (at most the cap) that the budget would leave unfinished
        goes whole when the cost model says the step still ends within the target, its shallow
-       tokens being far cheaper than the deep ones the budget was priced at. Waiting requests are admitted only while nobody was preempted (blocks are
-       short then: admitting would thrash), a seat and a free block remain. A running chunk
+       tokens being far cheaper than the deep ones the budget was priced at; and a prompt
+       mid-prefill whose rest does not fit the step is capped like a long one. Waiting requests
+       are admitted only while nobody was preempted (blocks are short then: admitting would
+       thrash), a seat and a free block remain. A running chunk
        without blocks preempts as in 1; a waiting request that does not fit is SKIPPED, never
        waited for.
     3. TOP-UP: budget left over goes back to the chunks that left their prompt unfinished,
@@ -497,7 +499,7 @@ class Scheduler:
         """`request`'s chunk before the top-up (StepPlan.prefill_chunk), or its whole rest where
         the token budget would leave a short prompt unfinished but the step, that prompt whole
         in it, still ends within the step-time target: the budget priced every token at the
-        deepest prompt's depth. A 83-token voice prompt arriving while a 2,764-token one
+        deepest prompt's depth. An 83-token voice prompt arriving while a 2,764-token one
         prefilled next to a decoding stream (default model, 2 CPU cores) got 77 tokens of a
         103-token budget priced at depth ~2,000 and its first token a step later, 383 ms after
         it arrived."""

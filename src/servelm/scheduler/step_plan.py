@@ -71,11 +71,11 @@ class StepPlan:
 
     def prefill_chunk(self, num_uncomputed: int, protected: bool = False, mid_prefill: bool = False) -> int:
         """A prompt's chunk before the top-up: capped if the prompt is long or, `mid_prefill` (it
-        ran a chunk before), its rest is over the room; then by its room; 0 when it would stay unfinished and no slot for that is left. A
-        short prompt that fits is not capped (vLLM's long_prefill_token_threshold): a burst of
-        short ones goes first come, first served, each with the whole budget, where capping them
-        too shared the budget out and gave the first of the burst its first token as late as the
-        last's."""
+        ran a chunk before), its rest is over the room; then by its room; 0 when it would stay
+        unfinished and no slot for that is left. A short prompt that fits is not capped (vLLM's
+        long_prefill_token_threshold): a burst of short ones goes first come, first served, each
+        with the whole budget, where capping them too shared the budget out and gave the first of
+        the burst its first token as late as the last's."""
         room = self.room(protected)
         # A prompt mid-prefill whose rest does not fit the room is left unfinished either way:
         # capped too, so that a prompt behind it can finish in this step (the top-up returns what
