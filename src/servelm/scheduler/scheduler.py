@@ -299,18 +299,16 @@ class Scheduler:
 
     # -- schedule -------------------------------------------------------------------
 
-    def _step_budget(self) -> int:
-        """max_num_batched_tokens, or less while requests decode under a step-time target: the
-        tokens that fit as a chunk of the deepest prompt mid-prefill, whose tokens cost the most
-        (depth 0 when none is: a prompt admitted after a long prefix hit is not priced deeper,
-        the budget being set before admission)."""
+    def _step_budget(self, decoding: list[Request], target_s: float | None) -> int:
+        """max_num_batched_tokens, or less while `decoding` requests decode under the step-time
+        target `target_s`: the tokens that fit as a chunk of the deepest prompt mid-prefill,
+        whose tokens cost the most (depth 0 when none is: a prompt admitted after a long prefix
+        hit is not priced deeper, the budget being set before admission)."""
         budget = self.config.max_num_batched_tokens
-        decoding = [r for r in self._running if not r.is_prefilling]
-        if not decoding:
+        if not decoding or target_s is None:
             return budget
         deepest = max((r.num_computed_tokens for r in self._running if r.is_prefilling), default=0)
-        target_s = self._step_target_s(decoding)
-        fits = None if target_s is None else self.step_cost.tokens_within(target_s, context=deepest)
+        fits = self.step_cost.tokens_within(target_s, context=deepest)
         if fits is None:
             return budget
         # Every decode, and at least a block of prefill per partial-prefill slot, so a prompt that
@@ -382,11 +380,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self._clock()
         config = self.config
-        budget = self._step_budget()
         decoding = [r for r in self._running if not r.is_prefilling]
+        target_s = self._step_target_s(decoding) if decoding else None  # no decode: no step-time target
+        budget = self._step_budget(decoding, target_s)
         plan = StepPlan(
             budget=budget,
-            time_target_s=self._step_target_s(decoding) if decoding else None,
+            time_target_s=target_s,
             chunk_cap=self._chunk_cap(budget),
             long_threshold=config.prefill_chunk_cap,
             bulk_limit=self._arrival_limit(),
