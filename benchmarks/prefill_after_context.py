@@ -6,8 +6,7 @@ over 2,048 tokens is two chunks, the second one attending to the first's cached 
 Each case: the context alone first (untimed: it fills the prefix cache), then context + new
 tokens with max_tokens=1, timed from add_request to the finished output; median of --repeats
 (fresh random tokens each repeat). With --baseline-src the same cases run in a subprocess
-against another checkout's src/ (one after the other, not interleaved: run it twice in both
-orders when the difference is small).
+against another checkout's src/ (baseline_checkout.py).
 
     PYTHONPATH=src .venv/bin/python benchmarks/prefill_after_context.py
     PYTHONPATH=src .venv/bin/python benchmarks/prefill_after_context.py --baseline-src ../base/src
@@ -17,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
+from baseline_checkout import measure_baseline
 
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
@@ -73,9 +70,7 @@ def main() -> None:
         return
     baseline = None
     if args.baseline_src:
-        command = [sys.executable, __file__, "--repeats", str(args.repeats), "--json"]
-        env = {**os.environ, "PYTHONPATH": args.baseline_src}
-        baseline = json.loads(subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout)
+        baseline = measure_baseline(__file__, ["--repeats", str(args.repeats)], args.baseline_src)
     print("| cached + new tokens | this checkout (s) | baseline (s) | ratio |")
     print("|---|---:|---:|---:|")
     for case, seconds in ours.items():

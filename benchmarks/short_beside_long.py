@@ -8,7 +8,8 @@ is priced at the long prompt's depth. Per trial a long prompt (`--long` tokens) 
 so the short one meets it at every depth); the short prompt's TTFT counts from that arrival
 time, so the wait for the step in flight is in it, as it is for a request reaching a server. One
 stream decodes throughout. The engine runs in this process (default model), built once; with
---baseline-src the same trials run in a subprocess against another checkout's src/ after.
+--baseline-src the same trials run in a subprocess against another checkout's src/ after
+(baseline_checkout.py).
 
     PYTHONPATH=src .venv/bin/python benchmarks/short_beside_long.py
     PYTHONPATH=src .venv/bin/python benchmarks/short_beside_long.py --baseline-src ../base/src
@@ -18,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+from baseline_checkout import measure_baseline
 
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
@@ -92,13 +92,8 @@ def main() -> None:
         return
     rows = {"this checkout": ours}
     if args.baseline_src:
-        command = [sys.executable, __file__, *sys.argv[1:], "--json"]
-        command.remove("--baseline-src")
-        command.remove(args.baseline_src)
-        env = {**os.environ, "PYTHONPATH": args.baseline_src}
-        rows["baseline"] = json.loads(
-            subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
-        )
+        same_args = [a for a in sys.argv[1:] if a not in ("--baseline-src", args.baseline_src)]
+        rows["baseline"] = measure_baseline(__file__, same_args, args.baseline_src)
     print(f"short {args.short} tokens beside long {args.long}, {args.trials} trials")
     print("| system | short TTFT p50 (ms) | short TTFT max (ms) | long TTFT p50 (s) |")
     print("|---|---:|---:|---:|")
