@@ -10,6 +10,8 @@ against another checkout's src/ (baseline_checkout.py).
 
     PYTHONPATH=src .venv/bin/python benchmarks/prefill_after_context.py
     PYTHONPATH=src .venv/bin/python benchmarks/prefill_after_context.py --baseline-src ../base/src
+    # voice- and chat-sized prompts instead (CACHED+NEW each):
+    PYTHONPATH=src .venv/bin/python benchmarks/prefill_after_context.py --cases 0+63,0+159,144+178,0+512
 """
 
 from __future__ import annotations
@@ -29,10 +31,19 @@ from servelm.sampling_params import SamplingParams
 
 # (cached context tokens, new tokens): cold prompts of the mixed profile's code contexts, and
 # code turns after a prefix hit (their sizes in the mixed run of benchmarks/RESULTS.md, issue 11).
-CASES = [(0, 4021), (0, 2764), (1600, 1564), (2528, 657), (3072, 128)]
+CASES = "0+4021,0+2764,1600+1564,2528+657,3072+128"
 
 
-def measure(repeats: int) -> dict[str, float]:
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """The --cases text, "CACHED+NEW,...", as [(cached, new), ...]."""
+    cases = []
+    for item in text.split(","):
+        cached, new = item.split("+")
+        cases.append((int(cached), int(new)))
+    return cases
+
+
+def measure(cases: list[tuple[int, int]], repeats: int) -> dict[str, float]:
     core = build_engine(EngineConfig.from_flat(max_model_len=8192)).core
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -47,7 +58,7 @@ def measure(repeats: int) -> dict[str, float]:
 
     run(torch.randint(100, 10000, (512,), generator=gen).tolist())  # the step cost model and kernels warm
     results = {}
-    for cached, new in CASES:
+    for cached, new in cases:
         times = []
         for _ in range(repeats):
             prompt = torch.randint(100, 10000, (cached + new,), generator=gen).tolist()
@@ -61,22 +72,24 @@ def measure(repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", default=CASES, help="CACHED+NEW tokens, comma-separated (default: %(default)s)")
     parser.add_argument("--baseline-src", default=None, help="another checkout's src/, measured the same way after")
     parser.add_argument("--json", action="store_true", help="print the seconds per case as JSON (the subprocess form)")
     args = parser.parse_args()
-    ours = measure(args.repeats)
+    ours = measure(parse_cases(args.cases), args.repeats)
     if args.json:
         print(json.dumps(ours))
         return
     baseline = None
     if args.baseline_src:
-        baseline = measure_baseline(__file__, ["--repeats", str(args.repeats)], args.baseline_src)
+        same_args = ["--repeats", str(args.repeats), "--cases", args.cases]
+        baseline = measure_baseline(__file__, same_args, args.baseline_src)
     print("| cached + new tokens | this checkout (s) | baseline (s) | ratio |")
     print("|---|---:|---:|---:|")
     for case, seconds in ours.items():
         base = baseline[case] if baseline else None
         ratio = f"{seconds / base:.2f}x" if base else "—"
-        print(f"| {case} | {seconds:.2f} | {f'{base:.2f}' if base else '—'} | {ratio} |")
+        print(f"| {case} | {seconds:.3f} | {f'{base:.3f}' if base else '—'} | {ratio} |")
 
 
 if __name__ == "__main__":

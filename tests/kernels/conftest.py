@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from servelm import envs
-from servelm.kernels import cpu
+from servelm.kernels import cpu, mkl_gemm
 
 
 @pytest.fixture
@@ -20,10 +20,13 @@ def kernel_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str],
     def set_variable(name: str, value: str) -> None:
         monkeypatch.setenv(name, value)
         cpu.reset()
+        mkl_gemm.reset()
 
     cpu.reset()
+    mkl_gemm.reset()
     yield set_variable
     cpu.reset()
+    mkl_gemm.reset()
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from servelm import envs
 from servelm.kernels.arguments import KernelArgumentError, check_int, check_shape, check_tensor
 from servelm.kernels.build import BuiltLibrary, KernelBuildError, build
+from servelm.kernels.decided_once import DecidedOnce
 
 if TYPE_CHECKING:
     from servelm.kernels.decode_layers import DecodeLayersCall, PreparedLayers
@@ -42,19 +42,12 @@ BLOCK = 32  # weights per GGUF block
 # their bytes per block: Q4_0 d + 16 nibble bytes, Q4_1 d + m + 16, Q8_0 d + 32 int8 codes.
 BLOCK_BYTES: dict[int, int] = {2: 18, 3: 20, 8: 34}
 
-_lock = threading.Lock()
-_decided: list[CpuKernels | None] = []  # empty: load() has not decided yet; else its one answer
-
 
 def load() -> CpuKernels | None:
     """The kernels (built on the first call of the process), or None where they are off or cannot
     be built. Cheap after the first call; thread-safe; every call returns the same answer until
     `reset()`. Raises ValueError for an invalid SERVELM_KERNELS value."""
-    if not _decided:
-        with _lock:
-            if not _decided:
-                _decided.append(_decide())
-    return _decided[0]
+    return _decided.get()
 
 
 def reset() -> None:
@@ -62,8 +55,7 @@ def reset() -> None:
 
     Safe to call twice. A CpuKernels already handed out keeps working (its library stays loaded).
     """
-    with _lock:
-        _decided.clear()
+    _decided.reset()
 
 
 def _decide() -> CpuKernels | None:
@@ -75,6 +67,9 @@ def _decide() -> CpuKernels | None:
     except (KernelBuildError, OSError) as exc:  # OSError: the built library does not load
         logger.warning("compiled CPU kernels unavailable, using the pure-torch paths: %s", exc)
         return None
+
+
+_decided: DecidedOnce[CpuKernels | None] = DecidedOnce(_decide)
 
 
 class CpuKernels:

@@ -71,7 +71,7 @@ def build_model(
     def linear_method(parts: Sequence[str], columns: range | None) -> LinearMethod:
         precision = "float32" if tuple(parts) in head_parts else gemm_precision
         if not block_linears:
-            return dense_method(precision)
+            return dense_method(dtype, device, precision)
         # What this rank's shard is stored as: blocks cut inside a block come out dense.
         infos = [source.info(f"{part}.weight").sharded(columns=columns) for part in parts]
         return choose_linear_method(infos, dtype, device, precision)

@@ -6,8 +6,10 @@ bfloat16 natively (AMX, AVX512-BF16) the decoder layers can compute those GEMMs 
 model staying float32 everywhere else (activations between ops, norms, the KV cache, decode's
 attention, the LM head, every few-row matmul of decode):
 
-    float32    the reference: F.linear over the float32 weight (the default; greedy output
-               matches Hugging Face transformers)
+    float32    the reference: float32 products and sums (the default; greedy output matches
+               Hugging Face transformers), computed by MKL's packed GEMM where PyTorch carries
+               MKL (`PackedFloat32Gemm`: the weight's panels made once, not on every call;
+               kernels/mkl_gemm.py), else F.linear
     bfloat16   inputs and weight rounded to bfloat16 (8-bit mantissa), products accumulated in
                float32 by oneDNN (AMX tiles where the CPU has them), the result float32; prefill
                chunks' attention likewise (SDPA on q, k, v in bfloat16: its two GEMMs are most
@@ -21,8 +23,9 @@ are set by their few outlier channels. A narrower GEMM changes the numbers a pro
 so it is part of the KV fingerprint that shared KV tiers check.
 
 Each layer gets its own `ManyRowGemm`, which keeps what it derives from the layer's float32
-weight (its bf16 copy), made at the first many-row matmul after the weight was loaded (`reset`
-drops it when rows are loaded again).
+weight (its bf16 copy, its packed panels), made at the first many-row matmul after the weight was
+loaded (`reset` drops it when rows are loaded again): the engine's warm-up prompts make them, before
+it lists the tensors to keep resident (worker/host_residency.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.config import GEMM_PRECISIONS
+from servelm.kernels import mkl_gemm
 
 
 class ManyRowGemm(abc.ABC):
@@ -59,10 +63,28 @@ class Bfloat16Gemm(ManyRowGemm):
         self._weight = None
 
 
-def many_row_gemm(precision: str) -> ManyRowGemm | None:
-    """A fresh per-layer GEMM for `precision`; None for float32 (F.linear itself)."""
+class PackedFloat32Gemm(ManyRowGemm):
+    """float32 through MKL's packed panels of the weight (kernels/mkl_gemm.py)."""
+
+    def __init__(self, kernel: mkl_gemm.MklPackedGemm) -> None:
+        self._kernel = kernel
+        self._packed: mkl_gemm.PackedWeight | None = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            self._packed = self._kernel.pack(weight)
+        return self._kernel.matmul(x.contiguous(), self._packed)
+
+    def reset(self) -> None:
+        self._packed = None
+
+
+def many_row_gemm(precision: str, dtype: torch.dtype, device: torch.device) -> ManyRowGemm | None:
+    """A fresh per-layer GEMM for `precision` in a model of `dtype` on `device`; None: F.linear
+    itself (float32 without MKL, or any model not CPU float32)."""
     if precision == "float32":
-        return None
+        kernel = mkl_gemm.load() if device.type == "cpu" and dtype == torch.float32 else None
+        return None if kernel is None else PackedFloat32Gemm(kernel)
     if precision == "bfloat16":
         return Bfloat16Gemm()
     raise ValueError(f"unknown gemm precision {precision!r}; valid: {', '.join(GEMM_PRECISIONS)}")

@@ -11,8 +11,8 @@ rows, and to compute x @ W^T + b. No attribute is bolted on afterwards.
                         weight instead of 4), and the same weights dequantised to dense float32 for
                         many-row matmuls (MKL's blocked GEMM wins there).
 
-Either may compute its many-row matmuls in bfloat16 instead (`--gemm-precision`,
-gemm_precision.py: opt-in, CPU float32 models).
+On a CPU float32 model either computes its many-row matmuls through MKL's packed panels of the
+weight (float32, the default), or in bfloat16 (`--gemm-precision`, opt-in): gemm_precision.py.
 
 Both paths multiply by bit-identical float32 weights (see gguf_blocks.py); only the
 summation order differs, as it does between any two BLAS kernels.
@@ -166,12 +166,13 @@ def choose_linear_method(parts: Sequence[TensorInfo], dtype: torch.dtype, device
     storages = {part.storage for part in parts}
     block_type = next(iter(storages)).block_type if len(storages) == 1 else None
     if block_type is None or device.type != "cpu" or dtype != torch.float32 or small_batch_kernel() is None:
-        return dense_method(gemm_precision)
-    return BlockLinearMethod(block_type, many_row_gemm(gemm_precision))
+        return dense_method(dtype, device, gemm_precision)
+    return BlockLinearMethod(block_type, many_row_gemm(gemm_precision, dtype, device))
 
 
-def dense_method(gemm_precision: str = "float32") -> LinearMethod:
-    """The dense method whose many-row matmuls compute in `gemm_precision`: the shared DENSE for
-    float32, else one per layer (it keeps the layer's derived weight)."""
-    gemm = many_row_gemm(gemm_precision)
+def dense_method(dtype: torch.dtype, device: torch.device, gemm_precision: str = "float32") -> LinearMethod:
+    """The dense method whose many-row matmuls compute in `gemm_precision` for a model of `dtype` on
+    `device`: one per layer where that derives something from the layer's weight (it keeps it),
+    else the shared DENSE (F.linear)."""
+    gemm = many_row_gemm(gemm_precision, dtype, device)
     return DENSE if gemm is None else DenseLinearMethod(gemm)

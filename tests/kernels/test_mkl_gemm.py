@@ -1,0 +1,99 @@
+"""MKL's packed float32 GEMM (kernels/mkl_gemm.py): one packing of a weight serves every row count
+within float32 rounding of the exact product, bad arguments are refused before a pointer reaches
+MKL, SERVELM_KERNELS=torch turns it off, and a CPU float32 model's linear layers take it for their
+many-row matmuls (and only there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelm import envs
+from servelm.kernels import mkl_gemm
+from servelm.kernels.arguments import KernelArgumentError
+from servelm.models.gemm_precision import PackedFloat32Gemm, many_row_gemm
+from servelm.models.linear_methods import DENSE, MAX_BLOCK_ROWS, DenseLinearMethod, dense_method
+from servelm.models.llama import Linear
+
+needs_mkl = pytest.mark.skipif(mkl_gemm.load() is None, reason="PyTorch here carries no MKL")
+CPU = torch.device("cpu")
+
+
+def _within_float32_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """|got - exact| within float32's summation error bound k * eps * (|x| @ |w|^T)."""
+    exact = x.double() @ w.double().T
+    bound = x.shape[1] * 2**-24 * (x.abs().double() @ w.abs().double().T)
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert torch.all((got.double() - exact).abs() <= bound + 1e-30)
+
+
+@needs_mkl
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (37, 19)])
+def test_one_packing_serves_every_row_count(n: int, k: int):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    kernel = mkl_gemm.load()
+    packed = kernel.pack(w)
+    for m in (1, 7, 63, 178, 513, 2000):  # under, at and over the packing's row hint
+        x = torch.randn(m, k, generator=gen)
+        _within_float32_rounding(kernel.matmul(x, packed), x, w)
+    assert kernel.matmul(torch.empty(0, k), packed).shape == (0, n)
+
+
+@needs_mkl
+def test_packing_keeps_no_reference_to_the_weight():
+    w = torch.randn(64, 32)
+    x = torch.randn(20, 32)
+    kernel = mkl_gemm.load()
+    packed = kernel.pack(w)
+    expected = kernel.matmul(x, packed)
+    w.zero_()
+    assert torch.equal(kernel.matmul(x, packed), expected)
+
+
+@needs_mkl
+def test_bad_arguments_are_refused():
+    kernel = mkl_gemm.load()
+    packed = kernel.pack(torch.randn(16, 32))
+    with pytest.raises(KernelArgumentError, match="x: expected 32 columns"):
+        kernel.matmul(torch.randn(4, 31), packed)
+    with pytest.raises(KernelArgumentError, match="x: expected dtype torch.float32"):
+        kernel.matmul(torch.randn(4, 32, dtype=torch.float64), packed)
+    with pytest.raises(KernelArgumentError, match="x: expected a contiguous tensor"):
+        kernel.matmul(torch.randn(32, 4).T, packed)
+    with pytest.raises(KernelArgumentError, match="weight: expected a contiguous tensor"):
+        kernel.pack(torch.randn(32, 16).T)
+
+
+@needs_mkl
+def test_torch_switch_turns_it_off(kernel_env):
+    assert isinstance(many_row_gemm("float32", torch.float32, CPU), PackedFloat32Gemm)
+    kernel_env(envs.KERNELS, "torch")
+    assert mkl_gemm.load() is None
+    assert many_row_gemm("float32", torch.float32, CPU) is None
+    assert dense_method(torch.float32, CPU) is DENSE
+
+
+@needs_mkl
+def test_only_cpu_float32_models_pack():
+    assert many_row_gemm("float32", torch.bfloat16, CPU) is None
+    assert many_row_gemm("float32", torch.float32, torch.device("meta")) is None
+    assert dense_method(torch.float32, torch.device("cuda")) is DENSE
+
+
+@needs_mkl
+def test_a_dense_layer_packs_its_many_row_matmuls_and_repacks_after_a_reload():
+    method = dense_method(torch.float32, CPU)
+    assert isinstance(method, DenseLinearMethod) and isinstance(method.gemm, PackedFloat32Gemm)
+    linear = Linear(48, 40, True, ("unused",), method)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 48, generator=gen))
+        linear.bias.copy_(torch.randn(40, generator=gen))
+    few, many = torch.randn(MAX_BLOCK_ROWS, 48, generator=gen), torch.randn(MAX_BLOCK_ROWS + 1, 48, generator=gen)
+    assert torch.equal(linear(few), F.linear(few, linear.weight, linear.bias))  # few rows: F.linear itself
+    _within_float32_rounding(linear(many) - linear.bias, many, linear.weight.detach())
+    with torch.no_grad():  # new rows through the method (a weight reload): the panels are made again
+        method.load_rows(linear, torch.ones(40, 48), 0)
+    torch.testing.assert_close(linear(many), F.linear(many, linear.weight, linear.bias), rtol=1e-5, atol=1e-4)
