@@ -1,9 +1,11 @@
 """MKL's packed float32 GEMM (kernels/mkl_gemm.py): one packing of a weight serves every row count
-within float32 rounding of the exact product, bad arguments are refused before a pointer reaches
-MKL, SERVELM_KERNELS=torch turns it off, and a CPU float32 model's linear layers take it for their
-many-row matmuls (and only there)."""
+within float32 rounding of the exact product, bad arguments (and copied panels) are refused before
+a pointer reaches MKL, SERVELM_KERNELS=torch turns it off, and a CPU float32 model's decoder layers
+take it for their many-row matmuls (and only there), following their weight's changes."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -12,9 +14,12 @@ import torch.nn.functional as F
 from servelm import envs
 from servelm.kernels import mkl_gemm
 from servelm.kernels.arguments import KernelArgumentError
+from servelm.models.factory import build_model
 from servelm.models.gemm_precision import PackedFloat32Gemm, many_row_gemm
 from servelm.models.linear_methods import DENSE, MAX_BLOCK_ROWS, DenseLinearMethod, dense_method
 from servelm.models.llama import Linear
+from servelm.models.loader import load_checkpoint
+from servelm.testing.tiny_model import write_tiny_checkpoint
 
 needs_mkl = pytest.mark.skipif(mkl_gemm.load() is None, reason="PyTorch here carries no MKL")
 CPU = torch.device("cpu")
@@ -64,6 +69,21 @@ def test_bad_arguments_are_refused():
         kernel.matmul(torch.randn(32, 4).T, packed)
     with pytest.raises(KernelArgumentError, match="weight: expected a contiguous tensor"):
         kernel.pack(torch.randn(32, 16).T)
+    with pytest.raises(KernelArgumentError, match="weight rows: expected at least 1"):
+        kernel.pack(torch.empty(0, 16))
+    with pytest.raises(KernelArgumentError, match="copied or moved after packing"):
+        kernel.matmul(torch.randn(4, 32), copy.deepcopy(packed))  # the panels point into their own buffer
+
+
+@needs_mkl
+def test_packing_ignores_a_callers_default_device():
+    kernel = mkl_gemm.load()
+    w, x = torch.randn(24, 16), torch.randn(12, 16)
+    with torch.device("meta"):  # the model factory builds inside such a context
+        packed = kernel.pack(w)
+        got = kernel.matmul(x, packed)
+    assert got.device.type == "cpu"
+    _within_float32_rounding(got, x, w)
 
 
 @needs_mkl
@@ -97,3 +117,36 @@ def test_a_dense_layer_packs_its_many_row_matmuls_and_repacks_after_a_reload():
     with torch.no_grad():  # new rows through the method (a weight reload): the panels are made again
         method.load_rows(linear, torch.ones(40, 48), 0)
     torch.testing.assert_close(linear(many), F.linear(many, linear.weight, linear.bias), rtol=1e-5, atol=1e-4)
+    with torch.no_grad():  # written in place outside the method: made again too
+        linear.weight.mul_(-3)
+    torch.testing.assert_close(linear(many), F.linear(many, linear.weight, linear.bias), rtol=1e-5, atol=1e-4)
+    twin = copy.deepcopy(linear)  # a copied model derives its own panels
+    torch.testing.assert_close(twin(many), F.linear(many, linear.weight, linear.bias), rtol=1e-5, atol=1e-4)
+
+
+@needs_mkl
+def test_a_weight_made_under_inference_mode_packs_once():
+    gemm = many_row_gemm("float32", torch.float32, CPU)
+    with torch.inference_mode():
+        w, x = torch.randn(20, 16), torch.randn(12, 16)
+    first = gemm(x, w)
+    panels = gemm._derived
+    assert torch.equal(gemm(x, w), first) and gemm._derived is panels
+    _within_float32_rounding(first, x, w)
+
+
+@needs_mkl
+def test_an_empty_weight_takes_f_linear():
+    gemm = many_row_gemm("float32", torch.float32, CPU)
+    x = torch.randn(12, 0)
+    assert torch.equal(gemm(x, torch.empty(5, 0)), torch.zeros(12, 5))
+    assert gemm(torch.randn(12, 4), torch.empty(0, 4)).shape == (12, 0)
+
+
+@needs_mkl
+def test_the_lm_head_is_not_packed(tmp_path):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf", arch="llama", seed=1)
+    checkpoint = load_checkpoint(hf_dir)
+    model = build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu")
+    assert model.lm_head.method is DENSE
+    assert isinstance(model.layers[0].mlp.down_proj.method.gemm, PackedFloat32Gemm)

@@ -37,13 +37,18 @@ def test_bfloat16_gemm_is_within_its_rounding_bound():
     assert got.dtype == torch.float32
 
 
-def test_derived_weight_follows_a_reset():
+def test_derived_weight_follows_the_weight():
     x, w = _inputs(16, 64, 8, seed=4)
     g = Bfloat16Gemm()
     first = g(x, w)
-    assert torch.equal(g(x, w * 2), first)  # kept from the first call...
+    derived = g._derived
+    assert torch.equal(g(x, w), first) and g._derived is derived  # the same weight: derived once
+    w.mul_(2)  # written in place (its version moves): derived again
+    assert torch.allclose(g(x, w), first * 2, rtol=0.02, atol=1e-3)
+    assert torch.allclose(g(x, w * 2), first * 4, rtol=0.02, atol=1e-3)  # another tensor
+    doubled = g._derived
     g.reset()
-    assert torch.allclose(g(x, w * 2), first * 2, rtol=0.02, atol=1e-3)  # ...until reset
+    assert torch.allclose(g(x, w), first * 2, rtol=0.02, atol=1e-3) and g._derived is not doubled
 
 
 def test_gemm_precision_is_for_cpu_float32_models_only():

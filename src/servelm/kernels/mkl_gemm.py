@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from servelm import envs
-from servelm.kernels.arguments import KernelArgumentError, check_tensor
+from servelm.kernels.arguments import KernelArgumentError, check_int, check_tensor
 from servelm.kernels.decided_once import DecidedOnce
 
 logger = logging.getLogger(__name__)
@@ -46,9 +46,12 @@ _PACK_ROWS_HINT = 512
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight W [n, k] as MKL's panels for x @ W^T; `buffer` owns them (uint8, opaque)."""
+    """A weight W [n, k] as MKL's panels for x @ W^T; `buffer` owns them (uint8, opaque). The
+    panels hold addresses inside the buffer: a copy of it (a deep copy, a pickle) is garbage, so
+    `matmul` refuses a buffer that is not at the `address` it was packed at."""
 
     buffer: torch.Tensor
+    address: int
     n: int
     k: int
 
@@ -94,15 +97,22 @@ class MklPackedGemm:
         lib.cblas_sgemm_compute.restype = None
         self._lib = lib
 
+    def __deepcopy__(self, memo: dict[int, object]) -> MklPackedGemm:
+        return self  # no state but the process's library: a copied model shares it
+
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """W [n, k] float32 (contiguous, CPU) as panels for x @ W^T; W itself is not kept."""
         weight = check_tensor("weight", weight.detach(), torch.float32, 2)
-        n, k = weight.shape
+        n = check_int("weight rows", weight.shape[0], minimum=1)  # MKL faults on an empty matrix
+        k = check_int("weight columns", weight.shape[1], minimum=1)
+        _check_fits_c_int("weight rows", n)
+        _check_fits_c_int("weight columns", k)
         size = self._lib.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS_HINT, n, k)
-        buffer = torch.empty(size, dtype=torch.uint8)
+        # device: not whatever default device a caller's context set (a meta or CUDA pointer here crashes)
+        buffer = torch.empty(size, dtype=torch.uint8, device="cpu")
         self._lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS_HINT, n, k, 1.0,
                                    weight.data_ptr(), k, buffer.data_ptr())  # fmt: skip
-        return PackedWeight(buffer, n, k)
+        return PackedWeight(buffer, buffer.data_ptr(), n, k)
 
     def matmul(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         """x [m, k] float32 @ W^T -> [m, n] float32 (a new tensor)."""
@@ -110,8 +120,17 @@ class MklPackedGemm:
         m, k = x.shape
         if k != packed.k:
             raise KernelArgumentError(f"x: expected {packed.k} columns (the packed weight's k), found {k}")
-        out = torch.empty(m, packed.n, dtype=torch.float32)
+        if packed.buffer.data_ptr() != packed.address:
+            raise KernelArgumentError("packed: the panels were copied or moved after packing; pack the weight again")
+        _check_fits_c_int("x rows", m)
+        out = torch.empty(m, packed.n, dtype=torch.float32, device="cpu")
         if m:
             self._lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, packed.n, k, x.data_ptr(), k,
                                           packed.buffer.data_ptr(), packed.n, 0.0, out.data_ptr(), packed.n)  # fmt: skip
         return out
+
+
+def _check_fits_c_int(name: str, size: int) -> None:
+    """MKL's LP64 interface takes each dimension as a C int: 2**31 or more would wrap."""
+    if size >= 2**31:
+        raise KernelArgumentError(f"{name}: {size}, more than MKL's 32-bit dimensions hold")

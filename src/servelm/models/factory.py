@@ -69,12 +69,16 @@ def build_model(
     head_parts = {("lm_head",), ("model.embed_tokens",)}  # LlamaForCausalLM's head (tied or not)
 
     def linear_method(parts: Sequence[str], columns: range | None) -> LinearMethod:
-        precision = "float32" if tuple(parts) in head_parts else gemm_precision
+        # The head stays float32 and unpacked: its many-row matmuls are rare (prompt logprobs,
+        # verification of many drafts), and its panels would be ~1.2x a large matrix more, made
+        # mid-serving after the residency passes were set up.
+        head = tuple(parts) in head_parts
+        precision = "float32" if head else gemm_precision
         if not block_linears:
-            return dense_method(dtype, device, precision)
+            return dense_method(dtype, device, precision, pack_float32=not head)
         # What this rank's shard is stored as: blocks cut inside a block come out dense.
         infos = [source.info(f"{part}.weight").sharded(columns=columns) for part in parts]
-        return choose_linear_method(infos, dtype, device, precision)
+        return choose_linear_method(infos, dtype, device, precision, pack_float32=not head)
 
     # Built on the meta device and given its dtype there, so the one allocation is `to_empty`'s:
     # no random init, no float32 copy first.

@@ -23,14 +23,16 @@ are set by their few outlier channels. A narrower GEMM changes the numbers a pro
 so it is part of the KV fingerprint that shared KV tiers check.
 
 Each layer gets its own `ManyRowGemm`, which keeps what it derives from the layer's float32
-weight (its bf16 copy, its packed panels), made at the first many-row matmul after the weight was
-loaded (`reset` drops it when rows are loaded again): the engine's warm-up prompts make them, before
-it lists the tensors to keep resident (worker/host_residency.py).
+weight (its bf16 copy, its packed panels), made at the first many-row matmul and again whenever the
+weight changed since (another tensor, an in-place write, `reset`): the engine's warm-up prompts
+make them, before it lists the tensors to keep resident (worker/host_residency.py). The LM head
+stays F.linear (models/factory.py).
 """
 
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,50 +42,69 @@ from servelm.kernels import mkl_gemm
 
 
 class ManyRowGemm(abc.ABC):
-    """x @ W^T over many rows from a layer's float32 weight, in this object's precision."""
+    """x @ W^T over many rows from a layer's float32 weight, in this object's precision, through
+    what it derives from the weight once (a bf16 copy, packed panels). The derived form follows the
+    weight: it is made again when the weight is another tensor or was written in place since (its
+    version counter moved), or after `reset`; a deep copy of the model therefore derives its own."""
 
-    @abc.abstractmethod
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...  # [M, K], [N, K] -> [M, N] f32
+    def __init__(self) -> None:
+        self._derived: object = None
+        # (data_ptr, version, shape) of the weight it came from (the shape: empty tensors share address 0)
+        self._derived_from: tuple[int, int, torch.Size] | None = None
 
-    @abc.abstractmethod
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N] f32
+        # An inference tensor (made under inference_mode) keeps no version: its address and shape only.
+        version = -1 if weight.is_inference() else weight._version
+        source = (weight.data_ptr(), version, weight.shape)
+        derived = self._derived
+        if derived is None or source != self._derived_from:
+            derived = self._derived = self.derive(weight.detach())
+            self._derived_from = source
+        return self.multiply(x, derived)
+
     def reset(self) -> None:
         """Forget what was derived from the weight (its rows are being written again)."""
+        self._derived = self._derived_from = None
+
+    @abc.abstractmethod
+    def derive(self, weight: torch.Tensor) -> object: ...
+
+    @abc.abstractmethod
+    def multiply(self, x: torch.Tensor, derived: Any) -> torch.Tensor: ...
 
 
 class Bfloat16Gemm(ManyRowGemm):
-    def __init__(self) -> None:
-        self._weight: torch.Tensor | None = None  # [N, K] bfloat16
+    def derive(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to(torch.bfloat16)  # [N, K]
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._weight is None:
-            self._weight = weight.detach().to(torch.bfloat16)
-        return F.linear(x.to(torch.bfloat16), self._weight).float()
-
-    def reset(self) -> None:
-        self._weight = None
+    def multiply(self, x: torch.Tensor, derived: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), derived).float()
 
 
 class PackedFloat32Gemm(ManyRowGemm):
-    """float32 through MKL's packed panels of the weight (kernels/mkl_gemm.py)."""
+    """float32 through MKL's packed panels of the weight (kernels/mkl_gemm.py); an empty weight
+    (no rows or no columns: MKL refuses those) through F.linear."""
 
     def __init__(self, kernel: mkl_gemm.MklPackedGemm) -> None:
+        super().__init__()
         self._kernel = kernel
-        self._packed: mkl_gemm.PackedWeight | None = None
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._packed is None:
-            self._packed = self._kernel.pack(weight)
-        return self._kernel.matmul(x.contiguous(), self._packed)
+    def derive(self, weight: torch.Tensor) -> mkl_gemm.PackedWeight | torch.Tensor:
+        return weight if weight.numel() == 0 else self._kernel.pack(weight)
 
-    def reset(self) -> None:
-        self._packed = None
+    def multiply(self, x: torch.Tensor, derived: mkl_gemm.PackedWeight | torch.Tensor) -> torch.Tensor:
+        if isinstance(derived, torch.Tensor):
+            return F.linear(x, derived)
+        return self._kernel.matmul(x.contiguous(), derived)
 
 
-def many_row_gemm(precision: str, dtype: torch.dtype, device: torch.device) -> ManyRowGemm | None:
+def many_row_gemm(precision: str, dtype: torch.dtype, device: torch.device,
+                  pack_float32: bool = True) -> ManyRowGemm | None:  # fmt: skip
     """A fresh per-layer GEMM for `precision` in a model of `dtype` on `device`; None: F.linear
-    itself (float32 without MKL, or any model not CPU float32)."""
+    itself (float32 without MKL or with `pack_float32` off, or any model not CPU float32)."""
     if precision == "float32":
-        kernel = mkl_gemm.load() if device.type == "cpu" and dtype == torch.float32 else None
+        usable = pack_float32 and device.type == "cpu" and dtype == torch.float32
+        kernel = mkl_gemm.load() if usable else None
         return None if kernel is None else PackedFloat32Gemm(kernel)
     if precision == "bfloat16":
         return Bfloat16Gemm()

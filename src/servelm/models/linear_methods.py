@@ -157,22 +157,24 @@ def all_dense(parts: Sequence[str], columns: range | None = None) -> LinearMetho
 
 
 def choose_linear_method(parts: Sequence[TensorInfo], dtype: torch.dtype, device: torch.device,
-                         gemm_precision: str = "float32") -> LinearMethod:  # fmt: skip
+                         gemm_precision: str = "float32", pack_float32: bool = True) -> LinearMethod:  # fmt: skip
     """GGUF blocks when every part of the layer is stored as blocks of one type and the model runs on
     CPU in float32 with the kernel built; dense otherwise (another device or dtype, parts stored
     differently, or a part that is F32 / F16 / a K-quant: no block form the kernel reads).
     `gemm_precision`: what its many-row matmuls compute in (gemm_precision.check_gemm_precision
-    has said it suits the dtype and device)."""
+    has said it suits the dtype and device); `pack_float32`: float32 ones through MKL's packed
+    panels where it is here (gemm_precision.many_row_gemm)."""
     storages = {part.storage for part in parts}
     block_type = next(iter(storages)).block_type if len(storages) == 1 else None
     if block_type is None or device.type != "cpu" or dtype != torch.float32 or small_batch_kernel() is None:
-        return dense_method(dtype, device, gemm_precision)
-    return BlockLinearMethod(block_type, many_row_gemm(gemm_precision, dtype, device))
+        return dense_method(dtype, device, gemm_precision, pack_float32)
+    return BlockLinearMethod(block_type, many_row_gemm(gemm_precision, dtype, device, pack_float32))
 
 
-def dense_method(dtype: torch.dtype, device: torch.device, gemm_precision: str = "float32") -> LinearMethod:
+def dense_method(dtype: torch.dtype, device: torch.device, gemm_precision: str = "float32",
+                 pack_float32: bool = True) -> LinearMethod:  # fmt: skip
     """The dense method whose many-row matmuls compute in `gemm_precision` for a model of `dtype` on
     `device`: one per layer where that derives something from the layer's weight (it keeps it),
     else the shared DENSE (F.linear)."""
-    gemm = many_row_gemm(gemm_precision, dtype, device)
+    gemm = many_row_gemm(gemm_precision, dtype, device, pack_float32)
     return DENSE if gemm is None else DenseLinearMethod(gemm)
