@@ -581,7 +581,7 @@ def test_max_step_ms_shrinks_prefill_chunks_while_a_request_decodes() -> None:
     assert so.num_scheduled_tokens == {"a": 1, "b": 17}  # 18 tokens: one decode + 17 of prefill
 
 
-def test_max_step_ms_always_leaves_every_decode_and_a_block_of_prefill_per_slot() -> None:
+def test_max_step_ms_always_leaves_every_decode_and_a_block_of_prefill_per_prompt() -> None:
     s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=256, max_model_len=512, max_step_ms=1.0)
     _teach_cost(s, fixed_s=0.005, per_token_s=0.001)  # even the fixed part is over 1 ms
     for name in ("a", "b", "c"):
@@ -589,9 +589,15 @@ def test_max_step_ms_always_leaves_every_decode_and_a_block_of_prefill_per_slot(
     step(s)
     s.add_request(request("d", 100))
     so, _ = step(s)
-    # Three decodes plus a block (4 tokens) per partial-prefill slot (4) of d's prompt: prompts
-    # still progress, a second one next to d as well.
-    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 16}
+    # Three decodes plus a block (4 tokens) of d's prompt, the only one: a block per slot (16)
+    # would hold every step over the target for nobody else's sake.
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 4}
+    for name in ("e", "f"):
+        s.add_request(request(name, 8))
+    so, _ = step(s)
+    # Three prompts: a block each (up to max_num_partial_prefills, 4) of budget, 12 tokens; d
+    # capped at a block, short e whole (two blocks), f next step.
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 4, "e": 8}
 
 
 @pytest.mark.parametrize("long_len", [4000, 600])
