@@ -46,6 +46,25 @@ def test_longchat_turns_resend_a_growing_history_as_messages(tokens: TokenSource
     assert max(r.num_prompt_tokens for r in requests) >= 4000, "histories of several thousand tokens"
 
 
+def open_sessions_at_most(requests: list[WorkloadRequest]) -> int:
+    """The most conversations open at once: from a session's first request to its last."""
+    last = {r.session_id: r.index for r in requests}
+    first = {r.session_id: r.index for r in reversed(requests)}
+    return max(sum(1 for s in first if first[s] <= r.index <= last[s]) for r in requests)
+
+
+@pytest.mark.parametrize("profile", ["longchat", "voice"])
+def test_sessions_sets_how_many_conversations_are_open_at_once(tokens: TokenSource, profile: str):
+    few = build_workload(profile, 320, tokens, LIMITS, seed=0)
+    many = build_workload(profile, 320, tokens, LIMITS, seed=0, sessions=32)
+    assert open_sessions_at_most(few) <= 4 < open_sessions_at_most(many) <= 32
+    if profile == "longchat":  # tens of turns each: more conversations make each shorter in the same run
+        assert open_sessions_at_most(many) >= 24
+        assert max(len(r.prompt_ids) for r in many) < max(len(r.prompt_ids) for r in few)
+    with pytest.raises(ValueError, match="sessions"):
+        build_workload(profile, 4, tokens, LIMITS, seed=0, sessions=0)
+
+
 def test_long_documents_override_the_analytics_lengths(tokens: TokenSource):
     normal = build_workload("analytics", 20, tokens, LIMITS, seed=0)
     long = build_workload("analytics", 20, tokens, LIMITS, seed=0, document_tokens=(3000, 7000))

@@ -72,6 +72,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                       help="analytics documents' prompt lengths (default 500-2000)")  # fmt: skip
     work.add_argument("--voice-output-tokens", default=None, metavar="LOW-HIGH",
                       help="voice turns' output lengths (default 20-80)")  # fmt: skip
+    work.add_argument("--sessions", type=int, default=None, metavar="N",
+                      help="conversations open at once in the voice and longchat profiles (default 4)")  # fmt: skip
     work.add_argument("--slow-readers", type=float, default=0.0, metavar="FRACTION",
                       help="that fraction of clients reads its stream slowly (small window, see --read-delay-ms)")  # fmt: skip
     work.add_argument("--read-delay-ms", type=float, default=200.0, help="slow readers: busy this long after each read")
@@ -129,6 +131,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, launch_server=None)
     scenario.add_argument("--quick", action="store_true", help="CI size: short windows, prompts for the tiny model")
     scenario.add_argument("--rate", type=float, default=None, help="requests/s in both windows (default: the scenario's)")
     scenario.add_argument("--seconds", type=float, default=None, help="each window's length (default: the scenario's)")
+    scenario.add_argument("--sessions", type=int, default=None,
+                          help="conversations open at once (voice, longchat; default 4): more offer a high rate")  # fmt: skip
     scenario.add_argument("--seed", type=int, default=0)
     scenario.add_argument("--no-progress", action="store_false", dest="progress")
     scenario.set_defaults(handler=_scenario, launch_server=launch_server)
@@ -171,7 +175,8 @@ def _config(args: argparse.Namespace):
         ignore_eos=args.ignore_eos, priority=args.priority, timeline=args.timeline,
         request_timeout_s=args.request_timeout_s, chat_dataset=args.chat_dataset, progress=args.progress,
         plots=args.plots, document_tokens=_range(args.document_tokens, "--document-tokens"),
-        voice_output_tokens=_range(args.voice_output_tokens, "--voice-output-tokens"), slow_readers=args.slow_readers,
+        voice_output_tokens=_range(args.voice_output_tokens, "--voice-output-tokens"), sessions=args.sessions,
+        slow_readers=args.slow_readers,
         read_delay_ms=args.read_delay_ms, read_bytes=args.read_bytes, slow_reader_logprobs=args.slow_reader_logprobs,
     )  # fmt: skip
 
@@ -288,7 +293,7 @@ def _scenario(args: argparse.Namespace) -> int:
         out = args.out / name if args.name == "all" else args.out
         options = ScenarioOptions(out_dir=out, quick=args.quick, base_url=args.base_url, model=args.model,
                                   tokenizer=args.tokenizer, api_key=args.api_key, seed=args.seed, rate=args.rate,
-                                  seconds=args.seconds, progress=args.progress)  # fmt: skip
+                                  seconds=args.seconds, sessions=args.sessions, progress=args.progress)  # fmt: skip
         result = run_scenario(SCENARIOS[name], options, args.launch_server)
         results.append(result)
         verdict = "ok" if result.ok else "WRONG" if result.top_cause else f"no diagnosis ({result.error})"

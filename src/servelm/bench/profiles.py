@@ -356,14 +356,20 @@ def build_workload(
     salt: int = 0,
     document_tokens: tuple[int, int] | None = None,
     voice_output_tokens: tuple[int, int] | None = None,
+    sessions: int | None = None,
 ) -> list[WorkloadRequest]:
     """`num_requests` requests of one profile, or of `mixed` with `weights` (arrival times unset).
 
     Another `salt` gives the same lengths, sessions and sharing structure with other tokens: the
     steps of a sweep use it so that one step's prompts are not in the prefix cache of the next.
     `document_tokens` replaces the analytics documents' length range (a tenant sending long ones);
-    `voice_output_tokens` the voice turns' output range (long spoken answers).
+    `voice_output_tokens` the voice turns' output range (long spoken answers); `sessions` how many
+    conversations the session profiles (voice, longchat) keep open at once (default 4): each turn
+    waits for its conversation's previous one, so few sessions cap the rate a run can offer, and
+    many make each conversation shorter within the run.
     """
+    if sessions is not None and sessions < 1:
+        raise ValueError(f"sessions must be >= 1, got {sessions}")
     if profile == "mixed":
         weights = {k: v for k, v in (weights or {}).items() if v > 0}
         if not weights:
@@ -381,6 +387,8 @@ def build_workload(
             generator.document_tokens = parse_range(document_tokens, "document_tokens")
         if name == "voice" and isinstance(generator, VoiceProfile) and voice_output_tokens is not None:
             generator.output = parse_range(voice_output_tokens, "voice_output_tokens")
+        if isinstance(generator, VoiceProfile) and sessions is not None:
+            generator.max_active = sessions
         generators[name] = generator
     mix = random.Random(f"{seed}:mix")
     names, values = list(weights), list(weights.values())

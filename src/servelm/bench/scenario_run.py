@@ -48,6 +48,7 @@ class ScenarioOptions:
     seed: int = 0
     rate: float | None = None  # overrides the size's rate
     seconds: float | None = None  # ... and window length
+    sessions: int | None = None  # conversations open at once (session profiles; None: the profile's)
     progress: bool = True
 
 
@@ -76,7 +77,7 @@ def bench_config(load: WindowLoad, size: ScenarioSize, base_url: str, out_dir: P
         max_output_tokens=size.max_output_tokens, api_key=options.api_key, tokenizer=options.tokenizer,
         endpoint=load.endpoint, document_tokens=load.document_tokens, slow_readers=load.slow_readers,
         read_delay_ms=load.read_delay_ms, read_bytes=load.read_bytes, slow_reader_logprobs=load.slow_reader_logprobs,
-        progress=options.progress, plots=False,
+        sessions=options.sessions, progress=options.progress, plots=False,
     )  # fmt: skip
 
 
@@ -143,7 +144,8 @@ def _describe(scenario: Scenario, size: ScenarioSize, options: ScenarioOptions) 
         "scenario": scenario.name,
         "expected_cause": scenario.expected_cause,
         "description": scenario.description,
-        "size": {**size.__dict__, "num_requests": size.num_requests, "quick": options.quick},
+        "size": {**size.__dict__, "num_requests": size.num_requests, "quick": options.quick,
+                 "sessions": options.sessions},
         "server": options.base_url or {"model": options.model or "default", "args": list(scenario.args(options.quick))},
         "baseline": scenario.baseline.__dict__,
         "today": scenario.today.__dict__,
