@@ -17,7 +17,6 @@ from typing import Any
 
 from servelm.bench.arrivals import ArrivalConfig, arrival_times, assign_arrivals
 from servelm.bench.client import ClientConfig
-from servelm.bench.plots import plot_run
 from servelm.bench.profiles import build_workload, load_sharegpt_lengths
 from servelm.bench.report import run_markdown, run_report, write_json
 from servelm.bench.runner import RunLimits, RunResult, run_workload
@@ -73,6 +72,7 @@ class BenchConfig:
     plots: bool = True
     document_tokens: tuple[int, int] | None = None  # analytics documents' length range (default 500-2000)
     voice_output_tokens: tuple[int, int] | None = None  # voice turns' output length range (default 20-80)
+    sessions: int | None = None  # conversations open at once in the voice and longchat profiles (default 4)
     slow_readers: float = 0.0  # fraction of requests whose client reads the stream slowly
     read_delay_ms: float = 200.0  # ... busy this long after each read of at most read_bytes
     read_bytes: int = 1024
@@ -157,7 +157,7 @@ def build_requests(target: Target, config: BenchConfig, load: Load, salt: int = 
         return replay.workload(entries)
     requests = build_workload(config.profile, config.num_requests, target.tokens, target.limits, config.seed,
                               config.weights, target.chat_lengths, salt, config.document_tokens,
-                              config.voice_output_tokens)  # fmt: skip
+                              config.voice_output_tokens, config.sessions)  # fmt: skip
     mark_slow_readers(requests, config.slow_readers, config.seed)
     if load.kind == "concurrency":
         return assign_arrivals(requests, None)
@@ -200,6 +200,12 @@ def run_once(target: Target, config: BenchConfig, load: Load, out_dir: Path, sal
     )  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(report, out_dir / "run.json")
-    plots = plot_run(result.records, report["summary"], out_dir) if config.plots else []
+    plots: list[Path] = []
+    if config.plots:
+        # Imported here: runs without plots (the scenarios) need no matplotlib, which the GPU
+        # device image lacks (benchmarks/gpu_scenario.sh).
+        from servelm.bench.plots import plot_run
+
+        plots = plot_run(result.records, report["summary"], out_dir)
     (out_dir / "summary.md").write_text(run_markdown(report, plots))
     return report
