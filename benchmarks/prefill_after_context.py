@@ -17,12 +17,11 @@ against another checkout's src/ (baseline_checkout.py).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
-from baseline_checkout import measure_baseline
+from baseline_checkout import add_baseline_arguments, with_baseline
 
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
@@ -73,17 +72,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", default=CASES, help="CACHED+NEW tokens, comma-separated (default: %(default)s)")
-    parser.add_argument("--baseline-src", default=None, help="another checkout's src/, measured the same way after")
-    parser.add_argument("--json", action="store_true", help="print the seconds per case as JSON (the subprocess form)")
+    add_baseline_arguments(parser)
     args = parser.parse_args()
-    ours = measure(parse_cases(args.cases), args.repeats)
-    if args.json:
-        print(json.dumps(ours))
+    rows = with_baseline(__file__, args, measure(parse_cases(args.cases), args.repeats))
+    if rows is None:
         return
-    baseline = None
-    if args.baseline_src:
-        same_args = ["--repeats", str(args.repeats), "--cases", args.cases]
-        baseline = measure_baseline(__file__, same_args, args.baseline_src)
+    ours, baseline = rows["this checkout"], rows.get("baseline")
     print("| cached + new tokens | this checkout (s) | baseline (s) | ratio |")
     print("|---|---:|---:|---:|")
     for case, seconds in ours.items():

@@ -16,13 +16,11 @@ another checkout's src/ after (baseline_checkout.py).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 
 import torch
-from baseline_checkout import measure_baseline
+from baseline_checkout import add_baseline_arguments, with_baseline
 
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
@@ -84,17 +82,11 @@ def main() -> None:
     parser.add_argument("--cases", default="2528+657,3072+115", help="CACHED+NEW tokens, comma-separated")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--baseline-src", default=None, help="another checkout's src/, measured the same way after")
-    parser.add_argument("--json", action="store_true", help="print the raw seconds as JSON (the subprocess form)")
+    add_baseline_arguments(parser)
     args = parser.parse_args()
-    ours = trials(args)
-    if args.json:
-        print(json.dumps(ours))
+    rows = with_baseline(__file__, args, trials(args))
+    if rows is None:
         return
-    rows = {"this checkout": ours}
-    if args.baseline_src:
-        same_args = [a for a in sys.argv[1:] if a not in ("--baseline-src", args.baseline_src)]
-        rows["baseline"] = measure_baseline(__file__, same_args, args.baseline_src)
     print(
         f"| cached + new | system | stream worst gap p50 (ms) | per trial (ms) | gaps over {TARGET_S * 1000:.0f} ms | turn TTFT p50 (ms) |"
     )
