@@ -500,62 +500,26 @@ class Scheduler:
         )
 
     def _prefill_chunk(self, request: Request, num_computed: int, plan: StepPlan) -> int:
-        """`request`'s chunk before the top-up (StepPlan.prefill_chunk), held to the step-time
-        target at its own depth (_within_step_target), or its whole rest where the token budget
-        would leave a short prompt unfinished but the step, that prompt whole in it, still ends
-        within the target: the budget priced every token at the deepest prompt's depth. An
-        83-token voice prompt arriving while a 2,764-token one prefilled next to a decoding
-        stream (default model, 2 CPU cores) got 77 tokens of a 103-token budget priced at depth
-        ~2,000 and its first token a step later, 383 ms after it arrived."""
+        """`request`'s chunk before the top-up (StepPlan.prefill_chunk), or its whole rest where
+        the token budget would leave a short prompt unfinished but the step, that prompt whole
+        in it, still ends within the step-time target: the budget priced every token at the
+        deepest prompt's depth. An 83-token voice prompt arriving while a 2,764-token one
+        prefilled next to a decoding stream (default model, 2 CPU cores) got 77 tokens of a
+        103-token budget priced at depth ~2,000 and its first token a step later, 383 ms after
+        it arrived."""
         num_uncomputed = request.num_tokens - num_computed
         protected = self._protected(request)
         num_new = plan.prefill_chunk(num_uncomputed, protected, mid_prefill=request.status is RequestStatus.RUNNING)
-        if self._short_rest_fits(num_new, num_uncomputed, num_computed, protected, plan):
-            return num_uncomputed
-        return self._within_step_target(request.request_id, num_new, num_computed, plan)
-
-    def _short_rest_fits(
-        self, num_new: int, num_uncomputed: int, num_computed: int, protected: bool, plan: StepPlan
-    ) -> bool:
-        """Would a short prompt that the budget cuts (`num_new` of its `num_uncomputed`) still
-        end the step within the target whole?"""
         if num_new == num_uncomputed or plan.time_target_s is None or plan.is_long(num_uncomputed):
-            return False
+            return num_new
         if plan.bulk_limit is not None and not protected:
-            return False  # the arrival bound holds it
+            return num_new  # the arrival bound holds it
         num_tokens = plan.num_tokens + num_uncomputed
         if num_tokens > self.config.max_num_batched_tokens:
-            return False
+            return num_new
         pairs = self._chunk_pairs(plan.num_scheduled_tokens) + chunk_pairs(num_uncomputed, num_computed)
         predicted = self.step_cost.predict(num_tokens, pairs)
-        return predicted is not None and predicted <= plan.time_target_s
-
-    def _within_step_target(self, request_id: str, num_new: int, num_computed: int, plan: StepPlan) -> int:
-        """The most of `num_new` prompt tokens after `num_computed` computed ones that keeps the
-        step, with the plan's other chunks, within its step-time target, and never less than a
-        block (the budget's floor: every prompt moves). The budget is priced at the depth of the
-        deepest prompt mid-prefill, set before admission: a prompt admitted after a long prefix
-        hit is deeper. A code turn's 115 tokens after 3,072 cached cost ~300 ms on the default
-        model (2 CPU cores), and a voice stream beside it waited 452 ms for a token against the
-        200 ms default target (the mixed profile at 0.4 req/s)."""
-        target_s = plan.time_target_s
-        floor = self._kv.block_size
-        if target_s is None or num_new <= floor:
-            return num_new
-        others = {rid: n for rid, n in plan.num_scheduled_tokens.items() if rid != request_id}
-        other_tokens, other_pairs = sum(others.values()), self._chunk_pairs(others)
-
-        def fits(num: int) -> bool:
-            predicted = self.step_cost.predict(other_tokens + num, other_pairs + chunk_pairs(num, num_computed))
-            return predicted is None or predicted <= target_s * (1 + 1e-9)  # the budget's own rounding
-
-        if fits(num_new):
-            return num_new
-        low, high = floor, num_new - 1  # the largest that fits, bisected (the cost grows with num)
-        while low < high:
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if fits(middle) else (low, middle - 1)
-        return low
+        return num_uncomputed if predicted is not None and predicted <= plan.time_target_s else num_new
 
     def _schedule_prefill_chunk(self, request: Request, plan: StepPlan, now: float) -> None:
         num_uncomputed = request.num_tokens - request.num_computed_tokens
@@ -591,9 +555,6 @@ class Scheduler:
         room = self._kv.max_new_tokens(request.request_id, num_computed_tokens=request.num_computed_tokens)
         num_total = min(request.num_tokens - request.num_computed_tokens,
                         num_scheduled + plan.room(self._protected(request)), room)  # fmt: skip
-        if num_total > num_scheduled:  # what the budget left may still be too deep for the target
-            num_total = max(num_scheduled, self._within_step_target(request.request_id, num_total,
-                                                                    request.num_computed_tokens, plan))  # fmt: skip
         if num_total <= num_scheduled:
             return None
         more = self._kv.allocate_slots(request.request_id, num_total, num_computed_tokens=request.num_computed_tokens)
