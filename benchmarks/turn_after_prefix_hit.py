@@ -21,6 +21,7 @@ import time
 
 import torch
 from baseline_checkout import add_baseline_arguments, with_baseline
+from prefill_after_context import parse_cases
 
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
@@ -42,8 +43,8 @@ def trials(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
         core.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params))
 
     results: dict[str, dict[str, list[float]]] = {}
-    for case in args.cases.split(","):
-        context_len, new_len = (int(part) for part in case.split("+"))
+    for context_len, new_len in parse_cases(args.cases):
+        case = f"{context_len}+{new_len}"
         worst, over, ttft = [], [], []
         for trial in range(args.trials):
             context = tokens(context_len)
@@ -91,7 +92,8 @@ def main() -> None:
         f"| cached + new | system | stream worst gap p50 (ms) | per trial (ms) | gaps over {TARGET_S * 1000:.0f} ms | turn TTFT p50 (ms) |"
     )
     print("|---|---|---:|---|---:|---:|")
-    for case in args.cases.split(","):
+    for context_len, new_len in parse_cases(args.cases):
+        case = f"{context_len}+{new_len}"
         for name, results in rows.items():
             r = results[case]
             print(f"| {case} | {name} | {statistics.median(r['worst_gap_s']) * 1000:.0f} | "
