@@ -7,10 +7,7 @@
 # Installs the carried wheels beside the image's packages, then runs every GPU check within the
 # device tool's per-call limit (use timeout_s 600); the reports, the JSON and the logs land in $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-OUT="${OUT:-/tmp/gpu_out}"
-mkdir -p "$OUT"
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/nvidia_smi.csv"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # Sampling and memory first (1-2 min: seeded CPU = CUDA, syncs inside the sampler, bf16 loading,

@@ -15,12 +15,9 @@ scenario="${1:-long-histories}"
 rates="${2:-32 96}"
 seconds="${3:-20}"
 sessions="${4:-32}"
-export GPU_SITE="${GPU_SITE:-/tmp/site}"
+source benchmarks/gpu_env.sh
 bash benchmarks/gpu_stage.sh || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$GPU_SITE" .whl/*.whl || exit 1
-export PYTHONPATH="$PWD/src:$GPU_SITE" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-OUT="${OUT:-/tmp/gpu_out}"
-mkdir -p "$OUT" /tmp/gpu_scen
+mkdir -p /tmp/gpu_scen
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/nvidia_smi.csv"
 nproc
 status=0
