@@ -77,3 +77,9 @@ def test_gemm_precision_flag_reaches_the_model_config() -> None:
     assert engine_config_from_args(args).model.gemm_precision == "bfloat16"
     with pytest.raises(SystemExit):  # argparse refuses what the engine does not offer
         build_parser().parse_args(["serve", "--gemm-precision", "int8"])
+
+
+def test_the_kv_load_policy_flag_reaches_the_tier_config() -> None:
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).kv_tiers.kv_load_policy == "cost"
+    args = build_parser().parse_args(["serve", "--kv-offloading-size", "1", "--kv-load-policy", "always"])
+    assert engine_config_from_args(args).kv_tiers.kv_load_policy == "always"

@@ -74,6 +74,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument("--kv-disk-size", type=float, default=None, help="GiB of KV on disk at most (default 16)")
     group.add_argument(
+        "--kv-load-policy", default=None, choices=["cost", "always"],
+        help="KV found in host memory or on disk: cost (load a block while its tier's measured bandwidth beats "
+        "computing it; default) or always (load every block found)",
+    )  # fmt: skip
+    group.add_argument(
         "--kv-role", default=None, choices=["prefill", "decode", "both"],
         help="prefill/decode disaggregation: prefill (compute prompts, serve their KV), decode (pull it, then "
         "decode) or both; the router sends requests' kv_transfer_params (default: no disaggregation)",
@@ -194,6 +199,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "kv_offloading_size",
             "kv_disk_path",
             "kv_disk_size",
+            "kv_load_policy",
             "kv_role",
             "kv_transfer_host",
             "kv_transfer_port",

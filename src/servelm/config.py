@@ -59,6 +59,9 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 GEMM_PRECISIONS = ("float32", "bfloat16")  # models/gemm_precision.py holds what each means
 
 
+KV_LOAD_POLICIES = ("cost", "always")
+
+
 @dataclass(frozen=True)
 class KVTierConfig:
     """KV beyond the pool (servelm.kv.tiers): a host-memory tier (L2) and a disk tier (L3).
@@ -75,8 +78,17 @@ class KVTierConfig:
     # (SGLang HiCache's prefetch rule); later, the request computes what has not arrived.
     load_timeout_base_s: float = 0.5
     load_timeout_per_1k_tokens_s: float = 0.25
+    # Which found blocks are loaded: "cost" loads a block while reading it from its tier is expected
+    # to beat computing it (measured bandwidth vs the step-cost model); "always" loads every block a
+    # tier holds (a small model on a fast machine computes a block faster than a disk read, and
+    # "cost" then recomputes; "always" is for when a load must happen whatever it costs).
+    kv_load_policy: str = "cost"
 
     def __post_init__(self) -> None:
+        _require(
+            self.kv_load_policy in KV_LOAD_POLICIES,
+            f"kv_load_policy must be one of {', '.join(KV_LOAD_POLICIES)}, got {self.kv_load_policy!r}",
+        )
         _require(self.host_bytes >= 0, f"host_bytes must be >= 0, got {self.host_bytes}")
         _require(self.disk_bytes > 0, f"disk_bytes must be positive, got {self.disk_bytes}")
         _require(self.disk_path is None or bool(self.disk_path.strip()), "disk_path must not be empty")

@@ -21,7 +21,6 @@ from servelm.datatypes import EngineRequest, EventType, KVMedium
 from servelm.engine.builder import build_engine
 from servelm.engine.core import EngineCore
 from servelm.kv.block_hash import hash_block_tokens
-from servelm.kv.tiers import KVTiers
 from servelm.sampling_params import SamplingParams
 from servelm.testing.engine_run import EngineRun, run_requests
 from servelm.testing.reference_decode import greedy_decode
@@ -31,20 +30,15 @@ POOL_BLOCKS = 24  # 384 tokens: three 150-token prompts do not fit together
 PROMPT_TOKENS = 150  # 9 full blocks; the 10th is partial and always computed
 
 
-@pytest.fixture(autouse=True)
-def load_every_block_found(monkeypatch):
-    """These tests are about the data path (what is saved, found, loaded, and the tokens after), so
-    every block a lookup finds is loaded. Whether to load or compute is the cost model's call from
-    measured step times and bandwidths; on this tiny model the two cost about the same, so a loaded
-    machine flipped it (a run found its prefix on the host tier and computed it). That decision has
-    its own tests (tests/kv/test_tier_load_decision.py)."""
-    monkeypatch.setattr(KVTiers, "worth_loading", lambda self, media, prefill_seconds_per_token: len(media))
-
-
 def make_core(tiny_dir: Path, **tiers: object) -> EngineCore:
+    """These tests are about the data path (what is saved, found, loaded, and the tokens after), so
+    every block a lookup finds is loaded ("always"). Under "cost" whether to load or compute is the
+    step-cost model's call from measured step times and bandwidths; on this tiny model the two cost
+    about the same, so a loaded machine flipped it (a run found its prefix on the host tier and
+    computed it). That decision has its own tests (tests/kv/test_tier_load_decision.py)."""
     config = EngineConfig.from_flat(
         model=str(tiny_dir), num_blocks=POOL_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=4,
-        max_num_batched_tokens=128, **tiers,
+        max_num_batched_tokens=128, kv_load_policy="always", **tiers,
     )  # fmt: skip
     return build_engine(config).core
 

@@ -32,7 +32,10 @@ def tier_fleet(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("tier-fleet")
     model = write_tiny_checkpoint(root / "model", seed=0)
     base = free_port_range(1 + 2 * 3)
-    replica_args = ("--num-blocks", str(POOL_BLOCKS), "--max-num-seqs", "4", "--kv-offloading-size", "0.01")
+    # "always": on this tiny model a host load and a recompute cost about the same (2-3 us a
+    # block), and the test is about where the router sends the prompt, not the cost call.
+    replica_args = ("--num-blocks", str(POOL_BLOCKS), "--max-num-seqs", "4", "--kv-offloading-size", "0.01",
+                    "--kv-load-policy", "always")  # fmt: skip
     config = ClusterConfig(
         model=str(model),
         block_size=BLOCK_SIZE,

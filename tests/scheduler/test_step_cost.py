@@ -94,6 +94,21 @@ def test_recovers_the_attention_cost_of_chunks_deep_in_a_prompt() -> None:
     assert model.tokens_within(0.110, context=3000) == 28  # ~0.0035 s a token at that depth
 
 
+def test_prices_prompt_blocks_by_their_tokens_and_their_pairs_at_depth_without_the_fixed_part() -> None:
+    model = StepCostModel()
+    assert model.prompt_blocks_s(16, 0, 3) is None  # no fit yet
+    rng = random.Random(2)
+    for _ in range(40):
+        tokens, context = rng.randint(1, 512), rng.choice((0, 0, 500, 1500, 3000))
+        model.observe(tokens, _chunked_cost(tokens, context), chunk_pairs(tokens, context))
+    blocks = model.prompt_blocks_s(16, 2048, 3)
+    assert blocks is not None and len(blocks) == 3
+    for i, seconds in enumerate(blocks):
+        depth = 2048 + 16 * i
+        assert seconds == pytest.approx(_chunked_cost(16, depth) - 0.010, rel=1e-6)
+    assert blocks[0] < blocks[1] < blocks[2]  # deeper blocks attend to more of the prompt
+
+
 def test_a_window_without_chunks_keeps_the_pair_cost_and_nets_it_out() -> None:
     model = StepCostModel(window=16)
     for tokens, context in [(t, c) for t in (16, 64, 128, 256) for c in (0, 2000)]:

@@ -142,15 +142,15 @@ class KVTiers:
             media.append(medium)
         return media
 
-    def worth_loading(self, media: Sequence[KVMedium], prefill_seconds_per_token: float | None) -> int:
-        """How many of the looked-up blocks to load rather than compute: all of them while loading a
-        block is expected to be faster than computing it (bytes over the tier's measured bandwidth vs
-        the step-cost model's prefill time per token; no prefill estimate yet: load), else the
-        leading blocks up to the first slower tier."""
-        if prefill_seconds_per_token is None:
+    def worth_loading(self, media: Sequence[KVMedium], compute_seconds: Sequence[float] | None) -> int:
+        """How many of the looked-up blocks to load rather than compute. `compute_seconds[i]` is
+        what computing block i is expected to cost (the step-cost model's price of its tokens and
+        attention pairs at its depth); None: no estimate yet. Under the "cost" policy: all of them
+        while each block's bytes over its tier's measured bandwidth beat computing it (no estimate:
+        all), else the leading blocks up to the first slower one. Under "always": all of them."""
+        if compute_seconds is None or self.config.kv_load_policy == "always":
             return len(media)
-        compute_s = prefill_seconds_per_token * self.block_size
-        for count, medium in enumerate(media):
+        for count, (medium, compute_s) in enumerate(zip(media, compute_seconds, strict=True)):
             if self.block_bytes / self._bandwidth[medium] > compute_s:
                 return count
         return len(media)

@@ -122,6 +122,19 @@ class StepCostModel:
         fixed, per_token = fitted
         return fixed + per_token * num_tokens + self._per_pair * num_pairs
 
+    def prompt_blocks_s(self, block_size: int, first_depth: int, num_blocks: int) -> list[float] | None:
+        """What computing each of `num_blocks` prompt blocks adds to a step, the first starting
+        after `first_depth` tokens of its prompt: its tokens and its attention pairs at its depth
+        (no fixed part: the step runs anyway). None while the model has no fit."""
+        fitted = self.current()
+        if fitted is None:
+            return None
+        per_token = fitted[1]
+        return [
+            per_token * block_size + self._per_pair * chunk_pairs(block_size, first_depth + i * block_size)
+            for i in range(num_blocks)
+        ]
+
     def tokens_within(
         self, seconds: float, max_fixed_share: float | None = None, context: int | None = None
     ) -> int | None:

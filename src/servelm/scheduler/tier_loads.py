@@ -77,7 +77,8 @@ class TierLoads:
     def try_start(self, request: Request, hit: ComputedBlocks, step_cost: StepCostModel, now: float) -> Admission:
         """At admission, after the pool lookup `hit`: a consumer's first admission pulls (or
         defers); otherwise start loading the blocks that follow the hit from the tiers when that
-        beats computing them (`step_cost`'s prefill time per token) and the pool has room."""
+        beats computing them (`step_cost`'s price of each block's tokens and attention pairs) and the pool
+        has room."""
         if _role(request) is KVTransferRole.CONSUMER and not request.pull_tried:
             return self._try_pull(request, hit, now)
         return Admission.LOADING if self._try_load(request, hit, step_cost, now) else Admission.COMPUTE
@@ -91,8 +92,10 @@ class TierLoads:
         media = self.tiers.lookup(hit.block_hashes, num_hit_blocks, max_blocks)
         if not media:
             return False
-        fit = step_cost.current()  # a regression over the recent steps: only when a tier holds something
-        media = media[: self.tiers.worth_loading(media, fit[1] if fit is not None else None)]
+        block_size = self._kv.block_size
+        # A regression over the recent steps: asked only when a tier holds something.
+        compute_seconds = step_cost.prompt_blocks_s(block_size, num_hit_blocks * block_size, len(media))
+        media = media[: self.tiers.worth_loading(media, compute_seconds)]
         # A pool too full for the whole load still takes its leading blocks: the rest is computed.
         room = self._kv.max_new_tokens(
             request.request_id, num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit
