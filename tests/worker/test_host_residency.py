@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -53,11 +54,44 @@ def test_touches_once_per_interval_and_reads_every_storage_once():
     other = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
     residency = HostResidency([weight, same_storage, other, torch.ones(3)], interval_s=5.0)  # a tiny one: not kept
     assert residency.num_bytes == 3 * PAGE_BYTES + PAGE_BYTES
-    start = residency._last_touch
+    start = residency._last_start
     assert not residency.maybe_touch(start + 4.9)
     assert residency.maybe_touch(start + 5.0)
     assert not residency.maybe_touch(start + 9.9)
     assert residency.maybe_touch(start + 10.0)
+
+
+def test_a_pass_is_read_a_slice_a_call_and_the_next_is_timed_from_its_start():
+    first = torch.zeros(5 * PAGE_BYTES, dtype=torch.uint8)
+    second = torch.zeros(2 * PAGE_BYTES, dtype=torch.uint8)
+    residency = HostResidency([first, second], interval_s=5.0, slice_bytes=3 * PAGE_BYTES)
+    start = residency._last_start
+    assert not residency.in_pass and not residency.maybe_touch(start + 1.0)
+    # 7 pages in slices of 3: pages 0-2 of the first, 3-4 and the second's 0, the second's 1.
+    assert residency.maybe_touch(start + 5.0) and residency._cursor == (0, 3 * PAGE_BYTES)
+    assert residency.maybe_touch(start + 5.1) and residency._cursor == (1, PAGE_BYTES)
+    assert residency.maybe_touch(start + 5.2) and not residency.in_pass  # done
+    assert not residency.maybe_touch(start + 9.9)  # 5 s after the pass started, not after it ended
+    assert residency.maybe_touch(start + 10.0) and residency.in_pass
+    residency.touch()  # finishes the pass in progress at once
+    assert not residency.in_pass
+    with pytest.raises(ValueError, match="slice_bytes"):
+        HostResidency([first], interval_s=1.0, slice_bytes=PAGE_BYTES + 1)
+
+
+def test_the_engine_reads_one_slice_between_steps_and_says_while_pages_are_due(tiny_dir):
+    core = build_engine(EngineConfig.from_flat(str(tiny_dir), num_blocks=64)).core
+    weights, pool = core.residencies
+    for residency in core.residencies:
+        residency.slice_bytes = PAGE_BYTES
+        residency._last_start -= 100.0  # both due
+    calls_while_due = 0
+    while core.keep_warm():
+        calls_while_due += 1
+        assert not (weights.in_pass and pool.in_pass)  # the weights' pass first, then the pool's
+    slices = sum(math.ceil(residency.num_bytes / PAGE_BYTES) for residency in core.residencies)
+    assert calls_while_due + 1 == slices  # a slice a call; the last call found nothing more due
+    assert not core.keep_warm()
 
 
 def test_the_engine_keeps_warm_on_cpu_unless_turned_off(tiny_dir):

@@ -50,11 +50,15 @@ class EngineCore:
         # CPU: the weights and the KV pool, each kept warm at its own interval (worker/host_residency.py)
         self.residencies = list(residencies)
 
-    def keep_warm(self) -> None:
-        """Between steps, idle or not: read every page of what is due (ModelConfig.keep_warm_s:
-        the weights; the KV pool at KV_POOL_WARM_FACTOR times that); a no-op without residencies."""
+    def keep_warm(self) -> bool:
+        """Between steps, idle or not: read the next slice of the pages due (ModelConfig.keep_warm_s:
+        the weights; the KV pool at KV_POOL_WARM_FACTOR times that), one slice a call, the weights
+        first. Returns whether pages are still due (an idle caller should call again soon rather
+        than wait for input); a no-op without residencies."""
         for residency in self.residencies:
-            residency.maybe_touch()
+            if residency.maybe_touch():
+                break
+        return any(residency.has_work() for residency in self.residencies)
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(request)

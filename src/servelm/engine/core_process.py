@@ -103,11 +103,13 @@ def _serve(
     if kv_events is not None:
         kv_events.register(poller)
     parent = os.getppid()
+    warming = False  # a keep-warm pass is mid-way: its next slice comes after a look at the inputs
     while True:
         rejected: list[EngineOutput] = []
-        # With work pending, only drain what is already there; otherwise wait (bounded, to notice
-        # orphaning; shorter while exports wait for their pulls, which only a step hears of).
-        timeout_ms = 0 if core.has_work() else HOUSEKEEPING_POLL_MS if core.has_housekeeping() else 1000
+        # With work pending (or a keep-warm pass to go on with), only drain what is already there;
+        # otherwise wait (bounded, to notice orphaning; shorter while exports wait for their pulls,
+        # which only a step hears of).
+        timeout_ms = 0 if core.has_work() or warming else HOUSEKEEPING_POLL_MS if core.has_housekeeping() else 1000
         while ready := dict(poller.poll(timeout_ms)):
             timeout_ms = 0
             if kv_events is not None:
@@ -139,7 +141,8 @@ def _serve(
             stats.recent_steps = core.take_step_records()
             batch = OutputBatch(outputs=step_outputs, stats=stats, timestamp=time.time())
             outputs.send(from_core_encoder.encode(batch))
-        core.keep_warm()  # after the outputs went out: a pass (5-18 ms) delays the next step, not this one
+        # After the outputs went out: a slice (~2 ms) delays the next step, not this one.
+        warming = core.keep_warm()
 
 
 def _add_request(core: EngineCore, request: EngineRequest) -> EngineOutput | None:

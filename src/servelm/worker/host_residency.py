@@ -14,10 +14,12 @@ Two things keep it from happening:
 - huge pages for the engine process's large allocations (`enable_huge_pages`, PyTorch's
   THP_MEM_ALLOC_ENABLE, read once at the process's first allocation): a 2 MiB page is one entry
   where 4 KiB pages were 512, which the host tracks and restores as a unit;
-- `HostResidency.touch`: every `interval_s`, one read per 4 KiB page of every CPU tensor the
-  model holds (ModelConfig.keep_warm_s, 1 s), and of the KV pool (KV_POOL_WARM_FACTOR times
-  that). One strided read per storage, paid between steps: ~5 ms for the default model's weights,
-  ~18 ms for its 2 GB pool.
+- `HostResidency`: every `interval_s`, one read per 4 KiB page of every CPU tensor the model
+  holds (ModelConfig.keep_warm_s, 1 s), and of the KV pool (KV_POOL_WARM_FACTOR times that),
+  paid between steps: ~5 ms for the default model's weights, ~18 ms for its 2 GB pool. A pass is
+  read in slices of SLICE_BYTES, one per call between steps (the idle engine loop polls its
+  inputs between slices), so a request arriving mid-pass waits for one slice, not the pass (a
+  voice request's queue time of 14 ms with nothing else running was a whole pool pass).
 
 With both, the 63-token prompt after 30 s idle measured within ~10 ms of warm (THP alone: +50 ms).
 On a host that never reclaims, the passes cost the same and change nothing.
@@ -39,6 +41,8 @@ PAGE_BYTES = 4096
 # single stream's 128 decode steps (~1.4 s) the next 128-token prompt's first token took 213 ms
 # against 172 ms right after a prefill, and 169 ms with the weights read every 0.5 s.
 KV_POOL_WARM_FACTOR = 5.0
+# Bytes whose pages one call reads at most: ~2 ms on the 2-vCPU VM (a whole 2 GB pool was ~18 ms).
+SLICE_BYTES = 256 * 2**20
 THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's: allocations of 2 MiB and more get madvise(MADV_HUGEPAGE)
 _MAX_DEPTH = 4  # how far below a module's attributes to look for tensors (linear methods' block tensors)
 
@@ -93,28 +97,60 @@ def model_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
 
 @dataclass
 class HostResidency:
-    """Reads one byte per page of the given CPU tensors every `interval_s` (`maybe_touch`)."""
+    """Reads one byte per page of the given CPU tensors every `interval_s`, in slices of at most
+    `slice_bytes` a call (`maybe_touch`)."""
 
     tensors: InitVar[list[torch.Tensor]]  # only their storages are kept (`_views`)
     interval_s: float
+    slice_bytes: int = SLICE_BYTES
     _views: list[torch.Tensor] = field(init=False)
-    _last_touch: float = field(init=False)
+    _last_start: float = field(init=False)  # when the last pass started (monotonic)
+    _cursor: tuple[int, int] | None = field(init=False, default=None)  # mid-pass: (view, byte offset) next
     num_bytes: int = field(init=False)
 
     def __post_init__(self, tensors: list[torch.Tensor]) -> None:
+        if self.slice_bytes <= 0 or self.slice_bytes % PAGE_BYTES:
+            raise ValueError(f"slice_bytes must be a positive multiple of {PAGE_BYTES}, got {self.slice_bytes}")
         self._views = _byte_views(tensors)
         self.num_bytes = sum(view.numel() for view in self._views)
-        self._last_touch = time.monotonic()
+        self._last_start = time.monotonic()
+
+    @property
+    def in_pass(self) -> bool:
+        """A pass has started and not every page has been read yet."""
+        return self._cursor is not None
 
     def touch(self) -> None:
-        for view in self._views:
-            view[::PAGE_BYTES].sum()  # a read of each page; the sum is only there to make the read
+        """A whole pass now (one started and not finished is finished)."""
+        if self._cursor is None:
+            self._cursor = (0, 0)
+        while self._cursor is not None:
+            self._touch_slice()
+
+    def has_work(self, now: float | None = None) -> bool:
+        """A pass is in progress, or one is due (`interval_s` since the last one started)."""
+        now = time.monotonic() if now is None else now
+        return self._cursor is not None or now - self._last_start >= self.interval_s
 
     def maybe_touch(self, now: float | None = None) -> bool:
-        """Touch when `interval_s` has passed since the last touch; True if it did."""
+        """Read the next slice of the pass in progress, or start one when it is due; True if it
+        read a slice."""
         now = time.monotonic() if now is None else now
-        if now - self._last_touch < self.interval_s:
+        if not self.has_work(now):
             return False
-        self.touch()
-        self._last_touch = now
+        if self._cursor is None:
+            self._cursor, self._last_start = (0, 0), now
+        self._touch_slice()
         return True
+
+    def _touch_slice(self) -> None:
+        assert self._cursor is not None
+        index, offset = self._cursor
+        budget = self.slice_bytes
+        while budget > 0 and index < len(self._views):
+            view = self._views[index]
+            end = min(view.numel(), offset + budget)
+            view[offset:end:PAGE_BYTES].sum()  # a read of each page; the sum is only there to make the read
+            budget -= end - offset
+            index, offset = (index + 1, 0) if end == view.numel() else (index, end)
+        self._cursor = (index, offset) if index < len(self._views) else None
