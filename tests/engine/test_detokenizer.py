@@ -60,3 +60,23 @@ def test_hold_back_is_released_when_no_stop_follows(tokenizer):
     streamed = "".join(detok.add_tokens([t]).new_text for t in ids)
     streamed += detok.add_tokens([], finished=True).new_text
     assert streamed == "a STO b"
+
+
+def test_no_stop_string_ends_the_text_until_more_than_min_tokens_exist(tokenizer):
+    # vLLM's rule: min_tokens holds back stop strings as it holds back EOS and stop token ids.
+    ids = tokenizer.encode(" 8, 9, 10, 11, 12,", add_special_tokens=False)
+    adds_comma = [i for i in range(1, len(ids) + 1)
+                  if tokenizer.decode(ids[:i]).count(",") > tokenizer.decode(ids[: i - 1]).count(",")]  # fmt: skip
+    for min_tokens in (0, adds_comma[0], adds_comma[0] + 1, adds_comma[1]):
+        detok = IncrementalDetokenizer(tokenizer=tokenizer, stop=[","], min_tokens=min_tokens)
+        shown, count = "", 0
+        for t in ids:
+            update = detok.add_tokens([t])
+            shown += update.new_text
+            count += 1
+            if update.stop_string:
+                break
+        assert update.stop_string == ","
+        assert count == next(c for c in adds_comma if c > min_tokens), min_tokens
+        upto = tokenizer.decode(ids[:count])
+        assert shown == upto[: upto.rindex(",")]  # the earlier commas are text like any other

@@ -6,9 +6,11 @@ So each step decodes a short window of recent tokens twice, with and without the
 ones, and emits the difference; a window that ends in U+FFFD (an unfinished UTF-8
 sequence) waits for the next token.
 
-Stop strings are searched in the text as it grows. While streaming, the last
-`len(longest stop) - 1` characters are held back, because they may be the start of
-a stop string that the next token completes; they are released when it does not.
+Stop strings are searched in the text as it grows, once more than `min_tokens` tokens
+exist (vLLM's rule: min_tokens holds back stop strings as the sampler holds back EOS and
+stop token ids). While streaming, the last `len(longest stop) - 1` characters are held
+back, because they may be the start of a stop string that the next token completes;
+they are released when it does not.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class IncrementalDetokenizer:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # no stop string ends the text before more tokens than this exist
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # everything decoded so far (stop strings cut off)
     emitted: int = 0  # characters of `text` already returned
@@ -50,7 +53,7 @@ class IncrementalDetokenizer:
         self.token_ids.extend(new_token_ids)
         before = len(self.text)
         self.text += self._decode_new_text()
-        stop_string = self._find_stop(before)
+        stop_string = self._find_stop(before) if len(self.token_ids) > self.min_tokens else None
         if stop_string is not None:
             self.stopped = True
             finished = True

@@ -54,6 +54,7 @@ class RequestState:
             stop=list(params.stop),
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
+            min_tokens=params.min_tokens,
         )
         return cls(request_id, list(prompt_token_ids), params, detokenizer)
 
