@@ -140,10 +140,18 @@ def test_chat_logprobs(client, model):
     )
     content = result.choices[0].logprobs.content
     assert len(content) == 5
-    assert "".join(entry.token for entry in content) == result.choices[0].message.content
+    assert bytes(b for entry in content for b in entry.bytes).decode() == result.choices[0].message.content
     for entry in content:
-        assert len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        if "\ufffd" not in entry.token:  # a whole-character token: its bytes are its text's
+            assert entry.bytes == list(entry.token.encode())
         assert math.isclose(entry.logprob, entry.top_logprobs[0].logprob, abs_tol=1e-4)
+
+
+def test_the_model_card_and_the_system_fingerprint_field(client, model, server):
+    assert client.models.retrieve(model).id == model
+    raw = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}, timeout=60)
+    assert "system_fingerprint" in raw.json()  # null, as vLLM sends it; OpenAI's clients read it
 
 
 def test_echo_scores_the_prompt_like_lm_eval(client, model, server):

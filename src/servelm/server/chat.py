@@ -41,7 +41,7 @@ async def create_chat_completion(ctx: ServerContext, http_request: Request, body
     ctx.prompt_limits.check_messages([m["content"] for m in messages])  # before the template renders them
     ctx.admission.admit(body.n)
     prompt = await render_chat(ctx, messages, body.add_generation_prompt)
-    check_prompts(ctx, [prompt], params, "messages")
+    check_prompts(ctx, [prompt], params, "messages", completion_param=body.max_tokens_param)
     timeline.stamp(ApiStamp.TOKENIZED)
     priority, slo = tenant_priority(http_request, body.priority, body.kv_retention)
     request = GenerationRequest(
@@ -60,15 +60,18 @@ class _ChatView:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _header(self, obj: str) -> dict[str, Any]:
-        return {"id": self.gen.request_id, "object": obj, "created": self.created, "model": self.ctx.model_name}
+        return {"id": self.gen.request_id, "object": obj, "created": self.created, "model": self.ctx.model_name,
+                "system_fingerprint": None}  # fmt: skip
 
     def _logprobs(self, token_ids: list[int], entries: list) -> dict[str, Any] | None:
         if not self.body.logprobs or not token_ids:
             return None
         ids = ids_to_decode(token_ids, entries)
-        strings = dict(zip(ids, self.ctx.tokenizer.decoder.token_strings(ids)))
+        decoder = self.ctx.tokenizer.decoder
+        strings = dict(zip(ids, decoder.token_strings(ids)))
+        raw_bytes = dict(zip(ids, decoder.token_bytes(ids)))
         return {
-            "content": chat_logprobs_content(token_ids, entries, strings, self.body.top_logprobs or 0),
+            "content": chat_logprobs_content(token_ids, entries, strings, raw_bytes, self.body.top_logprobs or 0),
             "refusal": None,
         }
 

@@ -61,18 +61,23 @@ def extend_completion_logprobs(
 
 
 def chat_logprobs_content(
-    token_ids: Sequence[int], entries: Sequence[PositionLogprobs], strings: dict[int, str], num_top: int
+    token_ids: Sequence[int],
+    entries: Sequence[PositionLogprobs],
+    strings: dict[int, str],
+    raw_bytes: dict[int, bytes],
+    num_top: int,
 ) -> list[dict[str, Any]]:
+    """`raw_bytes`: each id's own bytes (a token holding part of a character shows "\ufffd" as its
+    string; its bytes are what joins back into the text)."""
     content = []
     for token_id, entry in zip(token_ids, entries):
-        text = strings[token_id]
         content.append(
             {
-                "token": text,
+                "token": strings[token_id],
                 "logprob": entry.chosen.logprob,
-                "bytes": list(text.encode("utf-8")),
+                "bytes": list(raw_bytes[token_id]),
                 "top_logprobs": [
-                    {"token": strings[t.token_id], "logprob": t.logprob, "bytes": list(strings[t.token_id].encode("utf-8"))}
+                    {"token": strings[t.token_id], "logprob": t.logprob, "bytes": list(raw_bytes[t.token_id])}
                     for t in entry.top[:num_top]
                 ],
             }

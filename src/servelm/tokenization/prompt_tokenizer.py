@@ -25,6 +25,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from servelm.tokenization.token_bytes import TokenBytes
+
 INLINE_MAX_CHARS = 2048
 _PROBE_TEXT = "Hello, world! Ünïcödé ✓ 12345 \n\t  spaces  <|im_end|> 日本語"
 
@@ -37,6 +39,7 @@ class FastDecoder:
         self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         if self._backend is not None and not self._matches_transformers():
             self._backend = None
+        self._token_bytes: TokenBytes | None = None  # made at the first logprobs request that needs it
 
     def _matches_transformers(self) -> bool:
         # clean_up_tokenization_spaces and friends live in transformers only: compare on a probe.
@@ -57,6 +60,13 @@ class FastDecoder:
         if self._backend is not None:
             return self._backend.decode_batch([[i] for i in token_ids], skip_special_tokens=False)
         return [self.tokenizer.decode([i], skip_special_tokens=False) for i in token_ids]
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """Each token's raw bytes (chat logprobs' `bytes`: a token holding part of a character has
+        its bytes, not U+FFFD's); servelm.tokenization.token_bytes."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer, lambda i: self.token_strings([i])[0])
+        return self._token_bytes.of(token_ids)
 
 
 class FastEncoder:
