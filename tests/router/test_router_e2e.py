@@ -51,7 +51,11 @@ def tenant_prompt(tenant: int, question: int) -> str:
 def test_api_key_guards_v1_and_admin(fleet: LocalCluster) -> None:
     for method, path in (("GET", "/admin/replicas"), ("POST", "/v1/completions"), ("GET", "/v1/models")):
         assert httpx.request(method, router_url(fleet) + path, timeout=10).status_code == 401
-    assert httpx.get(f"{router_url(fleet)}/v1/models", headers=AUTH, timeout=10).status_code == 200
+    listed = httpx.get(f"{router_url(fleet)}/v1/models", headers=AUTH, timeout=10)
+    assert listed.status_code == 200
+    card = listed.json()["data"][0]
+    assert httpx.get(f"{router_url(fleet)}/v1/models/{card['id']}", headers=AUTH, timeout=10).json() == card
+    assert httpx.get(f"{router_url(fleet)}/v1/models/gpt-7", headers=AUTH, timeout=10).status_code == 404
     assert httpx.get(f"{router_url(fleet)}/health", timeout=10).status_code == 200
 
 

@@ -73,7 +73,18 @@ CASES = [
     ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt", None, "empty"),
     ("/v1/completions", {**GOOD, "prompt": [1, 2, 10_000_000]}, 400, "prompt", None, "out of range"),
     ("/v1/completions", {**GOOD, "prompt": "word " * 1500}, 400, "prompt", "context_length_exceeded", "maximum context length is 1024"),
-    ("/v1/completions", {**GOOD, "prompt": "hi", "max_tokens": 5000}, 400, "prompt", "context_length_exceeded", "5001 tokens"),
+    ("/v1/completions", {**GOOD, "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded", "5001 tokens"),
+    ("/v1/completions", {**GOOD, "prompt": "word " * 1500, "max_tokens": 5000}, 400, "prompt", "context_length_exceeded", "context length"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 5000}, 400, "max_completion_tokens", "context_length_exceeded", "context length"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f", "parameters": {}}]}, 400, "functions", None, "not supported"),
+    ("/v1/chat/completions", {**CHAT, "function_call": {"name": "f"}}, 400, "function_call", None, "none"),
+    ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, 400, "modalities", None, "text"),
+    ("/v1/chat/completions", {**CHAT, "metadata": {"k": "v" * 600}}, 400, "metadata.k", None, "at most 512"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": []}]}, 400, "messages.0.content", None, "at least 1"),
+    ("/v1/chat/completions", {**CHAT, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]}, 400, "messages.1.tool_calls", None, "tool calls are not supported"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "word " * 1500}]}, 400, "messages", "context_length_exceeded", "context length"),
     ("/v1/completions", {**GOOD, "model": "gpt-7"}, 404, "model", "model_not_found", "gpt-7"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-7"}, 404, "model", "model_not_found", "does not exist"),
@@ -103,6 +114,18 @@ def test_explicit_nulls_and_no_op_openai_fields_are_accepted(server):
     })  # fmt: skip
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["message"]["role"] == "assistant"
+    # OpenAI's parameters that change nothing generated here, and a tool-using client's history
+    # without calls (an assistant turn as vLLM returns it, a tool result with its id).
+    chat = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "Hello!", "tool_calls": [], "refusal": None, "annotations": []},
+                     {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+                     {"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "text", "text": "again"}]}],
+        "max_tokens": 3, "store": False, "metadata": {"team": "search"}, "service_tier": "auto",
+        "prediction": {"type": "content", "content": "Hello"}, "modalities": ["text"], "functions": [],
+        "function_call": "none",
+    })  # fmt: skip
+    assert chat.status_code == 200, chat.text
 
 
 def test_unknown_route_and_method(server):

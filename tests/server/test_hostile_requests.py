@@ -98,6 +98,7 @@ ROUTES = {
     ("POST", "/v1/completions"): False,
     ("POST", "/v1/chat/completions"): False,
     ("GET", "/v1/models"): False,
+    ("GET", "/v1/models/{model_id:path}"): False,
     ("GET", "/v1/kv_transfer"): False,  # the router asks it with its key (disaggregation roles)
     ("POST", "/tokenize"): False,
     ("POST", "/detokenize"): False,
@@ -110,7 +111,8 @@ ROUTES = {
 
 
 KEYED_STATUS = {"/v1/kv_transfer": 404}  # past the key: this server has no --kv-role
-REQUESTED = {"/servelm/model/{path:path}": "/servelm/model/servelm-manifest.json"}  # a route's concrete path
+REQUESTED = {"/servelm/model/{path:path}": "/servelm/model/servelm-manifest.json",
+             "/v1/models/{model_id:path}": "/v1/models/model"}  # fmt: skip  # a route's concrete path
 
 
 def test_every_route_but_the_probes_and_metrics_needs_the_key(restricted):

@@ -57,3 +57,19 @@ def test_tokenize_and_detokenize_errors(server):
         response = _post(server, path, body)
         assert 400 <= response.status_code < 500, (path, body, response.text)
         assert response.json()["error"]["param"] == param, (path, body, response.text)
+
+
+def test_text_parts_render_joined_by_newlines_as_vllm_and_llama_cpp_join_them(server):
+    parts = [{"type": "text", "text": "first part"}, {"type": "text", "text": "second part"}]
+    as_parts = _post(server, "/tokenize", {"messages": [{"role": "user", "content": parts}]}).json()
+    as_text = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "first part\nsecond part"}]}).json()
+    assert as_parts["tokens"] == as_text["tokens"]
+
+
+def test_the_model_card_listed_and_by_id(server):
+    listed = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]
+    assert listed["object"] == "model" and listed["created"] > 1_700_000_000  # when the server started
+    by_id = httpx.get(f"{server.base_url}/v1/models/{listed['id']}", timeout=10)
+    assert by_id.status_code == 200 and by_id.json() == listed
+    missing = httpx.get(f"{server.base_url}/v1/models/gpt-7", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -128,6 +128,13 @@ def _envelope_cases(max_body_bytes: int) -> list[HostileCase]:
     ]
     oversize = _with_raw(COMPLETION, ["prompt"], json.dumps("a" * (max_body_bytes + MEGABYTE)))
     cases.append(HostileCase("/v1/completions oversize body", "/v1/completions", oversize, None))
+    # Deeper than Python's own parser recurses (an outside probe: 500): invalid JSON, no field named.
+    for depth in (1_000, 100_000):
+        nested = "[" * depth + "]" * depth
+        cases.append(HostileCase(f"/v1/chat/completions messages nested {depth} deep", "/v1/chat/completions",
+                                 _with_raw(CHAT, ["messages"], nested), None))  # fmt: skip
+        cases.append(HostileCase(f"/v1/completions unknown field nested {depth} deep", "/v1/completions",
+                                 _with_raw({**COMPLETION, "extra": 0}, ["extra"], nested), None))  # fmt: skip
     no_content = {**CHAT, "messages": [{"role": "user"}]}
     cases.append(HostileCase("/v1/chat/completions user message without content", "/v1/chat/completions",
                              json.dumps(no_content).encode(), "messages"))  # fmt: skip

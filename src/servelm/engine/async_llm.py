@@ -40,9 +40,10 @@ from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 class PromptError(ValueError):
     """A prompt the engine cannot run (empty, too long, unknown token ids): the client's error."""
 
-    def __init__(self, message: str, code: str | None = None) -> None:
+    def __init__(self, message: str, code: str | None = None, by_completion: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.by_completion = by_completion  # the prompt fits; the completion asked for does not
 
 
 class GenerationObserver(Protocol):
@@ -143,6 +144,7 @@ class AsyncLLM:
                     f"{wanted} tokens ({len(prompt)} in the prompt, {params.max_tokens or 1} for the completion). "
                     "Please reduce the length of the prompt or of the completion.",
                     code="context_length_exceeded",
+                    by_completion=len(prompt) < self.max_model_len,
                 )
             # After the length check, so a huge prompt is rejected without a scan on the event loop.
             if check_ids:

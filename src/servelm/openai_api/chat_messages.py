@@ -1,4 +1,6 @@
-"""Chat messages as a chat template expects them: `{"role", "content"[, "name"]}`, content parts joined.
+"""Chat messages as a chat template expects them: `{"role", "content"[, "name"]}`, content parts joined
+by newlines (as vLLM and llama.cpp join them for a template that takes a string: the same request
+renders the same prompt on all three).
 
 The API server builds them from validated ChatMessage models (servelm.server.protocol); the
 router from the raw JSON body it forwards untouched (best effort: it only routes on the result,
@@ -13,12 +15,12 @@ from typing import Any
 
 
 def content_text(content: str | Sequence[str] | None) -> str:
-    """A message's text: a string as is, text parts joined with nothing between, none as ""."""
+    """A message's text: a string as is, text parts joined by newlines, none as ""."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(content)
+    return "\n".join(content)
 
 
 def template_message(role: str, content: str | Sequence[str] | None, name: str | None = None) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """`servelm router`: the OpenAI-compatible front over replicas, and its admin API.
 
     POST /v1/completions, /v1/chat/completions   routed (proxy.py), streamed through
-    GET  /v1/models                               from any healthy replica
+    GET  /v1/models, /v1/models/{id}              from any healthy replica
     GET  /health, /ready                          200 while at least one replica is in rotation
     GET  /metrics                                 router metrics (servelm:router_*)
     GET  /admin/replicas                          every replica: health, load, index sizes
@@ -158,6 +158,10 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await request.app.state.proxy.get_any("/v1/models", request_headers(request))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await request.app.state.proxy.get_any(request.url.path, request_headers(request))
 
     @app.get("/health")
     @app.get("/ready")  # the same: a router is ready when it can route (clusters, probes poll /ready)

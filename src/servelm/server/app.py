@@ -82,7 +82,7 @@ from servelm.server.lifecycle import ServerLifecycle
 from servelm.server.model_files_api import ModelFiles, peer_served_name
 from servelm.server.prompt_limits import PromptLimits
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from servelm.server.serving import json_response
+from servelm.server.serving import check_model, json_response
 from servelm.server.tenant_limits import TenantLimitsMiddleware
 from servelm.server.tokenize_api import detokenize, tokenize
 from servelm.tenancy.config import TenantsConfigError, load_tenants
@@ -308,6 +308,8 @@ def body_too_large(limit: int) -> APIError:
 
 
 def _add_routes(app: FastAPI) -> None:
+    started_at = int(time.time())  # the model card's `created`
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await create_completion(_ctx(request), request, await _parse(request, CompletionRequest))
@@ -324,12 +326,19 @@ def _add_routes(app: FastAPI) -> None:
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(_ctx(request), await _parse(request, DetokenizeRequest))
 
+    def model_card(ctx: ServerContext) -> dict[str, Any]:
+        return {"id": ctx.model_name, "object": "model", "created": started_at, "owned_by": "servelm",
+                "root": ctx.model_name, "max_model_len": ctx.max_model_len}  # fmt: skip
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        return json_response({"object": "list", "data": [model_card(_ctx(request))]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
         ctx = _ctx(request)
-        card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "servelm",
-                "root": ctx.model_name, "max_model_len": ctx.max_model_len}  # fmt: skip
-        return json_response({"object": "list", "data": [card]})
+        check_model(ctx, model_id)
+        return json_response(model_card(ctx))
 
     @app.get("/v1/kv_transfer")
     async def kv_transfer(request: Request) -> Response:

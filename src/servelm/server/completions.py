@@ -105,6 +105,7 @@ class _CompletionView:
             "object": "text_completion",
             "created": self.created,
             "model": self.ctx.model_name,
+            "system_fingerprint": None,  # OpenAI's field; nothing identifies a backend configuration here
         }
 
     async def _echo(self, choice: Choice, acc: _Accumulated) -> tuple[str, dict[str, list[Any]] | None]:

@@ -144,10 +144,9 @@ def from_invalid_json(body: bytes, error: Mapping[str, Any]) -> APIError:
     """A body our JSON parser refused. The one case Python's parser accepts is a lone UTF-16
     surrogate (`"\\ud800"`, not Unicode, so no text can hold it): name the field that has one."""
     try:
-        parsed = json.loads(body)
-    except ValueError:
+        path = _surrogate_path(json.loads(body))
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's parser goes
         return from_validation_errors([error])
-    path = _surrogate_path(parsed)
     if path is None:
         return from_validation_errors([error])
     param = ".".join(path) or None

@@ -219,8 +219,16 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], FAIL_FAST] | None = None  # None only for an assistant message (check_contents)
+    # None only for an assistant message (check_contents); a list of at least one text part.
+    content: str | Annotated[list[TextPart], Field(min_length=1, fail_fast=True)] | None = None
     name: Identifier | None = None
+    # What a tool-calling client's history carries. There is no tool calling here: a tool result's
+    # id is accepted (its content is text like any other), an assistant's calls only when empty (as
+    # vLLM returns them); `refusal` and `annotations` are what an earlier response message had.
+    tool_call_id: Identifier | None = None
+    tool_calls: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
+    refusal: str | None = None
+    annotations: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
 
     def template_entry(self) -> dict[str, str]:
         """The message as the chat template expects it (the router builds the same from raw JSON)."""
@@ -229,8 +237,14 @@ class ChatMessage(_Strict):
 
 
 def check_contents(messages: list[ChatMessage]) -> None:
-    """OpenAI's rule: only an assistant message may omit its content (one that made tool calls)."""
+    """OpenAI's rule: only an assistant message may omit its content (one that made tool calls);
+    and no message may carry tool calls here."""
     for index, message in enumerate(messages):
+        if message.tool_calls:
+            raise bad_request(
+                f"messages[{index}]: tool calls are not supported by this server (it has no tool calling)",
+                param=f"messages.{index}.tool_calls",
+            )
         if message.content is None and message.role != "assistant":
             raise bad_request(
                 f"messages[{index}]: a {message.role} message must have content", param=f"messages.{index}.content"
@@ -254,6 +268,15 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None  # only empty: no tool calling here
     tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    functions: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None  # OpenAI's older tools: only empty
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None
+    # OpenAI's parameters that change nothing a server like this one generates: accepted, and
+    # ignored (storing completions, their metadata, a billing tier, a predicted output to speed up).
+    store: bool | None = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    service_tier: Identifier | None = None
+    prediction: dict[str, Any] | None = None
+    modalities: Annotated[list[Literal["text", "audio"]], FAIL_FAST] | None = None  # "text" only (check)
 
     def check(self) -> None:
         self.check_common()
@@ -268,6 +291,12 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request("tools are not supported by this server (no tool calling)", param="tools")
         if isinstance(self.tool_choice, dict):
             raise bad_request('tool_choice may only be "none" or "auto": no tool calling here', param="tool_choice")
+        if self.functions:
+            raise bad_request("functions are not supported by this server (no tool calling)", param="functions")
+        if isinstance(self.function_call, dict):
+            raise bad_request('function_call may only be "none" or "auto": no tool calling here', param="function_call")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise bad_request('modalities may only be ["text"]: this server generates text', param="modalities")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -143,13 +143,16 @@ def check_model(ctx: ServerContext, model: str | None) -> None:
 
 
 def check_prompts(
-    ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, param: str, client_ids: bool = False
+    ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, param: str, client_ids: bool = False,
+    completion_param: str = "max_tokens",
 ) -> None:
-    """Empty, too-long and (for ids the client sent) out-of-vocabulary prompts are the client's error."""
+    """Empty, too-long and (for ids the client sent) out-of-vocabulary prompts are the client's error;
+    the error names `param` (the prompt's), or `completion_param` when the prompt fits and the
+    completion asked for does not."""
     try:
         ctx.engine.check_prompts(prompts, params, check_ids=client_ids)
     except PromptError as exc:
-        raise bad_request(str(exc), param=param, code=exc.code) from exc
+        raise bad_request(str(exc), param=completion_param if exc.by_completion else param, code=exc.code) from exc
 
 
 def check_token_ids(ctx: ServerContext, token_ids: list[int], param: str) -> None:
