@@ -8,8 +8,11 @@ ends with an error event. The two kills run last, each leaving one replica fewer
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +21,7 @@ import pytest
 
 from servelm.server.launcher import ServerProcess
 from servelm.testing.cut_proxy import CutProxy
+from servelm.testing.process_tree import descendants
 from servelm.testing.proxied_fleet import ProxiedFleet, start_proxied_fleet
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
@@ -155,6 +159,51 @@ def test_a_stream_whose_every_replica_fails_ends_with_an_error_event(fleet: Prox
     assert error["type"] == "server_error" and error["code"] == "replica_lost" and "no_replica" in error["message"]
     assert len(got.choices) >= 19 and all(c["finish_reason"] is None for c in got.choices)
     assert fleet.metric("servelm:router_migration_failures_total", 'reason="no_replica"') == before + 1
+    fleet.wait_healthy()
+
+
+def test_a_stream_that_cannot_move_ends_with_an_error_event_when_its_replica_is_lost(fleet: ProxiedFleet) -> None:
+    """Streams of several choices are passed through, not relayed: one whose replica's connection
+    resets mid-stream ends with an error event and [DONE] (before: a broken chunked body, which the
+    openai client reports as a network fault, and a traceback in the router's log)."""
+    got = stream(fleet, "/v1/completions", completion_body(n=2), fault_after=20,
+                 fault=lambda url: fleet.proxies[fleet.index_of(url)].cut())  # fmt: skip
+    assert got.done
+    error = got.chunks[-1]["error"]
+    assert error["type"] == "server_error" and error["code"] == "replica_lost"
+    assert len(got.choices) >= 19 and all(c["finish_reason"] is None for c in got.choices)
+    fleet.wait_healthy()
+
+
+def _signal_replica(fleet: ProxiedFleet, index: int, signum: int) -> None:
+    """`signum` to a replica's API process and everything under it (its engine core)."""
+    pid = fleet.replicas[index].process.pid
+    for target in [pid, *descendants(pid)]:
+        os.kill(target, signum)
+
+
+def test_requests_waiting_on_a_frozen_replica_are_retried_once_it_leaves_rotation(fleet: ProxiedFleet) -> None:
+    """Two replicas' processes stop (SIGSTOP: a deadlock, a long pause) while requests wait there
+    for their answers: once the health checker takes them out of rotation, those requests are
+    retried on the third (before: they waited until the processes resumed)."""
+    body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    want = httpx.post(fleet.router + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    before = fleet.metric("servelm:router_retries_total")
+    for index in (0, 1):
+        _signal_replica(fleet, index, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with ThreadPoolExecutor(3) as pool:  # least load: one each, two on stopped replicas
+            answers = list(pool.map(lambda _: httpx.post(fleet.router + "/v1/completions", json=body, timeout=40),
+                                    range(3)))  # fmt: skip
+        elapsed = time.monotonic() - started
+    finally:
+        for index in (0, 1):
+            _signal_replica(fleet, index, signal.SIGCONT)
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    assert [a.json()["choices"][0]["text"] for a in answers] == [want] * 3
+    assert elapsed < 20  # a health timeout (2 s) and a retry, not the client's timeout
+    assert fleet.metric("servelm:router_retries_total") >= before + 2
     fleet.wait_healthy()
 
 

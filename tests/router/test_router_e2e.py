@@ -9,6 +9,7 @@ import json
 import time
 
 import httpx
+import pytest
 
 from router_helpers import ROUTER_KEY
 from servelm.cluster.local import LocalCluster
@@ -28,6 +29,12 @@ def replica_urls(fleet: LocalCluster) -> list[str]:
 def metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+
+
+def metric_with(url: str, name: str, label: str) -> float:
+    """The sum of `name`'s samples that carry `label` (e.g. 'finished_reason="abort"')."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") and label in line)
 
 
 def admin(fleet: LocalCluster) -> dict[str, dict]:
@@ -124,6 +131,27 @@ def test_client_going_away_mid_stream_releases_the_replica(fleet: LocalCluster) 
     wait_until(lambda: all(r["in_flight"] == 0 and r["outstanding_tokens"] == 0 for r in admin(fleet).values()),
                what="in-flight counts back to 0")  # fmt: skip
     wait_until(lambda: metric(replica, "servelm:num_requests_running") == 0, what="the replica to abort the stream")
+
+
+def test_client_going_away_before_a_whole_answer_aborts_it_on_the_replica(fleet: LocalCluster) -> None:
+    """Not streamed: the router waits for the whole answer before it sends a byte, and must still
+    notice the client leaving meanwhile (before: the replica computed all of it for nobody)."""
+    body = {"prompt": tenant_prompt(2, 9), "max_tokens": 600, "ignore_eos": True, "n": 2}
+    aborted = 'finished_reason="abort"'
+    before = {url: metric_with(url, "servelm:request_success_total", aborted) for url in replica_urls(fleet)}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{router_url(fleet)}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(30, read=0.5))
+    wait_until(lambda: sum(metric_with(url, "servelm:request_success_total", aborted) - before[url]
+                           for url in replica_urls(fleet)) == 2, what="the replica to abort both choices")  # fmt: skip
+    wait_until(lambda: all(r["in_flight"] == 0 for r in admin(fleet).values()), what="in-flight counts back to 0")
+
+
+def test_tokenize_and_detokenize_pass_through(fleet: LocalCluster) -> None:
+    direct = httpx.post(f"{replica_urls(fleet)[0]}/tokenize", json={"prompt": "hi there"}, timeout=10).json()
+    routed = httpx.post(f"{router_url(fleet)}/tokenize", json={"prompt": "hi there"}, headers=AUTH, timeout=10)
+    assert routed.status_code == 200 and routed.json() == direct
+    text = httpx.post(f"{router_url(fleet)}/detokenize", json={"tokens": direct["tokens"]}, headers=AUTH, timeout=10)
+    assert text.status_code == 200 and "hi there" in text.json()["prompt"]
 
 
 def _set_rotation(fleet: LocalCluster, remove: list[str], add: list[dict]) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
 
 INVALID_REQUEST = "invalid_request_error"
@@ -35,4 +37,13 @@ def error_response(
         status_code=status,
         headers=headers,
         media_type="application/json",
+    )
+
+
+async def on_http_exception(_: Request, exc: HTTPException) -> Response:
+    """Starlette's own errors (404 for an unknown route, 405 for a wrong method) in OpenAI's shape:
+    the exception handler of both the API server and the router."""
+    kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
+    return error_response(
+        exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers) if exc.headers else None
     )

@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   routed (proxy.py), streamed through
     GET  /v1/models, /v1/models/{id}              from any healthy replica
+    POST /tokenize, /detokenize                   from any healthy replica
     GET  /health, /ready                          200 while at least one replica is in rotation
     GET  /metrics                                 router metrics (servelm:router_*)
     GET  /admin/replicas                          every replica: health, load, index sizes
@@ -32,12 +33,13 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from servelm.openai_api.auth import ApiKeyMiddleware, single_key
 from servelm.openai_api.body_limit import BodyLimitMiddleware
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
-from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_response
+from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_response, on_http_exception
 from servelm.openai_api.open_files import raise_open_files_limit
 from servelm.openai_api.overload import GENERATION_PATHS, OverloadOptions
 from servelm.openai_api.stall_guard import StallGuardMiddleware
@@ -107,6 +109,7 @@ def create_router_app(router_options: RouterOptions, options: RouterServerOption
 
     app = FastAPI(title="servelm router", lifespan=lifespan, docs_url=None, redoc_url=None)
     _add_routes(app)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)  # type: ignore[arg-type]
     # The last added runs first: the key, the limits (before the body is read), the body's size.
     overload = options.overload
 
@@ -162,6 +165,11 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         return await request.app.state.proxy.get_any(request.url.path, request_headers(request))
+
+    @app.post("/tokenize")
+    @app.post("/detokenize")
+    async def tokenize(request: Request) -> Response:
+        return await request.app.state.proxy.post_any(request)
 
     @app.get("/health")
     @app.get("/ready")  # the same: a router is ready when it can route (clusters, probes poll /ready)

@@ -20,13 +20,14 @@ unchanged and unbuffered (`aiter_raw`), and a failure can only cut it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -34,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from servelm.openai_api.errors import SERVER_ERROR, error_response
+from servelm.openai_api.errors import SERVER_ERROR, error_body, error_response
 from servelm.router.continuation import migratable
 from servelm.router.disagg import DisaggPlan, plan_request
 from servelm.router.migration import Leg, MigratingStream
@@ -43,10 +44,12 @@ from servelm.router.prefill_calls import PrefillCalls, decode_body, prefill_body
 from servelm.router.relay import StreamRelay
 from servelm.router.replicas import Replica
 from servelm.router.request_view import build_view
+from servelm.router.sse import DONE_EVENT, encode_event
 from servelm.router.state import Router
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 # The replica is going away (502/503/504) or its waiting queue is full (429): another may serve.
 RETRY_STATUSES = {429, 502, 503, 504}
 # Hop-by-hop (RFC 9110 §7.6.1) or recomputed by the HTTP stack: never forwarded.
@@ -122,7 +125,11 @@ class Proxy:
         if migrate and body.get("return_token_ids") is not True:
             upstream_body = {**body, "return_token_ids": True}
             raw = json.dumps(upstream_body).encode()
-        routed = await self.route(view, path, raw, upstream_body, headers, exclude=set(), first_reason=None)
+        routed = await _unless_client_leaves(
+            request, self.route(view, path, raw, upstream_body, headers, exclude=set(), first_reason=None)
+        )
+        if routed is None:  # the client left while the answer was computed: the replica aborted it
+            return Response(status_code=499)
         if isinstance(routed, list):
             return _give_up(routed)
         attempt, plan = routed
@@ -210,14 +217,16 @@ class Proxy:
         response: httpx.Response | None = None
         try:
             upstream = self.client.build_request("POST", replica.url + path, content=raw, headers=headers)
-            response = await self.client.send(upstream, stream=True)
-            if response.status_code in RETRY_STATUSES:
-                failure = _Failure(f"{replica.url} answered {response.status_code}", response.status_code,
-                                   response.headers.get("retry-after"))  # fmt: skip
+            opened = await _unless_set(replica.out_of_rotation, self._open(upstream))
+            if opened is None:
+                failure = _Failure(f"{replica.url} left rotation before it answered")
             else:
-                chunks = response.aiter_raw()
-                first = await anext(chunks, b"")
-                return _Attempt(replica, response, first, chunks, tokens)
+                response, chunks, first = opened
+                if response.status_code in RETRY_STATUSES:
+                    failure = _Failure(f"{replica.url} answered {response.status_code}", response.status_code,
+                                       response.headers.get("retry-after"))  # fmt: skip
+                else:
+                    return _Attempt(replica, response, first, chunks, tokens)
         except httpx.HTTPError as exc:
             failure = _Failure(f"{replica.url}: {type(exc).__name__}: {exc}")
             self.router.metrics.failures.labels(replica.url).inc()
@@ -235,35 +244,73 @@ class Proxy:
         logger.warning("attempt failed before the first byte: %s", failure.message)
         return failure
 
+    async def _open(self, upstream: httpx.Request) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+        """Send; the response, its body's chunks and the first chunk (none read when the status
+        says to retry). Cancelled, it closes what it opened."""
+        response = await self.client.send(upstream, stream=True)
+        try:
+            chunks = response.aiter_raw()
+            first = b"" if response.status_code in RETRY_STATUSES else await anext(chunks, b"")
+            return response, chunks, first
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+            raise
+
     def _stream(self, attempt: _Attempt, plan: DisaggPlan) -> StreamingResponse:
         """Pass the answer through as it comes."""
+        events = attempt.is_event_stream
 
         async def body() -> AsyncIterator[bytes]:
+            # An event stream goes out in whole events, so a replica lost mid-stream can be followed
+            # by an error event and [DONE] (what the OpenAI clients raise, not a broken connection).
+            held = b""
             try:
-                if attempt.first_chunk:
-                    yield attempt.first_chunk
-                async for chunk in attempt.chunks:
-                    yield chunk
+                async for chunk in _chained(attempt.first_chunk, attempt.chunks):
+                    if events:
+                        held += chunk
+                        end = held.rfind(b"\n\n")
+                        if end == -1:
+                            continue  # no event complete yet
+                        chunk, held = held[: end + 2], held[end + 2 :]
+                    if chunk:
+                        yield chunk
+                if held:
+                    yield held  # a last event without its blank line (replicas write none)
             except httpx.HTTPError as exc:
-                # Mid-stream: too late to retry; the client sees the stream cut.
+                # Mid-stream: too late to retry (a stream of several choices cannot move).
                 self.router.metrics.failures.labels(attempt.replica.url).inc()
-                await self.router.mark_down(attempt.replica, f"stream broke: {type(exc).__name__}: {exc}")
-                raise
+                reason = f"stream broke: {type(exc).__name__}: {exc}"
+                await self.router.mark_down(attempt.replica, reason)
+                if not events:
+                    raise  # a body cut short must reach the client as one: the connection is dropped
+                logger.warning("%s: the client's stream ends with an error event", reason)
+                message = f"the replica serving this stream failed ({type(exc).__name__}); the stream cannot go on"
+                yield encode_event(error_body(message, SERVER_ERROR, code="replica_lost")) + DONE_EVENT
 
         return _ReleasingStream(body(), attempt.release, status_code=attempt.response.status_code,
                                 headers=_response_headers(attempt, plan))  # fmt: skip
 
     async def get_any(self, path: str, headers: dict[str, str]) -> Response:
         """GET a read-only endpoint (/v1/models) from the first healthy replica that answers."""
+        return await self._first_answer(lambda url: self.client.get(url + path, headers=headers))
+
+    async def post_any(self, request: Request) -> Response:
+        """POST a stateless query (/tokenize, /detokenize) to the first healthy replica that answers."""
+        content, headers, path = await request.body(), request_headers(request), request.url.path
+        return await self._first_answer(lambda url: self.client.post(url + path, content=content, headers=headers))
+
+    async def _first_answer(self, send: Callable[[str], Awaitable[httpx.Response]]) -> Response:
         for replica in self.router.replicas.healthy():
             try:
-                response = await self.client.get(replica.url + path, headers=headers)
+                response = await send(replica.url)
             except httpx.HTTPError as exc:
                 await self.router.mark_down(replica, f"{type(exc).__name__}: {exc}")
                 continue
             return Response(response.content, status_code=response.status_code,
                             media_type=response.headers.get("content-type"))  # fmt: skip
-        return error_response(503, "no healthy replica", type=SERVER_ERROR, code="no_replica_available")
+        return error_response(503, "no healthy replica", type=SERVER_ERROR, code="no_replica_available",
+                              headers={"Retry-After": "1"})  # fmt: skip
 
 
 def _response_headers(attempt: _Attempt, plan: DisaggPlan) -> dict[str, str]:
@@ -291,7 +338,47 @@ def _give_up(failures: list[_Failure]) -> Response:
         return response
     last = failures[-1].message if failures else "no healthy replica"
     return error_response(503, f"no replica could serve the request: {last}", type=SERVER_ERROR,
-                          code="no_replica_available")  # fmt: skip
+                          code="no_replica_available", headers={"Retry-After": "1"})  # fmt: skip
+
+
+async def _chained(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
+
+
+async def _unless_set(event: asyncio.Event, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (it is cancelled) if `event` is set first."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return task.result() if not task.cancelled() else None
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (it is cancelled: an upstream request it has open is closed, and
+    the replica aborts it) if the client disconnects first. The body must have been read: what
+    the client sends after it is only the disconnect."""
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await _unless_set(gone, work)
+    finally:
+        watcher.cancel()
 
 
 class _Continuations:

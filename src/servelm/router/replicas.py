@@ -2,11 +2,13 @@
 
 The router process is single-threaded (one asyncio loop), so these are plain objects
 mutated in place: the proxy counts requests in and out, the health checker flips
-`healthy`, the admin endpoint adds and removes entries. Nothing here does I/O.
+`healthy` (and sets `out_of_rotation`), the admin endpoint adds and removes entries. Nothing
+here does I/O.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 # Disaggregation roles a replica may report (GET /v1/kv_transfer); a replica without one is "plain".
@@ -68,6 +70,9 @@ class Replica:
     kv_role: str | None = None
     transfer_address: str | None = None
     prefills_in_flight: int = 0  # disaggregated prefill calls sent here and not returned
+    # Set when it leaves rotation: a request still waiting there for its answer's first byte (a
+    # frozen process answers nothing) is retried elsewhere. A fresh one each time it comes back.
+    out_of_rotation: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
     @property
     def url(self) -> str:

@@ -11,6 +11,7 @@ subscription; `mark_up` puts it back (its KV index resyncs from a snapshot);
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,6 +126,7 @@ class Router:
         if replica.healthy or self.replicas.get(replica.url) is not replica:
             return
         replica.healthy = True
+        replica.out_of_rotation = asyncio.Event()
         logger.info("replica %s is healthy: in rotation", replica.url)
         spec = replica.spec
         if spec.kv_events is not None and spec.snapshot_address is not None:
@@ -139,6 +141,7 @@ class Router:
         if not replica.healthy:
             return
         replica.healthy = False
+        replica.out_of_rotation.set()  # the requests waiting there for a first byte are retried elsewhere
         logger.warning("replica %s out of rotation: %s", replica.url, error)
         await self._forget(replica)
 

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_body, error_response
+from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_body, error_response, on_http_exception
 from servelm.tenancy.limits import LimitExceeded
 
 logger = logging.getLogger(__name__)
@@ -175,12 +175,6 @@ async def _on_api_error(_: Request, exc: APIError) -> Response:
     return exc.response()
 
 
-async def _on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
-    kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
-    headers = dict(exc.headers) if exc.headers else None
-    return APIError(exc.status_code, str(exc.detail), type=kind, headers=headers).response()
-
-
 def internal_error(error_id: str) -> APIError:
     return APIError(
         500, f"Internal server error (error id {error_id}); the server log has the details.", type=SERVER_ERROR
@@ -224,5 +218,5 @@ class InternalErrorMiddleware:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)  # type: ignore[arg-type]
     app.add_middleware(InternalErrorMiddleware)  # added first: the innermost middleware, inside ServerErrorMiddleware
