@@ -1,7 +1,8 @@
 """Forwarding one request to a replica: choose, send, retry once before the first byte, stream.
 
     body ─▶ RequestView ─▶ policy.choose ─▶ POST replica ─▶ first chunk? ──yes──▶ stream the rest as it comes
-                               ▲                              │ no (connect error, reset, 429/502/503/504)
+                               ▲                              │ no (connect error, reset, 429/502/503/504,
+                               │                              │     or the replica left rotation meanwhile)
                                └──── another replica ◀────────┘ (once; the failed one is marked down)
 
 A disaggregated request (disagg.py decides) sends its prefill to a prefill worker in the
@@ -10,11 +11,14 @@ whose answer is what the client sees (prefill_calls.py). A retry is always serve
 
 "Before the first byte" is literal: the upstream's first body chunk is awaited before the
 client gets the status line, so a replica that dies while prefilling (or while computing a
-non-streamed answer) costs a retry, not an error. After that, a stream of one choice
-(continuation.migratable) is relayed event by event and continued on another replica if its
-replica fails (migration.py); its replica is asked for the token ids behind the text
+non-streamed answer) costs a retry, not an error; so does one that stops answering (a frozen
+process) once the health checker takes it out of rotation. A client that leaves during that wait
+has the upstream request closed (the replica aborts it). After the first byte, a stream of one
+choice (continuation.migratable) is relayed event by event and continued on another replica if
+its replica fails (migration.py); its replica is asked for the token ids behind the text
 (`return_token_ids`), which the client sees only if it asked too. Anything else is passed through
-unchanged and unbuffered (`aiter_raw`), and a failure can only cut it.
+unchanged as it comes (`aiter_raw`; an event stream in whole events): a failure cuts a body, and
+ends an event stream with an error event and [DONE].
 """
 
 from __future__ import annotations
