@@ -73,3 +73,12 @@ def test_the_model_card_listed_and_by_id(server):
     assert by_id.status_code == 200 and by_id.json() == listed
     missing = httpx.get(f"{server.base_url}/v1/models/gpt-7", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_developer_message_renders_as_the_system_message_for_a_template_without_the_role(server):
+    """As vLLM renders it: the template's default system prompt is not added in front of it."""
+    def render(role: str) -> list[int]:
+        messages = [{"role": role, "content": "Answer in one word."}, {"role": "user", "content": "Sky colour?"}]
+        return _post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+
+    assert render("developer") == render("system")

@@ -25,6 +25,7 @@ from servelm.engine.builder import BuiltEngine, build_engine
 from servelm.engine.fan_out import FanOut
 from servelm.engine.prompt_inputs import PromptInput, parse_prompts
 from servelm.sampling_params import SamplingParams
+from servelm.tokenization.chat_roles import developer_as_system
 
 
 @dataclass
@@ -106,6 +107,7 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for a reply."""
+        messages = developer_as_system(messages, self.tokenizer.chat_template or "")
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
     def _run_to_completion(self, fan_outs: list[FanOut]) -> None:

@@ -25,6 +25,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from servelm.tokenization.chat_roles import developer_as_system
 from servelm.tokenization.token_bytes import TokenBytes
 
 INLINE_MAX_CHARS = 2048
@@ -132,6 +133,7 @@ class PromptTokenizer:
     def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
+        messages = developer_as_system(messages, self.tokenizer.chat_template)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         # The template writes any BOS itself: encoding must not add another.
         return self.encoder.encode(text, add_special_tokens=False)
