@@ -39,16 +39,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from servelm.openai_api.errors import SERVER_ERROR, error_body, error_response
+from servelm.openai_api.errors import SERVER_ERROR, error_response
 from servelm.router.continuation import migratable
 from servelm.router.disagg import DisaggPlan, plan_request
 from servelm.router.migration import Leg, MigratingStream
 from servelm.router.policies import Decision, RequestView
 from servelm.router.prefill_calls import PrefillCalls, decode_body, prefill_body
-from servelm.router.relay import StreamRelay
+from servelm.router.relay import StreamRelay, replica_lost_events
 from servelm.router.replicas import Replica
 from servelm.router.request_view import build_view
-from servelm.router.sse import DONE_EVENT, encode_event
 from servelm.router.state import Router
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
@@ -290,7 +289,7 @@ class Proxy:
                     raise  # a body cut short must reach the client as one: the connection is dropped
                 logger.warning("%s: the client's stream ends with an error event", reason)
                 message = f"the replica serving this stream failed ({type(exc).__name__}); the stream cannot go on"
-                yield encode_event(error_body(message, SERVER_ERROR, code="replica_lost")) + DONE_EVENT
+                yield b"".join(replica_lost_events(message))
 
         return _ReleasingStream(body(), attempt.release, status_code=attempt.response.status_code,
                                 headers=_response_headers(attempt, plan))  # fmt: skip

@@ -34,6 +34,12 @@ FAILED_FINISH_REASONS = ("error", "abort")
 _decoder = msgspec.json.Decoder()
 
 
+def replica_lost_events(message: str) -> list[bytes]:
+    """The end of a stream whose replica failed and that cannot go on: an error event (what the
+    OpenAI clients raise), then [DONE]."""
+    return [encode_event(error_body(message, SERVER_ERROR, code="replica_lost")), DONE_EVENT]
+
+
 @dataclass
 class RelayResult:
     events: list[bytes] = field(default_factory=list)  # to write to the client, in order
@@ -193,7 +199,7 @@ class StreamRelay:
     def error_tail(self, message: str) -> list[bytes]:
         """A stream that cannot go on: an error event the OpenAI clients raise, then [DONE]."""
         self.done = True
-        return [encode_event(error_body(message, SERVER_ERROR, code="replica_lost")), DONE_EVENT]
+        return replica_lost_events(message)
 
     # -- the origin leg: pass through, minus the fields the router added ---------------------------
 
