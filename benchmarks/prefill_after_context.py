@@ -21,7 +21,7 @@ import statistics
 import time
 
 import torch
-from baseline_checkout import add_baseline_arguments, with_baseline
+from baseline_checkout import parse_and_measure
 
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
@@ -72,9 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", default=CASES, help="CACHED+NEW tokens, comma-separated (default: %(default)s)")
-    add_baseline_arguments(parser)
-    args = parser.parse_args()
-    rows = with_baseline(__file__, args, measure(parse_cases(args.cases), args.repeats))
+    args, rows = parse_and_measure(parser, __file__, lambda a: measure(parse_cases(a.cases), a.repeats))
     if rows is None:
         return
     ours, baseline = rows["this checkout"], rows.get("baseline")

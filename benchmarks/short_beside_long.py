@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from baseline_checkout import add_baseline_arguments, with_baseline
+from baseline_checkout import parse_and_measure
 
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
@@ -81,9 +81,7 @@ def main() -> None:
     parser.add_argument("--first-offset-s", type=float, default=0.3)
     parser.add_argument("--offset-step-s", type=float, default=0.4)
     parser.add_argument("--seed", type=int, default=0)
-    add_baseline_arguments(parser)
-    args = parser.parse_args()
-    rows = with_baseline(__file__, args, trials(args))
+    args, rows = parse_and_measure(parser, __file__, trials)
     if rows is None:
         return
     print(f"short {args.short} tokens beside long {args.long}, {args.trials} trials")

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline_checkout import add_baseline_arguments, with_baseline
+from baseline_checkout import parse_and_measure
 from peer_servers import servelm_server
 
 
@@ -54,9 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=256)
-    add_baseline_arguments(parser)
-    args = parser.parse_args()
-    rows = with_baseline(__file__, args, measure(args))
+    _, rows = parse_and_measure(parser, __file__, measure)
     if rows is None:
         return
     for name, gaps in rows.items():

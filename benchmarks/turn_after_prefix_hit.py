@@ -20,7 +20,7 @@ import statistics
 import time
 
 import torch
-from baseline_checkout import add_baseline_arguments, with_baseline
+from baseline_checkout import parse_and_measure
 from prefill_after_context import parse_cases
 
 from servelm.config import EngineConfig
@@ -83,9 +83,7 @@ def main() -> None:
     parser.add_argument("--cases", default="2528+657,3072+115", help="CACHED+NEW tokens, comma-separated")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    add_baseline_arguments(parser)
-    args = parser.parse_args()
-    rows = with_baseline(__file__, args, trials(args))
+    args, rows = parse_and_measure(parser, __file__, trials)
     if rows is None:
         return
     print(
