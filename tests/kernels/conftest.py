@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from servelm import envs
-from servelm.kernels import cpu, mkl_gemm
+from servelm.kernels import cpu, mkl_gemm, onednn_gemm
 
 
 @pytest.fixture
@@ -21,12 +21,15 @@ def kernel_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str],
         monkeypatch.setenv(name, value)
         cpu.reset()
         mkl_gemm.reset()
+        onednn_gemm.reset()
 
     cpu.reset()
     mkl_gemm.reset()
+    onednn_gemm.reset()
     yield set_variable
     cpu.reset()
     mkl_gemm.reset()
+    onednn_gemm.reset()
 
 
 @pytest.fixture

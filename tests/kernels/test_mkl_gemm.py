@@ -1,7 +1,8 @@
 """MKL's packed float32 GEMM (kernels/mkl_gemm.py): one packing of a weight serves every row count
 within float32 rounding of the exact product, bad arguments (and copied panels) are refused before
-a pointer reaches MKL, SERVELM_KERNELS=torch turns it off, and a CPU float32 model's decoder layers
-take it for their many-row matmuls (and only there), following their weight's changes."""
+a pointer reaches MKL, SERVELM_KERNELS=torch turns it off. A CPU float32 model's decoder layers
+take a packed GEMM for their many-row matmuls (and only there), following their weight's changes:
+oneDNN's where PyTorch carries it (kernels/onednn_gemm.py), else MKL's."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from servelm import envs
-from servelm.kernels import mkl_gemm
+from servelm.kernels import mkl_gemm, onednn_gemm
 from servelm.kernels.arguments import KernelArgumentError
 from servelm.models.factory import build_model
-from servelm.models.gemm_precision import PackedFloat32Gemm, many_row_gemm
+from servelm.models.gemm_precision import OneDnnFloat32Gemm, PackedFloat32Gemm, many_row_gemm
 from servelm.models.linear_methods import DENSE, MAX_BLOCK_ROWS, DenseLinearMethod, dense_method
 from servelm.models.llama import Linear
 from servelm.models.loader import load_checkpoint
@@ -23,6 +24,8 @@ from servelm.testing.tiny_model import write_tiny_checkpoint
 
 needs_mkl = pytest.mark.skipif(mkl_gemm.load() is None, reason="PyTorch here carries no MKL")
 CPU = torch.device("cpu")
+# What a float32 model's many-row matmuls take here: oneDNN's where PyTorch carries it, else MKL's.
+PACKED = OneDnnFloat32Gemm if onednn_gemm.load() is not None else PackedFloat32Gemm
 
 
 def _within_float32_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -88,9 +91,9 @@ def test_packing_ignores_a_callers_default_device():
 
 @needs_mkl
 def test_torch_switch_turns_it_off(kernel_env):
-    assert isinstance(many_row_gemm("float32", torch.float32, CPU), PackedFloat32Gemm)
+    assert isinstance(many_row_gemm("float32", torch.float32, CPU), PACKED)
     kernel_env(envs.KERNELS, "torch")
-    assert mkl_gemm.load() is None
+    assert mkl_gemm.load() is None and onednn_gemm.load() is None
     assert many_row_gemm("float32", torch.float32, CPU) is None
     assert dense_method(torch.float32, CPU) is DENSE
 
@@ -105,7 +108,7 @@ def test_only_cpu_float32_models_pack():
 @needs_mkl
 def test_a_dense_layer_packs_its_many_row_matmuls_and_repacks_after_a_reload():
     method = dense_method(torch.float32, CPU)
-    assert isinstance(method, DenseLinearMethod) and isinstance(method.gemm, PackedFloat32Gemm)
+    assert isinstance(method, DenseLinearMethod) and isinstance(method.gemm, PACKED)
     linear = Linear(48, 40, True, ("unused",), method)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -149,4 +152,4 @@ def test_the_lm_head_is_not_packed(tmp_path):
     checkpoint = load_checkpoint(hf_dir)
     model = build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu")
     assert model.lm_head.method is DENSE
-    assert isinstance(model.layers[0].mlp.down_proj.method.gemm, PackedFloat32Gemm)
+    assert isinstance(model.layers[0].mlp.down_proj.method.gemm, PACKED)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from servelm.config import EngineConfig, ModelConfig
 from servelm.default_model import default_model_path
 from servelm.models.factory import build_model
-from servelm.models.gemm_precision import Bfloat16Gemm, PackedFloat32Gemm, check_gemm_precision
+from servelm.models.gemm_precision import Bfloat16Gemm, OneDnnFloat32Gemm, PackedFloat32Gemm, check_gemm_precision
 from servelm.models.linear_methods import MAX_BLOCK_ROWS, BlockLinearMethod, DenseLinearMethod
 from servelm.models.loader import load_checkpoint
 from servelm.testing.reference_decode import prompt_logits
@@ -77,7 +77,7 @@ def test_only_decoder_many_row_matmuls_change(default_models):
     _, models = default_models
     reference, narrow = models["float32"], models[precision]
     head_gemm = getattr(narrow.lm_head.method, "gemm", None)
-    assert head_gemm is None or isinstance(head_gemm, PackedFloat32Gemm)  # the head's logits stay float32
+    assert head_gemm is None or isinstance(head_gemm, (OneDnnFloat32Gemm, PackedFloat32Gemm))  # float32 logits
     # Prefill's attention computes in bfloat16 too; the reference's in float32.
     assert attention_backend_of(narrow).prefill_compute_dtype == torch.bfloat16
     assert attention_backend_of(reference).prefill_compute_dtype is None

@@ -7,8 +7,10 @@ model staying float32 everywhere else (activations between ops, norms, the KV ca
 attention, the LM head, every few-row matmul of decode):
 
     float32    the reference: float32 products and sums (the default; greedy output matches
-               Hugging Face transformers), computed by MKL's packed GEMM where PyTorch carries
-               MKL (`PackedFloat32Gemm`: the weight's panels made once, not on every call;
+               Hugging Face transformers), computed by oneDNN over the weight reordered once
+               where PyTorch carries oneDNN (`OneDnnFloat32Gemm`, kernels/onednn_gemm.py: its cost
+               per row stays flat down to a few rows, which is what makes small prompt chunks
+               cheap), else MKL's packed GEMM (`PackedFloat32Gemm`: the weight's panels made once;
                kernels/mkl_gemm.py), else F.linear
     bfloat16   inputs and weight rounded to bfloat16 (8-bit mantissa), products accumulated in
                float32 by oneDNN (AMX tiles where the CPU has them), the result float32; prefill
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.config import GEMM_PRECISIONS
-from servelm.kernels import mkl_gemm
+from servelm.kernels import mkl_gemm, onednn_gemm
 
 
 class ManyRowGemm(abc.ABC):
@@ -98,13 +100,38 @@ class PackedFloat32Gemm(ManyRowGemm):
         return self._kernel.matmul(x.contiguous(), derived)
 
 
+class OneDnnFloat32Gemm(ManyRowGemm):
+    """float32 through oneDNN over the weight reordered once (kernels/onednn_gemm.py); an empty
+    weight (no rows or no columns: nothing to reorder) through F.linear."""
+
+    def __init__(self, kernel: onednn_gemm.OneDnnGemm) -> None:
+        super().__init__()
+        self._kernel = kernel
+
+    def derive(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if weight.numel() == 0 else self._kernel.pack(weight)
+
+    def multiply(self, x: torch.Tensor, derived: torch.Tensor) -> torch.Tensor:
+        if not derived.is_mkldnn:
+            return F.linear(x, derived)
+        return self._kernel.matmul(x.contiguous(), derived)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> OneDnnFloat32Gemm:
+        return OneDnnFloat32Gemm(self._kernel)  # a oneDNN tensor has no deep copy: the copy reorders its own
+
+
 def many_row_gemm(precision: str, dtype: torch.dtype, device: torch.device,
                   pack_float32: bool = True) -> ManyRowGemm | None:  # fmt: skip
     """A fresh per-layer GEMM for `precision` in a model of `dtype` on `device`; None: F.linear
-    itself (float32 without MKL or with `pack_float32` off, or any model not CPU float32)."""
+    itself (float32 with neither oneDNN nor MKL, or with `pack_float32` off, or any model not CPU
+    float32). float32 prefers oneDNN to MKL's packed panels (kernels/onednn_gemm.py says why)."""
     if precision == "float32":
-        usable = pack_float32 and device.type == "cpu" and dtype == torch.float32
-        kernel = mkl_gemm.load() if usable else None
+        if not (pack_float32 and device.type == "cpu" and dtype == torch.float32):
+            return None
+        onednn = onednn_gemm.load()
+        if onednn is not None:
+            return OneDnnFloat32Gemm(onednn)
+        kernel = mkl_gemm.load()
         return None if kernel is None else PackedFloat32Gemm(kernel)
     if precision == "bfloat16":
         return Bfloat16Gemm()

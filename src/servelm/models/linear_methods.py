@@ -162,8 +162,8 @@ def choose_linear_method(parts: Sequence[TensorInfo], dtype: torch.dtype, device
     CPU in float32 with the kernel built; dense otherwise (another device or dtype, parts stored
     differently, or a part that is F32 / F16 / a K-quant: no block form the kernel reads).
     `gemm_precision`: what its many-row matmuls compute in (gemm_precision.check_gemm_precision
-    has said it suits the dtype and device); `pack_float32`: float32 ones through MKL's packed
-    panels where it is here (gemm_precision.many_row_gemm)."""
+    has said it suits the dtype and device); `pack_float32`: float32 ones over the weight laid out
+    once for oneDNN or MKL where either is here (gemm_precision.many_row_gemm)."""
     storages = {part.storage for part in parts}
     block_type = next(iter(storages)).block_type if len(storages) == 1 else None
     if block_type is None or device.type != "cpu" or dtype != torch.float32 or small_batch_kernel() is None:

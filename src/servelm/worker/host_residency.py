@@ -20,6 +20,9 @@ Two things keep it from happening:
   read in slices of SLICE_BYTES, one per call between steps (the idle engine loop polls its
   inputs between slices), so a request arriving mid-pass waits for one slice, not the pass (a
   voice request's queue time of 14 ms with nothing else running was a whole pool pass).
+  A weight oneDNN reordered for prefill (kernels/onednn_gemm.py) is an opaque tensor whose pages
+  Python cannot address: it is read whole, by a one-row product, and counts OPAQUE_READ_COST times
+  its bytes against the slice (every byte is read, not one a page).
 
 With both, the 63-token prompt after 30 s idle measured within ~10 ms of warm (THP alone: +50 ms).
 On a host that never reclaims, the passes cost the same and change nothing.
@@ -34,6 +37,8 @@ from dataclasses import InitVar, dataclass, field
 
 import torch
 
+from servelm.kernels import onednn_gemm
+
 PAGE_BYTES = 4096
 # The KV pool is touched this many times less often than the weights: it is 3-4x their size for the
 # default model, and a cold pool page costs only a prefix-cache hit that reads it; cold weights cost
@@ -44,6 +49,9 @@ KV_POOL_WARM_FACTOR = 5.0
 # Bytes whose pages one call reads at most: ~2 ms on the 2-vCPU VM (a whole 2 GB pool was ~18 ms).
 SLICE_BYTES = 256 * 2**20
 THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's: allocations of 2 MiB and more get madvise(MADV_HUGEPAGE)
+# A whole read of an opaque weight against one byte a page: its bytes count this many times over
+# against SLICE_BYTES, so that a slice of them takes about as long as a slice of page reads.
+OPAQUE_READ_COST = 8
 _MAX_DEPTH = 4  # how far below a module's attributes to look for tensors (linear methods' block tensors)
 
 
@@ -55,16 +63,26 @@ def enable_huge_pages() -> None:
 
 def _byte_views(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Each distinct CPU storage among `tensors`, once, as a flat uint8 tensor over all its bytes
-    (of two storages at one address, as views made with `set_` or `frombuffer` can be, the larger)."""
+    (of two storages at one address, as views made with `set_` or `frombuffer` can be, the larger);
+    tensors without a storage (opaque ones) are left to `_opaque`."""
     storages: dict[int, torch.UntypedStorage] = {}
     for tensor in tensors:
-        if tensor.device.type != "cpu":
+        if tensor.device.type != "cpu" or tensor.is_mkldnn:
             continue
         storage = tensor.untyped_storage()
         known = storages.get(storage.data_ptr())
         if storage.nbytes() >= PAGE_BYTES and (known is None or storage.nbytes() > known.nbytes()):
             storages[storage.data_ptr()] = storage
     return [torch.empty(0, dtype=torch.uint8).set_(storage) for storage in storages.values()]
+
+
+def _opaque(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The oneDNN-reordered weights among `tensors`, each once."""
+    found: dict[int, torch.Tensor] = {}
+    for tensor in tensors:
+        if tensor.is_mkldnn:
+            found[id(tensor)] = tensor
+    return list(found.values())
 
 
 def _tensors_under(obj: object, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -104,15 +122,26 @@ class HostResidency:
     interval_s: float
     slice_bytes: int = SLICE_BYTES
     _views: list[torch.Tensor] = field(init=False)
+    _opaque: list[torch.Tensor] = field(init=False)  # oneDNN-reordered weights, read whole
+
+    @property
+    def num_opaque(self) -> int:
+        """Opaque weights it reads whole, at least one a call."""
+        return len(self._opaque)
     _last_start: float = field(init=False)  # when the last pass started (monotonic)
     _cursor: tuple[int, int] | None = field(init=False, default=None)  # mid-pass: (view, byte offset) next
-    num_bytes: int = field(init=False)
+    num_bytes: int = field(init=False)  # all it keeps warm
+    num_page_bytes: int = field(init=False)  # ... of which read a byte a page (the rest: opaque weights, read whole)
 
     def __post_init__(self, tensors: list[torch.Tensor]) -> None:
         if self.slice_bytes <= 0 or self.slice_bytes % PAGE_BYTES:
             raise ValueError(f"slice_bytes must be a positive multiple of {PAGE_BYTES}, got {self.slice_bytes}")
+        tensors = list(tensors)
+        # Page-read views, then the opaque weights: a cursor's index runs over both in that order.
         self._views = _byte_views(tensors)
-        self.num_bytes = sum(view.numel() for view in self._views)
+        self._opaque = _opaque(tensors)
+        self.num_page_bytes = sum(view.numel() for view in self._views)
+        self.num_bytes = self.num_page_bytes + sum(map(onednn_gemm.num_bytes, self._opaque))
         self._last_start = time.monotonic()
 
     @property
@@ -147,10 +176,18 @@ class HostResidency:
         assert self._cursor is not None
         index, offset = self._cursor
         budget = self.slice_bytes
-        while budget > 0 and index < len(self._views):
-            view = self._views[index]
-            end = min(view.numel(), offset + budget)
-            view[offset:end:PAGE_BYTES].sum()  # a read of each page; the sum is only there to make the read
-            budget -= end - offset
-            index, offset = (index + 1, 0) if end == view.numel() else (index, end)
-        self._cursor = (index, offset) if index < len(self._views) else None
+        num_views, end_index = len(self._views), len(self._views) + len(self._opaque)
+        if index < num_views:  # a call reads pages or opaque weights, never both: a slice's cost either way
+            while budget > 0 and index < num_views:
+                view = self._views[index]
+                end = min(view.numel(), offset + budget)
+                view[offset:end:PAGE_BYTES].sum()  # a read of each page; the sum is only there to make the read
+                budget -= end - offset
+                index, offset = (index + 1, 0) if end == view.numel() else (index, end)
+        else:
+            while budget > 0 and index < end_index:
+                weight = self._opaque[index - num_views]
+                onednn_gemm.read_all(weight)
+                budget -= OPAQUE_READ_COST * onednn_gemm.num_bytes(weight)
+                index += 1
+        self._cursor = (index, offset) if index < end_index else None
