@@ -39,7 +39,7 @@ from servelm.parallel.groups import ParallelGroups, ParallelLayout
 from servelm.testing.ranks import run_ranks
 from servelm.testing.tiny_model import write_tiny_checkpoint
 from servelm.worker.kv_cache import allocate_kv_caches
-from servelm.worker.model_runner import paged_attention_inputs
+from servelm.worker.paged_inputs import paged_attention_inputs
 
 SMOLLM2 = AttentionHeads(num_heads=9, num_kv_heads=3, head_dim=64)
 TINY = AttentionHeads(num_heads=4, num_kv_heads=2, head_dim=16)

@@ -37,7 +37,8 @@ from servelm.models.loader import load_checkpoint
 from servelm.sampling_params import SamplingParams
 from servelm.testing.engine_run import run_requests
 from servelm.worker.kv_cache import allocate_kv_caches, resolve_kv_dtype
-from servelm.worker.model_runner import attention_backend_of, paged_attention_inputs
+from servelm.worker.model_runner import attention_backend_of
+from servelm.worker.paged_inputs import paged_attention_inputs
 
 QUESTIONS = [
     "What is the capital of France, and what is it known for?",

@@ -256,6 +256,19 @@ class CachedRequestData:
     num_computed_tokens: int  # before this step
 
 
+@dataclass(frozen=True)
+class LayerSlice:
+    """Layers [start_layer, end_layer) of a prompt chunk of `num_tokens` tokens, the ones after the
+    request's num_computed_tokens (layered prefill: one chunk's forward spread over several steps
+    by layers, so that a step ends within its time target while the chunk keeps a size its matmuls
+    run efficiently at). The runner holds the chunk's hidden states between its slices; the chunk's
+    tokens count as computed only once its last layer ran."""
+
+    num_tokens: int
+    start_layer: int
+    end_layer: int  # == the model's layer count: the chunk completes this step
+
+
 @dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData]
@@ -273,10 +286,25 @@ class SchedulerOutput:
     num_drafts_wanted: dict[str, int] = field(default_factory=dict)
     # KV tiers: blocks to save, drop and load around this step (empty without tiers).
     kv_transfers: KVTransfers = field(default_factory=KVTransfers)
+    # Layered prefill: request_id → the layers of its in-flight chunk that run this step. A slice
+    # that ends the chunk has its request in num_scheduled_tokens too (its num_tokens: the chunk
+    # completes and is computed as any chunk would be); an earlier slice has not, and computes no
+    # token the scheduler counts (total_num_scheduled_tokens leaves it out).
+    layer_slices: dict[str, LayerSlice] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0 and self.kv_transfers.is_empty
+        return self.total_num_scheduled_tokens == 0 and self.kv_transfers.is_empty and not self.layer_slices
+
+    @property
+    def scheduled_request_ids(self) -> list[str]:
+        """Every request the step computes something for: tokens, or layers of a chunk in flight."""
+        return list(self.num_scheduled_tokens) + [rid for rid in self.layer_slices if rid not in self.num_scheduled_tokens]
+
+    @property
+    def has_work(self) -> bool:
+        """Anything for the model to compute: tokens, or layers of an in-flight chunk."""
+        return self.total_num_scheduled_tokens > 0 or bool(self.layer_slices)
 
 
 # ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from servelm.parallel.context_layout import AttentionHeads, Strategy, plan_step
 from servelm.parallel.groups import GroupMember, ParallelGroups, ParallelLayout
 from servelm.testing.ranks import run_ranks
 from servelm.worker.kv_cache import allocate_kv_caches
-from servelm.worker.model_runner import paged_attention_inputs
+from servelm.worker.paged_inputs import paged_attention_inputs
 
 HEADS = AttentionHeads(num_heads=4, num_kv_heads=2, head_dim=16)  # the tiny model's
 

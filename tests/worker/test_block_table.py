@@ -9,7 +9,7 @@ import torch
 
 from servelm.attention.backend import slots_of
 from servelm.worker.block_table import BlockTable
-from servelm.worker.model_runner import token_positions
+from servelm.worker.paged_inputs import token_positions
 
 
 def _rows(table: BlockTable) -> list[list[int]]:

@@ -95,7 +95,7 @@ class EngineCore:
         """A step raised. Alone, its request fails. With several, which one is to blame is not known:
         each is put back and run alone up to its next sample, so only the one that raises again
         fails (the others lose their KV and recompute: the price of the rare failing step)."""
-        request_ids = list(failed_step.num_scheduled_tokens)
+        request_ids = failed_step.scheduled_request_ids
         logger.error("engine step of %d request(s) failed: %s", len(request_ids), request_ids, exc_info=exc)
         # The traceback's frames hold the failed step's tensors (activations: all of a GPU's free
         # memory after an out-of-memory error); drop them before the retries need that memory.

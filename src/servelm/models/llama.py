@@ -23,6 +23,7 @@ every rank). One rank issues no collective: each helper is the identity there.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +212,17 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed, ops.silu_mul), residual
 
 
+@dataclass
+class PartialForward:
+    """A forward stopped between two decoder layers (layered prefill, worker/layered_chunks.py):
+    what the next layer reads. Made by `LlamaForCausalLM.begin`, advanced by `run_layers`."""
+
+    hidden: torch.Tensor  # [T, hidden]: the last layer's MLP output (the embedding before layer 0)
+    residual: torch.Tensor | None  # [T, hidden]: the running sum before it; None before layer 0
+    rope: tuple[torch.Tensor, torch.Tensor]  # the tokens' rotary cos / sin, computed once for every layer
+    next_layer: int = 0  # the first layer not yet run
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend,
                  linear_method: LinearMethodChooser = all_dense, tp: GroupMember = SINGLE_RANK) -> None:  # fmt: skip
@@ -248,19 +260,39 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: Sequence[LayerKVCache] | None = None,  # one [2, blocks, block_size, KVH, D] per layer
         num_layers: int | None = None,  # run only the first N decoder layers (a self-speculative draft)
     ) -> torch.Tensor:  # [T, hidden]
+        state = self.begin(input_ids, positions)
+        fused = self.fused_decode
+        if fused is not None and num_layers != 0 and fused.accepts(state.hidden.shape[0], metadata, kv_caches):
+            assert kv_caches is not None and isinstance(metadata, TorchAttentionMetadata)  # accepts checked
+            hidden, residual = fused.run(state.hidden, state.rope, metadata, kv_caches, num_layers)
+            return self.norm.add(hidden, residual, self.norm_rotary_ops)[0]
+        end = len(self.decoder_layers) if num_layers is None else num_layers
+        return self.finish(self.run_layers(state, metadata, kv_caches, end))
+
+    @torch.inference_mode()
+    def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> PartialForward:
+        """The embedding of `input_ids` ([T] long) at `positions` ([T] long), before layer 0."""
         hidden = self.embed_tokens(input_ids)
         # Every layer rotates by the same angles: computed once per forward, not once per layer.
         rope = self.decoder_layers[0].self_attn.rotary.cos_sin(positions, hidden.dtype)
-        residual: torch.Tensor | None = None
-        fused = self.fused_decode
-        if fused is not None and num_layers != 0 and fused.accepts(hidden.shape[0], metadata, kv_caches):
-            assert kv_caches is not None and isinstance(metadata, TorchAttentionMetadata)  # accepts checked
-            hidden, residual = fused.run(hidden, rope, metadata, kv_caches, num_layers)
-        else:
-            for i, layer in enumerate(self.decoder_layers[:num_layers]):
-                kv_cache = None if kv_caches is None else kv_caches[i]
-                hidden, residual = layer(rope, hidden, residual, kv_cache, metadata, self.norm_rotary_ops)
-        return self.norm.add(hidden, residual, self.norm_rotary_ops)[0]
+        return PartialForward(hidden, None, rope)
+
+    @torch.inference_mode()
+    def run_layers(self, state: PartialForward, metadata: AttentionMetadata,
+                   kv_caches: Sequence[LayerKVCache] | None, end_layer: int) -> PartialForward:  # fmt: skip
+        """Layers [state.next_layer, end_layer) over `state` (writing their K/V); returns the state
+        after them. The same arithmetic whether a forward runs its layers in one call or in several."""
+        hidden, residual = state.hidden, state.residual
+        for i in range(state.next_layer, end_layer):
+            kv_cache = None if kv_caches is None else kv_caches[i]
+            hidden, residual = self.decoder_layers[i](state.rope, hidden, residual, kv_cache, metadata,
+                                                      self.norm_rotary_ops)  # fmt: skip
+        return PartialForward(hidden, residual, state.rope, max(end_layer, state.next_layer))
+
+    @torch.inference_mode()
+    def finish(self, state: PartialForward) -> torch.Tensor:
+        """The final norm after the last layer run: [T, hidden], what compute_logits reads."""
+        return self.norm.add(state.hidden, state.residual, self.norm_rotary_ops)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,8 @@ import torch
 from servelm.spec.proposer import DraftRequest
 from servelm.worker.block_table import BlockTable
 from servelm.worker.draft_model import DraftModel
-from servelm.worker.model_runner import attention_backend_of, paged_attention_inputs
+from servelm.worker.model_runner import attention_backend_of
+from servelm.worker.paged_inputs import paged_attention_inputs
 
 
 @dataclass

@@ -14,11 +14,11 @@ to run came from the scheduler; whether a request samples follows from the arith
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from servelm.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionInputs, slots_of
+from servelm.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionInputs
 from servelm.attention.kv_storage import LayerKVCache, block_tensors
 from servelm.datatypes import ModelOutput, PositionLogprobs, SchedulerOutput
 from servelm.models.llama import LlamaForCausalLM
@@ -28,7 +28,9 @@ from servelm.worker.block_table import BlockTable
 from servelm.worker.cuda_graphs import DecodeGraphRunner
 from servelm.worker.host_transfer import to_device
 from servelm.worker.kv_offload import KVOffloader
+from servelm.worker.layered_chunks import LayeredChunks
 from servelm.worker.multi_rank import RankFailedError, StepBroadcaster
+from servelm.worker.paged_inputs import paged_attention_inputs
 from servelm.worker.prompt_logprobs import chunk_prompt_logprobs
 from servelm.worker.request_state import RunnerRequestState
 from servelm.worker.sampler import Sampler
@@ -46,6 +48,19 @@ EMPTY_STEP_LOAD_WAIT_S = 0.005
 
 
 @dataclass
+class SampleRows:
+    """The requests that sample this step and their rows in the step's hidden states, request after
+    request: the last 1 + k rows of each (k drafts verified)."""
+
+    samples: list[VerificationRows] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+
+    def extend(self, samples: list[VerificationRows], rows: list[int]) -> None:
+        self.samples.extend(samples)
+        self.rows.extend(rows)
+
+
+@dataclass
 class StepInputs:
     """The flattened batch of one step, in scheduler order."""
 
@@ -60,47 +75,6 @@ class StepInputs:
     # with their sampler rows: the last 1 + k rows of their tokens, k = drafts verified.
     samples: list[VerificationRows]
     sample_rows: list[int]  # flattened batch rows of every sampler row, request after request
-
-
-def token_positions(num_computed: torch.Tensor, query_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position of every new token and the batch index of its request, both [T] long.
-
-    num_computed, query_lens: [R] long. Request i's tokens are positions
-    num_computed[i] .. num_computed[i] + query_lens[i] - 1, laid end to end.
-    """
-    request_of_token = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens)  # [T]
-    first_row = torch.cumsum(query_lens, 0) - query_lens  # [R] row of each request's first token
-    offset_in_request = torch.arange(request_of_token.numel()) - first_row[request_of_token]
-    return num_computed[request_of_token] + offset_in_request, request_of_token
-
-
-def paged_attention_inputs(
-    table: torch.Tensor,  # [num_rows, max_blocks] int32, CPU: a BlockTable's tensor
-    rows: torch.Tensor,  # [R] long: each request's row in `table`
-    num_computed: torch.Tensor,  # [R] long: positions already in the KV pool
-    query_lens: torch.Tensor,  # [R] long: new tokens this forward
-    block_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,  # what the KV pool stores (the model's dtype, or int8 / fp8 codes)
-) -> tuple[torch.Tensor, CommonAttentionInputs]:
-    """Positions ([T] long, CPU) and attention inputs of a forward over paged K/V whose request i
-    runs query_lens[i] new tokens after num_computed[i] (the runner's steps, a draft model's)."""
-    seq_lens = num_computed + query_lens  # [R]
-    positions, request_of_token = token_positions(num_computed, query_lens)  # [T] each
-    slot_mapping = slots_of(table, rows[request_of_token], positions, block_size)  # [T] long
-    max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size  # the columns any request reaches
-    common = CommonAttentionInputs.from_lens(
-        query_lens,
-        seq_lens,
-        slot_mapping=slot_mapping.to(device, non_blocking=True),
-        block_table=table[rows, :max_blocks],  # [R, max_blocks] int32, CPU
-        block_size=block_size,
-        device=device,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-    )
-    return positions, common
 
 
 class ModelRunner:
@@ -148,6 +122,12 @@ class ModelRunner:
         self.kv_offloader = kv_offloader
         self.followers = followers
         self.decode_graphs = decode_graphs
+        # Layered prefill's chunks in flight (layered_chunks.py); None under context parallelism,
+        # whose ranks each compute a share of a chunk's rows (its scheduler sends no layer slices).
+        self.layered_chunks: LayeredChunks | None = None
+        if not isinstance(self.attention_backend, ContextParallelBackend):
+            self.layered_chunks = LayeredChunks(model, self.attention_backend, kv_caches, self.block_table, block_size,
+                                                device)  # fmt: skip
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Run one step; the output carries how long that took (the runner is the one that knows)."""
@@ -160,7 +140,7 @@ class ModelRunner:
         output = self._execute(scheduler_output)
         if offloader is not None:
             # Nothing to compute (requests wait for their KV): wait a little for a load instead of spinning.
-            wait_s = EMPTY_STEP_LOAD_WAIT_S if scheduler_output.total_num_scheduled_tokens == 0 else 0.0
+            wait_s = 0.0 if scheduler_output.has_work else EMPTY_STEP_LOAD_WAIT_S
             output.kv_load_results = offloader.take_results(wait_s)
             output.kv_saved_bytes = offloader.take_saved_bytes()
             output.kv_exports_served = offloader.take_served()
@@ -188,17 +168,54 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         self._update_mirrors(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        if not scheduler_output.has_work:
             return ModelOutput(sampled_token_ids={})
-        inputs = self._prepare_inputs(scheduler_output, self._is_graph_step(scheduler_output))
-        hidden = self._forward(inputs)
-        output = ModelOutput(sampled_token_ids={rid: [] for rid in inputs.request_ids})
-        output.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
-        if inputs.samples:
-            self._sample(inputs, hidden, output)
+        so = scheduler_output
+        output = ModelOutput(sampled_token_ids={rid: [] for rid in so.num_scheduled_tokens})
+        # Layer slices first (layered_chunks.py): those that end their chunk give its hidden states,
+        # which sample and give prompt logprobs like the step's own rows.
+        completed = self._run_layer_slices(so)
+        step_ids = [rid for rid in so.num_scheduled_tokens if rid not in so.layer_slices]
+        rows = SampleRows()
+        hidden_parts: list[torch.Tensor] = []
+        if step_ids:
+            inputs = self._prepare_inputs(so, step_ids, self._is_graph_step(so, step_ids))
+            hidden = self._forward(inputs)
+            output.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+            rows.extend(inputs.samples, inputs.sample_rows)
+            hidden_parts.append(hidden)
+        offset = hidden_parts[0].shape[0] if hidden_parts else 0
+        for request_id, chunk_hidden in completed.items():
+            state = self.requests[request_id]
+            num_rows = chunk_hidden.shape[0]
+            if state.num_computed_tokens + num_rows == state.num_tokens:  # the prompt's last chunk: it samples
+                rows.extend([VerificationRows.of(state, [])], [offset + num_rows - 1])
+            num_top = state.sampling_params.prompt_logprobs
+            if num_top is not None:
+                output.prompt_logprobs[request_id] = chunk_prompt_logprobs(
+                    self.model, chunk_hidden, state.prompt_token_ids, state.num_computed_tokens, num_top
+                )
+            hidden_parts.append(chunk_hidden)
+            offset += num_rows
+        if rows.samples:
+            all_hidden = hidden_parts[0] if len(hidden_parts) == 1 else torch.cat(hidden_parts)
+            self._sample(rows, all_hidden, output)
             if self.proposer is not None:
-                self._propose(inputs.samples, output, scheduler_output.num_drafts_wanted)
+                self._propose(rows.samples, output, so.num_drafts_wanted)
         return output
+
+    def _run_layer_slices(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Every layer slice of the step, in order; the final hidden states of the chunks that completed."""
+        if not so.layer_slices:
+            return {}
+        if self.layered_chunks is None:
+            raise ValueError("layer slices sent to a runner without layered prefill (context parallelism)")
+        completed = {}
+        for request_id, layers in so.layer_slices.items():
+            chunk_hidden = self.layered_chunks.run(self.requests[request_id], layers)
+            if chunk_hidden is not None:
+                completed[request_id] = chunk_hidden
+        return completed
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of every row of the step, [T, hidden]. Under context parallelism this
@@ -214,18 +231,18 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids[local], inputs.positions[local], metadata, self.kv_caches)
         return backend.gather_hidden(hidden, metadata)
 
-    def _is_graph_step(self, so: SchedulerOutput) -> bool:
+    def _is_graph_step(self, so: SchedulerOutput, request_ids: list[str]) -> bool:
         """Whether the decode graph runner runs this step: every request a plain decode (one token, no
         drafts, no prompt logprobs), the batch within its largest bucket, and no KV load in flight
         (started before or by this step: a capture must not overlap the loader thread's copies)."""
         graphs = self.decode_graphs
-        if graphs is None or not graphs.fits(len(so.num_scheduled_tokens)) or so.scheduled_draft_token_ids:
+        if graphs is None or not graphs.fits(len(request_ids)) or so.scheduled_draft_token_ids:
             return False
         if self.kv_offloader is not None and self.kv_offloader.has_loads_in_flight:
             return False
         return all(
-            num_tokens == 1 and self.requests[rid].sampling_params.prompt_logprobs is None
-            for rid, num_tokens in so.num_scheduled_tokens.items()
+            so.num_scheduled_tokens[rid] == 1 and self.requests[rid].sampling_params.prompt_logprobs is None
+            for rid in request_ids
         )
 
     # -- mirrors -----------------------------------------------------------------------
@@ -234,6 +251,8 @@ class ModelRunner:
         """The one place SchedulerOutput is applied: request states and their block table rows."""
         for request_id in so.finished_request_ids | so.preempted_request_ids:
             state = self.requests.pop(request_id, None)
+            if self.layered_chunks is not None:
+                self.layered_chunks.forget(request_id)
             if state is not None:
                 self.block_table.remove(request_id)
                 if self.proposer is not None:
@@ -248,8 +267,8 @@ class ModelRunner:
 
     # -- inputs ------------------------------------------------------------------------
 
-    def _prepare_inputs(self, so: SchedulerOutput, graph_step: bool = False) -> StepInputs:
-        request_ids = list(so.num_scheduled_tokens)
+    def _prepare_inputs(self, so: SchedulerOutput, request_ids: list[str], graph_step: bool = False) -> StepInputs:
+        """The flattened batch of `request_ids` (the step's requests but its completing layer slices)."""
         states = [self.requests[rid] for rid in request_ids]
         num_computed = torch.tensor([s.num_computed_tokens for s in states], dtype=torch.long)  # [R]
         query_lens = torch.tensor([so.num_scheduled_tokens[rid] for rid in request_ids], dtype=torch.long)  # [R]
@@ -288,13 +307,13 @@ class ModelRunner:
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelOutput) -> None:
+    def _sample(self, sample_rows: SampleRows, hidden: torch.Tensor, output: ModelOutput) -> None:
         """One sampler row per verified position (see spec_verify.py); without drafts, one per request.
         The host waits for the device once, for the sampled ids and logprobs together (to_host)."""
-        rows = to_device(inputs.sample_rows, torch.long, self.device)
+        rows = to_device(sample_rows.rows, torch.long, self.device)
         logits = self.model.compute_logits(hidden[rows])  # [S, V] float32
-        row_states = [v.state for v in inputs.samples for _ in range(v.num_rows)]
-        histories = [history for v in inputs.samples for history in v.output_histories()]
+        row_states = [v.state for v in sample_rows.samples for _ in range(v.num_rows)]
+        histories = [history for v in sample_rows.samples for history in v.output_histories()]
         metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in row_states],
             prompt_token_ids=[s.prompt_token_ids for s in row_states],
@@ -307,7 +326,7 @@ class ModelRunner:
         host = self.sampler(logits, metadata).to_host(metadata.num_logprobs)
         sampled, position_logprobs = host.token_ids, host.logprobs
         first_row = 0
-        for verification in inputs.samples:
+        for verification in sample_rows.samples:
             request_id = verification.state.request_id
             end_row = first_row + verification.num_rows
             emitted = accept_drafts(verification.drafts, sampled[first_row:end_row])
