@@ -156,14 +156,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds of waiting after which a request's priority improves by one class (0 = no aging)",
     )  # fmt: skip
     group.add_argument(
-        "--max-step-ms", type=float, default=None,
-        help="inter-token latency target: while requests decode, prefill chunks shrink to keep steps under it (0 = off)",
+        "--max-step-ms", "--arrival-wait-ms", dest="max_step_ms", type=float, default=None,
+        help="step-time target (ms): every step's work is sized to end within it, so a request arriving mid-step "
+        "waits at most about that long (default: 10x the fixed part of a prompt step, measured at start-up; "
+        "0 = no bound). --arrival-wait-ms is an older name for it",
     )  # fmt: skip
     group.add_argument(
-        "--arrival-wait-ms", type=float, default=None,
-        help="longest wait (ms) for the running step that a newly arrived request may face: every step's chunks "
-        "are kept under it but those of classes with a TTFT target of at most twice it (default off; see "
-        "SchedulerConfig.arrival_wait_ms)",
+        "--no-layered-prefill", dest="layered_prefill", action="store_false", default=None,
+        help="cut long prompts into token chunks only (default: a chunk the step-time target would make too small "
+        "to run efficiently runs a few layers a step instead)",
     )  # fmt: skip
     group.add_argument(
         "--speculative-config", default=None,
@@ -222,7 +223,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             "long_prefill_token_threshold",
             "aging_s",
             "max_step_ms",
-            "arrival_wait_ms",
+            "layered_prefill",
             "kv_events_port",
             "kv_events_host",
             "speculative_config",

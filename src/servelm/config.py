@@ -187,33 +187,26 @@ class SchedulerConfig:
     # waited this long is admitted with a first chunk shrunk to the free blocks rather than wait
     # for room for its whole chunk. 0 disables both.
     aging_s: float = 10.0
-    # Inter-token latency target (ms) for steps that carry decodes; 0 = off. While any request
-    # is decoding, a step schedules only the tokens its learned cost model (step_cost.py: per
-    # token, and per attention pair of a prompt chunk, priced at the deepest prompt mid-prefill)
-    # says fit in this time: a long prompt is then prefilled in smaller chunks and running streams
-    # keep their pace. Each step still takes every decode plus at least one block of prefill,
-    # so prompts always progress. Steps with no decode keep the full budget (TTFT first).
-    # Requests whose class has a TBT target (RequestSlo.tbt_target_s) tighten it while they
-    # decode, set or not (step_cost.step_time_target_s). Default 200 ms, the interactive class's
-    # TBT: measured through the API on the default model (2 CPU cores, chat at 8 in flight) it took
-    # TBT p99 from 298-353 ms to 158-207 ms for 5-8% fewer tokens/s and a longer TTFT p99
-    # (benchmarks/RESULTS.md, issue 19); where steps are fast (a GPU) it never binds.
-    max_step_ms: float = 200.0
-    # How long (ms) a request arriving mid-step may have to wait for that step to end; 0 = no bound.
-    # Every step, decodes or not, gives the chunks of requests it does not protect only what its
-    # learned cost model says ends in this time, but never so few tokens that the step's fixed
-    # part is over a quarter of it. A class whose TTFT target is at most twice the bound is what it
-    # protects (150 ms: a 300 ms realtime class): such a request's own chunk goes whole. Opt-in:
-    # measured on the mixed profile at 0.1 req/s (benchmarks/RESULTS.md, issue 11, 2026-12-02) it
-    # took voice TTFT p90 from 575 to 520 ms but doubled a 4k code prompt's (8.2 -> 15.4 s): its
-    # bound is priced in tokens alone (the step budget prices a chunk's depth since 2026-12-02,
-    # this bound not yet), so small chunks at long contexts run longer than planned. Its first
-    # form (no protection, no floor) was worse still.
-    arrival_wait_ms: float = 0.0
+    # The step-time target (ms): every step's work is sized so that the cost model (step_cost.py,
+    # calibrated at start-up and refined by every step) predicts it ends within this time, decodes
+    # or not. A step is never interrupted, so this is also how long a request arriving mid-step
+    # can wait before it is looked at (step_pricing.py). While requests with a class TBT target
+    # decode, TBT_STEP_SHARE of the tightest such target binds instead when smaller. None: chosen
+    # at start-up as 10x the calibrated fixed part of a prompt step (step_pricing.auto_step_target_s:
+    # ~250 ms on 2 CPU cores and the default model, tens of ms on a GPU); 0: no bound (steps are
+    # held to max_num_batched_tokens alone).
+    max_step_ms: float | None = None
+    # Layered prefill (worker/layered_chunks.py): where the target would cut a long prompt into
+    # chunks too small to run efficiently, one large chunk's forward is spread over several steps
+    # by layers instead. Off: token chunks only (and on a context-parallel worker, whose ranks
+    # share each chunk's rows).
+    layered_prefill: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.max_step_ms >= 0, f"max_step_ms must be >= 0, got {self.max_step_ms}")
-        _require(self.arrival_wait_ms >= 0, f"arrival_wait_ms must be >= 0, got {self.arrival_wait_ms}")
+        _require(
+            self.max_step_ms is None or self.max_step_ms >= 0,
+            f"max_step_ms must be >= 0 (or unset: chosen at start-up), got {self.max_step_ms}",
+        )
         _require(
             self.max_num_batched_tokens > 0,
             f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",

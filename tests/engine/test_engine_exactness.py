@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from servelm.config import EngineConfig
-from servelm.datatypes import DEFAULT_SLO, EngineRequest, FinishReason, RequestSlo
+from servelm.datatypes import DEFAULT_SLO, EngineRequest, FinishReason, LayerSlice, RequestSlo, SchedulerOutput
 from servelm.engine.builder import build_engine
 from servelm.sampling_params import SamplingParams
+from servelm.scheduler.scheduler import Scheduler
 from servelm.testing.reference_decode import greedy_decode
 
 
@@ -147,23 +150,39 @@ def test_prefix_cache_skips_work_not_results(tiny_dir):
     assert stats.prefix_hits == 64
 
 
-def test_step_time_target_changes_chunking_not_results(tiny_dir, reference_model):
-    """max_step_ms learns the step cost from real steps and shrinks prefill chunks while
-    requests decode: many more, smaller chunks, and the same greedy tokens."""
+def _record_layer_slices(scheduler: Scheduler) -> list[LayerSlice]:
+    """The layer slices of every step the real scheduler plans from now on (it watches, changes nothing)."""
+    slices: list[LayerSlice] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        so = schedule()
+        slices.extend(so.layer_slices.values())
+        return so
+
+    scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    return slices
+
+
+@pytest.mark.parametrize("layered", [True, False])
+def test_step_time_target_changes_chunking_not_results(tiny_dir, reference_model, layered):
+    """A step-time target sizes every step by the learned cost model: many more, smaller chunks
+    (or, with layered prefill, chunks run a few layers a step), and the same greedy tokens."""
     vocab = reference_model.arch.vocab_size
     workload = _workload(seed=5, count=12, vocab=vocab)
     steps = {}
-    for max_step_ms in (0.0, 0.001):  # 1 µs: below any step, so every decode step takes the floor
+    for max_step_ms in (0.0, 0.001):  # 1 µs: below any step, so every step takes the floor
         config = EngineConfig.from_flat(
             model=str(tiny_dir), num_blocks=256, block_size=16, max_num_batched_tokens=512, max_step_ms=max_step_ms,
+            layered_prefill=layered,
         )  # fmt: skip
         built = build_engine(config)
+        slices = _record_layer_slices(built.core.scheduler)
         tokens, _, steps[max_step_ms] = _run(built.core, workload)
         for i, (prompt, max_tokens, _) in enumerate(workload):
             assert tokens[str(i)] == greedy_decode(reference_model, prompt, max_tokens), f"request {i} diverged"
-        # The fit the budget uses (the window's last one can be noise on a busy machine: its slope <= 0).
-        assert built.core.scheduler.step_cost.current() is not None, "the cost model saw steps of different sizes"
+        assert built.core.scheduler.step_cost.coefficients() is not None
         assert built.core.stats().num_used_blocks == 0
-    # Same work in smaller steps: prompts that arrive while others decode go a block per
-    # partial-prefill slot (4 x 16 tokens, the floor) at a time instead of 512.
-    assert steps[0.001] > 1.3 * steps[0.0], steps
+        assert bool(slices) == (layered and max_step_ms > 0), "layer slices only where layered prefill is on and bound"
+        assert any(s.end_layer < len(built.core.runner.model.decoder_layers) for s in slices) or not slices
+    assert steps[0.001] > 1.3 * steps[0.0], steps  # the same work in smaller steps

@@ -26,7 +26,7 @@ from servelm.obs.startup import StartupTimeline
 from servelm.sampling_params import SamplingParams
 from servelm.spec.suffix import SuffixProposer
 from servelm.testing.reference_decode import greedy_decode
-from servelm.worker.warmup import CALIBRATION_PROMPT_TOKENS, WARMUP_PROMPT_TOKENS
+from servelm.worker.warmup import CALIBRATION_PROMPT_TOKENS, WARMUP_MANY_ROWS_TOKENS, WARMUP_PROMPT_TOKENS
 
 ENGINE_PHASES = ["kernel_build", "load", "kv_sizing", "warmup"]
 
@@ -94,7 +94,8 @@ def test_warm_up_runs_a_prefill_and_a_decode_and_leaves_nothing_behind(tiny_dir,
 
     calibrated = [n for n in CALIBRATION_PROMPT_TOKENS if n + 1 <= 16 * 4]  # what the 64-token pool holds
     assert calibrated, "the pool holds at least the shortest calibration prompt"
-    expected = [[WARMUP_PROMPT_TOKENS], [1]]  # a prefill, then one decode token
+    # a prefill, then one decode token; again for a many-row prompt
+    expected = [[WARMUP_PROMPT_TOKENS], [1], [WARMUP_MANY_ROWS_TOKENS], [1]]
     for n in calibrated:  # then each calibration prompt, and a decode after it
         expected += [[n], [1]]
     assert backend.query_lens == expected
@@ -127,7 +128,7 @@ def test_the_step_cost_model_is_fitted_before_the_first_request(tiny_dir):
     binds from the first long prompt next to a decoding stream on, instead of the static budget
     until four real steps of different sizes ran."""
     core = build_engine(EngineConfig.from_flat(model=str(tiny_dir), num_blocks=64, block_size=16)).core
-    fitted = core.scheduler.step_cost.current()
-    assert fitted is not None
-    fixed_s, per_token_s = fitted
-    assert fixed_s >= 0 and per_token_s > 0
+    coefficients = core.scheduler.step_cost.coefficients()
+    assert coefficients is not None and all(c >= 0 for c in coefficients)
+    assert core.scheduler.step_cost.calibrated_fixed_s is not None
+    assert core.scheduler.step_target_s() is not None  # the default target, from the calibration

@@ -21,11 +21,13 @@ from servelm.kv import KVCacheManager
 from servelm.sampling_params import SamplingParams
 from servelm.scheduler.request import RequestStatus
 from servelm.scheduler.scheduler import Scheduler
+from servelm.scheduler.step_cost import StepShape
 
 EOS = 2
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
 MAX_NUM_SEQS = 4
+NUM_LAYERS = 4  # the model's layers, for layered prefill
 PREFIXES = [[3] * 12, [3] * 4 + [4] * 8, [5, 6, 5, 6, 5, 6, 5, 6]]
 # (class, TTFT target, TBT target): tight, loose and none (the deadline is then arrival + aging_s)
 CLASSES = [("realtime", 0.3, 0.1), ("batch", 30.0, None), ("default", None, None)]
@@ -79,8 +81,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.mirrors: dict[str, Mirror] = {}
         self.finished: set[str] = set()
         self.scheduler = self._make(True, 0, (4, 4), True)
+        self.layers_run: dict[str, int] = {}  # layered chunks in flight: layers the runner has run
 
-    def _make(self, chunked: bool, cap: int | None, slots: tuple[int, int], prefix_caching: bool) -> Scheduler:
+    def _make(self, chunked: bool, cap: int | None, slots: tuple[int, int], prefix_caching: bool,
+              max_step_ms: float = 0.0) -> Scheduler:  # fmt: skip
         config = SchedulerConfig(
             max_num_batched_tokens=32 if chunked else 40,
             max_num_seqs=MAX_NUM_SEQS,
@@ -90,18 +94,28 @@ class SchedulerMachine(RuleBasedStateMachine):
             long_prefill_token_threshold=cap if chunked else 0,
             enable_chunked_prefill=chunked,
             aging_s=3.0,
+            max_step_ms=max_step_ms,
         )
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
-        return Scheduler(config, self.kv, eos_token_ids=[EOS], clock=self.clock)
+        scheduler = Scheduler(config, self.kv, eos_token_ids=[EOS], clock=self.clock, num_layers=NUM_LAYERS)
+        # Priced steps (max_step_ms > 0) need a cost model: taught an exact linear truth in which a
+        # chunk's pass over the weights is most of a small chunk (so the time bound makes layered ones).
+        truth = (0.001, 0.005, 0.001, 1e-6, 0.0005, 1e-5, 1e-4)
+        shapes = [StepShape(dense_passes=1) + StepShape.chunk(n, d) for n in (4, 16, 32) for d in (0, 8, 24)]
+        shapes += [StepShape.decode(n, d) for n in (1, 3) for d in (4, 30)]
+        scheduler.step_cost.calibrate([(x, sum(c * f for c, f in zip(truth, x.features()))) for x in shapes])
+        return scheduler
 
     @initialize(
         chunked=st.booleans(),
         cap=st.sampled_from([None, 0, 3, 8]),  # None: derived from the budget
         slots=st.sampled_from([(4, 4), (2, 1), (1, 1)]),  # (max_num_partial_prefills, max_long_partial_prefills)
         prefix_caching=st.booleans(),
+        max_step_ms=st.sampled_from([0.0, 0.0, 8.0, 20.0]),  # 0: unpriced, the token budget alone
     )
-    def setup(self, chunked: bool, cap: int | None, slots: tuple[int, int], prefix_caching: bool) -> None:
-        self.scheduler = self._make(chunked, cap, slots, prefix_caching)
+    def setup(self, chunked: bool, cap: int | None, slots: tuple[int, int], prefix_caching: bool,
+              max_step_ms: float) -> None:  # fmt: skip
+        self.scheduler = self._make(chunked, cap, slots, prefix_caching, max_step_ms if chunked else 0.0)
 
     @rule(requests=st.lists(REQUESTS, min_size=1, max_size=3))
     def add(self, requests: list[Drawn]) -> None:
@@ -144,9 +158,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.scheduler
         so = s.schedule()
         s.check_invariants()
-        assert so.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
+        # The token budget bounds one forward's rows: a layered chunk runs in a forward of its own.
+        completing = sum(so.num_scheduled_tokens[r] for r in so.layer_slices if r in so.num_scheduled_tokens)
+        assert so.total_num_scheduled_tokens - completing <= s.config.max_num_batched_tokens
+        assert all(layers.num_tokens <= s.config.max_num_batched_tokens for layers in so.layer_slices.values())
         self._check_admission(so)
         self._apply_to_mirrors(so)
+        for request_id, layers in so.layer_slices.items():  # the runner's layered chunks
+            mirror = self.mirrors[request_id]
+            assert layers.start_layer == self.layers_run.get(request_id, 0) < layers.end_layer <= NUM_LAYERS
+            end = mirror.num_computed_tokens + layers.num_tokens
+            assert end <= len(mirror.token_ids) and len(mirror.block_ids) * BLOCK_SIZE >= end
+            assert (request_id in so.num_scheduled_tokens) == (layers.end_layer == NUM_LAYERS)
+            if layers.end_layer == NUM_LAYERS:
+                assert so.num_scheduled_tokens[request_id] == layers.num_tokens
+                self.layers_run.pop(request_id, None)
+            else:
+                self.layers_run[request_id] = layers.end_layer
         sampled = {}
         for i, (request_id, num) in enumerate(so.num_scheduled_tokens.items()):
             mirror = self.mirrors[request_id]
@@ -163,16 +191,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.finished.add(output.request_id)
         for request_id in so.num_scheduled_tokens:
             request = s.get_request(request_id)
-            if request is not None:  # still running: KV exactly covers what is computed
-                assert len(self.kv.get_block_ids(request_id)) == -(-request.num_computed_tokens // BLOCK_SIZE)
+            if request is not None:  # still running: KV exactly covers what is computed (and a chunk in flight)
+                covered = request.num_computed_tokens + request.layered_tokens
+                assert len(self.kv.get_block_ids(request_id)) == -(-covered // BLOCK_SIZE)
 
     def _check_admission(self, so: SchedulerOutput) -> None:
         """After a step that preempted nobody and left budget and a seat, every request still
         waiting has a reason of its own: no request that does not fit holds back one that does."""
         s = self.scheduler
         budget_left = s.config.max_num_batched_tokens - so.total_num_scheduled_tokens
-        if so.preempted_request_ids or budget_left <= 0 or s.num_running >= MAX_NUM_SEQS:
-            return
+        if so.preempted_request_ids or budget_left <= 0 or s.num_running >= MAX_NUM_SEQS or s.config.max_step_ms:
+            return  # (a priced step leaves requests out for want of time: test_step_time_bound.py)
         num_free = self.kv.num_free_blocks
         cap = s.config.prefill_chunk_cap
         # With a slot for every seat, a starving prompt can always have one.
@@ -199,6 +228,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not so.finished_request_ids & so.preempted_request_ids
         for request_id in so.finished_request_ids | so.preempted_request_ids:
             del self.mirrors[request_id]  # only ids the runner knows
+            self.layers_run.pop(request_id, None)  # ... and its chunk in flight with it
         for new in so.new_requests:
             assert new.request_id not in self.mirrors
             self.mirrors[new.request_id] = Mirror(

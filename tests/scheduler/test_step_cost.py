@@ -1,4 +1,5 @@
-"""StepCostModel: a least-squares fit of step time over tokens, inverted for a token budget."""
+"""StepCostModel: non-negative least squares of step time over what a step computes, calibrated at
+start-up and refined by the steps the engine runs; and StepPricing's questions over it."""
 
 from __future__ import annotations
 
@@ -6,125 +7,114 @@ import random
 
 import pytest
 
-from servelm.scheduler.step_cost import StepCostModel, chunk_pairs
+from servelm.scheduler.step_cost import REFIT_EVERY, StepCostModel, StepShape, chunk_pairs
+from servelm.scheduler.step_pricing import AUTO_TARGET_MAX_S, AUTO_TARGET_MIN_S, StepPricing, auto_step_target_s
+
+TRUTH = (0.002, 0.008, 0.001, 2e-7, 0.0005, 1e-6, 1e-5)
 
 
-def test_no_answer_before_the_window_can_separate_fixed_from_per_token_cost() -> None:
+def seconds(shape: StepShape, truth: tuple[float, ...] = TRUTH) -> float:
+    return sum(c * x for c, x in zip(truth, shape.features()))
+
+
+def calibration_shapes() -> list[StepShape]:
+    shapes = [StepShape(dense_passes=1) + StepShape.chunk(n, 0) for n in (16, 64, 192)]
+    shapes += [StepShape(dense_passes=0.1) + StepShape.chunk(n, d, 0.1) for n, d in ((128, 1024), (256, 2048), (32, 4096))]
+    return shapes + [StepShape.decode(1, d) for d in (16, 1024, 4096)] + [StepShape.decode(4, 16)]
+
+
+def calibrated(truth: tuple[float, ...] = TRUTH) -> StepCostModel:
     model = StepCostModel()
-    assert model.tokens_within(0.1) is None
-    for _ in range(10):
-        model.observe(32, 0.02)  # all steps the same size: no slope
-    assert model.fit() is None and model.tokens_within(0.1) is None
+    model.calibrate([(shape, seconds(shape, truth)) for shape in calibration_shapes()])
+    return model
 
 
-def test_recovers_a_linear_cost_and_inverts_it() -> None:
+def test_no_answer_before_a_calibration_or_four_steps_of_different_sizes() -> None:
     model = StepCostModel()
+    assert model.coefficients() is None and model.predict(StepShape.decode(1, 10)) is None
+    for _ in range(4):
+        model.observe(StepShape.decode(1, 10), 0.01)  # one size: no slope
+    assert model.coefficients() is None
+    assert auto_step_target_s(model) is None  # nothing calibrated: no default target
+
+
+def test_the_calibration_recovers_every_price() -> None:
+    model = calibrated()
+    assert model.coefficients() == pytest.approx(TRUTH, rel=1e-3)
+    deep = StepShape(dense_passes=1) + StepShape.chunk(16, 6144)  # a small chunk deep in a prompt
+    assert model.predict(deep) == pytest.approx(seconds(deep), rel=1e-3)
+    assert model.calibrated_fixed_s == pytest.approx(TRUTH[0] + TRUTH[1], rel=1e-3)
+
+
+def test_the_window_moves_the_prices_with_the_machine_and_the_calibration_holds_the_rest() -> None:
+    """The machine runs 2x slower than at start-up on the steps it now runs (decodes and shallow
+    chunks); the fit follows within a window. Chunk context, which no window step varies, stays
+    near its calibrated price (the prior still holds it); the default target stays put."""
+    model = calibrated()
+    slow = tuple(2 * c for c in TRUTH)
     rng = random.Random(0)
-    for _ in range(40):
-        tokens = rng.randint(1, 2048)
-        model.observe(tokens, 0.010 + 0.0005 * tokens)  # 10 ms fixed, 0.5 ms per token
-    fixed, per_token = model.fit()
-    assert fixed == pytest.approx(0.010, rel=1e-6) and per_token == pytest.approx(0.0005, rel=1e-6)
-    assert model.tokens_within(0.110) == 200
-    assert model.tokens_within(0.005) == 0  # under the fixed part: nothing fits
+    for _ in range(model.window):
+        shape = StepShape.decode(rng.randint(1, 8), 100) + StepShape(dense_passes=1) + StepShape.chunk(rng.randint(16, 400), 0)
+        model.observe(shape, seconds(shape, slow))
+    probe = StepShape.decode(4, 100) + StepShape(dense_passes=1) + StepShape.chunk(200, 0)
+    assert model.predict(probe) == pytest.approx(seconds(probe, slow), rel=0.05)
+    assert model.coefficients()[6] == pytest.approx(TRUTH[6], rel=0.5)
+    assert model.calibrated_fixed_s == pytest.approx(TRUTH[0] + TRUTH[1], rel=1e-3)
 
 
-def test_follows_the_machine_through_its_window() -> None:
-    model = StepCostModel(window=16)
-    for tokens in range(1, 17):
-        model.observe(tokens * 10, 0.001 * tokens * 10)  # 1 ms per token
-    for tokens in range(1, 17):
-        model.observe(tokens * 10, 0.004 * tokens * 10)  # the machine got 4x slower
-    assert model.fit()[1] == pytest.approx(0.004)
-
-
-def test_noise_with_no_upward_slope_gives_no_budget() -> None:
-    model = StepCostModel()
-    for tokens, seconds in ((10, 0.05), (100, 0.04), (200, 0.03), (400, 0.02)):
-        model.observe(tokens, seconds)
-    assert model.tokens_within(1.0) is None
-
-
-def test_ignores_empty_steps() -> None:
-    model = StepCostModel()
-    model.observe(0, 0.01)
-    model.observe(10, 0.0)
-    assert model.fit() is None
-
-
-def test_keeps_its_last_fit_when_the_window_holds_only_one_step_size() -> None:
-    # Steps shaped by the budget all have about one size: no new slope, but the old one holds.
-    model = StepCostModel(window=8)
-    for tokens in (1, 10, 50, 100):
-        model.observe(tokens, 0.010 + 0.001 * tokens)
-    assert model.tokens_within(0.050) == 40
-    for _ in range(8):
-        model.observe(41, 0.051)
-    assert model.fit() is None
-    assert model.tokens_within(0.050) == 40
-
-
-def test_a_fixed_share_floor_keeps_steps_from_shrinking_to_their_fixed_part() -> None:
-    model = StepCostModel()
-    for tokens in (1, 8, 32, 64, 128):
-        model.observe(tokens, 0.030 + 0.001 * tokens)  # 30 ms fixed, 1 ms a token
-    assert model.tokens_within(0.020) == 0  # even the fixed part is over 20 ms
-    assert model.tokens_within(0.020, max_fixed_share=0.25) == 90  # 30 ms is a quarter of 30 + 90
-    assert model.tokens_within(0.200, max_fixed_share=0.25) == 170  # over the floor: the bound itself
-
-
-def _chunked_cost(tokens: int, context: int) -> float:
-    """10 ms fixed, 0.5 ms a token, 1 µs an attention pair."""
-    return 0.010 + 0.0005 * tokens + 1e-6 * chunk_pairs(tokens, context)
-
-
-def test_recovers_the_attention_cost_of_chunks_deep_in_a_prompt() -> None:
+def test_noise_never_makes_a_price_negative_and_empty_steps_are_ignored() -> None:
     model = StepCostModel()
     rng = random.Random(1)
-    for _ in range(40):
-        tokens, context = rng.randint(1, 512), rng.choice((0, 0, 500, 1500, 3000))
-        model.observe(tokens, _chunked_cost(tokens, context), chunk_pairs(tokens, context))
-    fixed, per_token = model.fit()
-    assert fixed == pytest.approx(0.010, rel=1e-6) and per_token == pytest.approx(0.0005, rel=1e-6)
-    assert model.per_pair_s == pytest.approx(1e-6, rel=1e-6)
-    assert model.tokens_within(0.110) == 200  # tokens without pairs (decodes): as before
-    for context in (0, 1000, 3000):
-        n = model.tokens_within(0.110, context=context)
-        assert _chunked_cost(n, context) <= 0.110 < _chunked_cost(n + 1, context), context
-    assert model.tokens_within(0.110, context=3000) == 28  # ~0.0035 s a token at that depth
+    for _ in range(64):
+        model.observe(StepShape.decode(rng.randint(1, 64), rng.randint(0, 4000)), rng.uniform(0.005, 0.02))
+    model.observe(StepShape(), 5.0)
+    coefficients = model.coefficients()
+    assert coefficients is not None and all(c >= 0 for c in coefficients)
 
 
-def test_prices_prompt_blocks_by_their_tokens_and_their_pairs_at_depth_without_the_fixed_part() -> None:
-    model = StepCostModel()
-    assert model.prompt_blocks_s(16, 0, 3) is None  # no fit yet
-    rng = random.Random(2)
-    for _ in range(40):
-        tokens, context = rng.randint(1, 512), rng.choice((0, 0, 500, 1500, 3000))
-        model.observe(tokens, _chunked_cost(tokens, context), chunk_pairs(tokens, context))
+def test_it_refits_every_few_steps_not_every_step() -> None:
+    model = calibrated()
+    first = model.coefficients()
+    for _ in range(REFIT_EVERY - 1):
+        model.observe(StepShape.decode(1, 10), 1.0)  # wildly slower
+    assert model.coefficients() == first
+    model.observe(StepShape.decode(1, 10), 1.0)
+    assert model.coefficients() != first
+
+
+def test_prompt_blocks_are_priced_by_their_tokens_and_pairs_at_depth_without_the_fixed_part() -> None:
+    model = calibrated()
     blocks = model.prompt_blocks_s(16, 2048, 3)
-    assert blocks is not None and len(blocks) == 3
-    for i, seconds in enumerate(blocks):
-        depth = 2048 + 16 * i
-        assert seconds == pytest.approx(_chunked_cost(16, depth) - 0.010, rel=1e-6)
-    assert blocks[0] < blocks[1] < blocks[2]  # deeper blocks attend to more of the prompt
+    assert blocks is not None
+    for i, block_s in enumerate(blocks):
+        assert block_s == pytest.approx(TRUTH[4] * 16 + TRUTH[5] * chunk_pairs(16, 2048 + 16 * i), rel=1e-3)
+    assert StepCostModel().prompt_blocks_s(16, 0, 3) is None
 
 
-def test_a_window_without_chunks_keeps_the_pair_cost_and_nets_it_out() -> None:
-    model = StepCostModel(window=16)
-    for tokens, context in [(t, c) for t in (16, 64, 128, 256) for c in (0, 2000)]:
-        model.observe(tokens, _chunked_cost(tokens, context), chunk_pairs(tokens, context))
-    assert model.fit() is not None and model.per_pair_s == pytest.approx(1e-6, rel=1e-6)
-    for tokens in (1, 4, 8, 16, 2, 6, 12, 3) * 2:  # decodes only, now twice as slow per token
-        model.observe(tokens, 0.010 + 0.001 * tokens)
-    fixed, per_token = model.fit()
-    assert per_token == pytest.approx(0.001, rel=1e-6) and model.per_pair_s == pytest.approx(1e-6, rel=1e-6)
-    # A mixed window whose pairs only follow its tokens (every chunk at the same depth) cannot
-    # tell them apart: the known pair cost is taken off and the tokens fitted to the rest.
-    model = StepCostModel(window=16)
-    for tokens, context in [(t, c) for t in (16, 64, 128, 256) for c in (0, 2000)]:
-        model.observe(tokens, _chunked_cost(tokens, context), chunk_pairs(tokens, context))
-    assert model.fit() is not None  # the scheduler asks every step: the pair cost is learned here
-    for tokens in (10, 20, 30, 40) * 4:
-        model.observe(tokens, 0.010 + 0.0005 * tokens + 1e-6 * tokens * 1000, tokens * 1000)
-    fixed, per_token = model.fit()
-    assert fixed == pytest.approx(0.010, abs=1e-9) and per_token == pytest.approx(0.0005, rel=1e-6)
+def test_the_default_target_is_clamped() -> None:
+    assert auto_step_target_s(calibrated()) == pytest.approx(10 * (TRUTH[0] + TRUTH[1]), rel=1e-3)
+    assert auto_step_target_s(calibrated(tuple(c * 100 for c in TRUTH))) == AUTO_TARGET_MAX_S
+    assert auto_step_target_s(calibrated(tuple(c / 100 for c in TRUTH))) == AUTO_TARGET_MIN_S
+
+
+def test_pricing_answers_the_largest_chunk_and_the_layers_that_fit() -> None:
+    model = calibrated()
+    pricing = StepPricing(model, 0.100, num_layers=10)
+    pricing.add_decode(1, 500)
+    for context in (0, 1000, 4000):
+        chunk = pricing.largest_chunk(2048, context)
+        with_chunk = pricing.shape + StepShape(dense_passes=1) + StepShape.chunk(chunk, context)
+        one_more = pricing.shape + StepShape(dense_passes=1) + StepShape.chunk(chunk + 1, context)
+        assert seconds(with_chunk) <= 0.100 + 1e-6 < seconds(one_more) + 1e-6
+    tokens = pricing.layered_chunk_tokens(2048, 4000)
+    one_layer = StepShape(dense_passes=0.1) + StepShape.chunk(tokens, 4000, 0.1)
+    assert seconds(one_layer) - TRUTH[0] <= 0.05 + 1e-6  # a layer (no step's fixed part) within LAYER_SHARE of the target
+    layers = pricing.layers_within(tokens, 4000, 10)
+    assert 1 <= layers < 10 and pricing.time_left_s() >= layers * (seconds(one_layer) - TRUTH[0]) - 1e-6
+    assert pricing.chunk_overhead_share(8, 4000) > 0.5 > pricing.chunk_overhead_share(1024, 0)
+
+
+def test_unpriced_pricing_never_binds() -> None:
+    for pricing in (StepPricing(calibrated(), None, 10), StepPricing(StepCostModel(), 0.1, 10)):
+        assert not pricing.priced() and pricing.time_left_s() == float("inf")
+        assert pricing.largest_chunk(500, 4000) == 500 and pricing.layers_within(500, 4000, 10) == 10

@@ -37,7 +37,7 @@ from servelm.models.sharding import local_num_kv_heads
 from servelm.obs.startup import StartupTimeline
 from servelm.parallel.groups import GroupMember
 from servelm.scheduler.scheduler import Scheduler
-from servelm.scheduler.step_cost import chunk_pairs
+from servelm.scheduler.step_cost import StepShape
 from servelm.spec.proposer import Proposer, build_proposer
 from servelm.worker.block_table import BlockTable
 from servelm.worker.cuda_graphs import DecodeGraphMode, DecodeGraphRunner, decode_graph_mode, resolve_capture_sizes
@@ -215,7 +215,7 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
     scheduler = Scheduler(
         config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative,
-        kv_tiers=tiers, kv_transfer=config.kv_transfer,
+        kv_tiers=tiers, kv_transfer=config.kv_transfer, num_layers=_layered_prefill_layers(runner),
     )  # fmt: skip
     _seed_step_cost(scheduler, calibration)
     residencies: list[HostResidency] = []
@@ -301,18 +301,40 @@ def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline) -> 
     kv_manager = KVCacheManager(num_blocks, logical_block_size, config.cache.enable_prefix_caching,
                                 config.kv_events.enabled)  # fmt: skip
     scheduler = Scheduler(config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids,
-                          speculative=speculative)  # fmt: skip
+                          speculative=speculative, num_layers=_layered_prefill_layers(runner))  # fmt: skip
     _seed_step_cost(scheduler, calibration)
     core = EngineCore(scheduler, runner, kv_manager)
     return BuiltEngine(core, tokenizer, arch, max_model_len, num_blocks, source)
 
 
+def _layered_prefill_layers(runner: ModelRunner) -> int:
+    """The layers the scheduler may slice a chunk by: the model's, where the runner runs layered
+    chunks (not under context parallelism); 0 elsewhere."""
+    return len(runner.model.decoder_layers) if runner.layered_chunks is not None else 0
+
+
 def _seed_step_cost(scheduler: Scheduler, steps: list[TimedStep]) -> None:
-    """The calibration's timed steps into the scheduler's step-cost model, so a step-time target
-    binds from the first request on (worker/warmup.py says why)."""
+    """The calibration's timed steps into the scheduler's step-cost model as its prior, so that
+    steps are priced right on this machine from the first request (worker/warmup.py says why);
+    the step-time target it implies when max_step_ms is unset is logged."""
+    shapes = []
     for step in steps:
-        pairs = chunk_pairs(step.num_tokens, step.num_computed) if step.is_prompt else 0
-        scheduler.step_cost.observe(step.num_tokens, step.seconds, pairs)
+        if step.is_prompt:
+            shape = StepShape(dense_passes=step.layer_share)
+            shape = shape + StepShape.chunk(step.num_tokens, step.num_computed, step.layer_share)
+        else:
+            shape = StepShape(decode_tokens=step.num_requests * step.num_tokens,
+                              decode_context=step.num_requests * step.num_tokens * step.num_computed)  # fmt: skip
+        shapes.append((shape, step.seconds))
+    scheduler.step_cost.calibrate(shapes)
+    target_s = scheduler.step_target_s()
+    fixed_s = scheduler.step_cost.calibrated_fixed_s
+    logger.info(
+        "step-time target %s (a prompt step's fixed part: %s)",
+        "none" if target_s is None else f"{target_s * 1000:.0f} ms"
+        + (" (auto)" if scheduler.config.max_step_ms is None else ""),
+        "unknown" if fixed_s is None else f"{fixed_s * 1000:.1f} ms",
+    )
 
 
 def _kv_tiers(

@@ -93,6 +93,11 @@ class Request:
     # recomputes; the producer's hold is gone by then).
     kv_transfer: KVTransferParams | None = None
     pull_tried: bool = False
+    # Layered prefill: the chunk whose forward runs over several steps by layers (its tokens after
+    # num_computed_tokens; 0: none in flight) and how many of the model's layers have run. Its
+    # blocks are allocated when it begins; its tokens count as computed after its last layer.
+    layered_tokens: int = 0
+    layers_done: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

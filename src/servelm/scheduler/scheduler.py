@@ -1,35 +1,37 @@
 """Scheduler: token catch-up scheduling over a paged KV cache. The one writer of request state.
 
-Each step hands out a token budget (max_num_batched_tokens). Requests are ranked by
-(effective priority, deadline), effective priority = priority - floor(age / aging_s), deadline =
-arrival + the class's TTFT target, with fair share between the tenants of a class (ranking.py):
+Each step hands out a token budget (max_num_batched_tokens) and, where the step-cost model can
+price it, a time: every step is held to a step-time target (max_step_ms; by default 10x the
+calibrated fixed part of a prompt step, step_pricing.py), decodes or not, because a step is
+never interrupted and whatever arrives waits for it to end. Requests are ranked by (effective
+priority, deadline), effective priority = priority - floor(age / aging_s), deadline = arrival +
+the class's TTFT target, with fair share between the tenants of a class (ranking.py):
 
     1. DECODES: running requests whose prompt is computed, best rank first, each get
-       min(num_tokens - num_computed_tokens, budget left). They go before any prefill, so a
-       prompt's chunk never takes budget a decode needs. No blocks → preempt the worst-ranked
-       running request not yet scheduled this step (perhaps itself) and retry.
+       min(num_tokens - num_computed_tokens, budget left), never cut by time. They go before any
+       prefill, so a prompt's chunk never takes what a decode needs. No blocks → preempt the
+       worst-ranked running request not yet scheduled this step (perhaps itself) and retry.
     2. PREFILL CHUNKS: running prompts mid-prefill and WAITING requests in one order, by
-       (effective priority, deadline, running before waiting). So a better or more urgent
-       class goes first even against a prompt already running: the running one's chunk
-       shrinks or skips the step and keeps its KV. Each chunk is capped at
-       long_prefill_token_threshold (no more than a 1/max_num_partial_prefills share of a
-       budget the step-time target shrank), then by the budget left. A chunk that leaves its prompt
-       unfinished takes one of max_num_partial_prefills slots (of max_long_partial_prefills if
-       the prompt has more than the cap left); with no slot left the prompt sits this step
-       out. A prompt finished by its chunk takes no slot: short prompts are admitted next to
-       long chunks. Under a step-time target the budget prices every token at the deepest
-       prompt's depth; a short prompt (at most the cap) that the budget would leave unfinished
-       goes whole when the cost model says the step still ends within the target, its shallow
-       tokens being far cheaper than the deep ones the budget was priced at; and a prompt
-       mid-prefill whose rest does not fit the step is capped like a long one. Waiting requests
-       are admitted only while nobody was preempted (blocks are short then: admitting would
-       thrash), a seat and a free block remain. A running chunk
-       without blocks preempts as in 1; a waiting request that does not fit is SKIPPED, never
-       waited for.
-    3. TOP-UP: budget left over goes back to the chunks that left their prompt unfinished,
-       then to the running prompts that sat the step out, in the order of 2, as far as free
-       blocks go: the cap and the slots share a contended budget, they never leave it idle (a
-       prompt alone still gets all of it).
+       (effective priority, deadline, running before waiting). In a priced step, within one
+       effective priority the prompts whose rest finishes whole in the time left go first and
+       the others after them: a request arriving mid-prefill joins the next step (decodes, short
+       prompts, then the long prompt's next chunk). A long prompt's chunk is what keeps the step
+       within its target; where a token chunk that small would spend more than a tenth of its time
+       on what every chunk pays (the pass over the weights, re-reading its context), a large chunk
+       runs a few layers a step instead (layered prefill: LayerSlice; its tokens count as computed
+       after its last layer). The step's first prompt work moves by a block or a layer even over
+       the target, so decodes filling every step never starve the prompts. A step that completes a
+       prompt (its first token) ends within FIRST_TOKEN_SHARE of the target and within the
+       prompt's class TBT share. Unpriced steps (no target, no fit) cap a long prompt's chunk at
+       long_prefill_token_threshold and let the budget alone bind. A chunk that leaves its prompt
+       unfinished takes one of max_num_partial_prefills slots (of max_long_partial_prefills if the
+       prompt has more than the cap left); with no slot left the prompt sits this step out.
+       Waiting requests are admitted only while nobody was preempted (blocks are short then:
+       admitting would thrash), a seat and a free block remain. A running chunk without blocks
+       preempts as in 1; a waiting request that does not fit is SKIPPED, never waited for.
+    3. TOP-UP (unpriced steps): budget left over goes back to the chunks that left their prompt
+       unfinished, then to the running prompts that sat the step out, in the order of 2, as far
+       as free blocks go.
 
 Aging never blocks: nothing waits behind a request that does not fit. Instead a request
 that has waited aging_s is admitted with a first chunk shrunk to the free blocks (with
@@ -40,18 +42,11 @@ the same argument), and is no longer their preemption victim nor left without a 
 finishes. Without chunked prefill a prompt needs all its blocks at once and cannot shrink: a
 starving one is still skipped while it does not fit, and ranks first whenever it does.
 
-update() then advances num_computed_tokens by what was scheduled, caches newly full
-blocks, appends sampled tokens, checks stop conditions and frees finished requests; it
-also feeds the runner's timing of the step to the step-cost model, the scheduled tokens to
-fair share, and the step log (metrics). The step-time target (step_cost.step_time_target_s)
-is max_step_ms or, tighter, the smallest TBT target of the requests decoding; it sets the
-budget. A prompt with a class TBT target that completes in step 2 bounds the rest of the step
-the same way (its first token is due at the step's end), so the top-up does not fill a
-realtime request's first step with others' bulk prefill. arrival_wait_ms bounds every step,
-decodes or not: how long a request arriving mid-step can wait for the step to end (a step is
-never interrupted). It holds the chunks of every request but those it protects (classes with a
-TTFT target of at most ARRIVAL_PROTECTS x the bound, whose own chunk goes whole), and never cuts
-a step so small that its fixed cost dominates; opt-in (SchedulerConfig.arrival_wait_ms).
+update() then advances num_computed_tokens by what was scheduled (a layered chunk's layers, and
+its tokens once its last layer ran), caches newly full blocks, appends sampled tokens, checks
+stop conditions and frees finished requests; it also feeds what the step computed and the
+runner's timing of it to the step-cost model, the prediction's error to the step log (metrics),
+and the scheduled tokens to fair share.
 
 Calling protocol (one thread, the engine core's): schedule() → the runner executes the
 SchedulerOutput → update() with that output, before the next schedule(). add_request()
@@ -73,6 +68,7 @@ from servelm.datatypes import (
     EngineRequest,
     EventType,
     KVTransfers,
+    LayerSlice,
     ModelOutput,
     NewRequestData,
     PositionLogprobs,
@@ -84,18 +80,18 @@ from servelm.kv.tiers import KVTiers
 from servelm.scheduler.drafts import DraftScheduling, SpecCounters
 from servelm.scheduler.ranking import FairShare, Ranking, prefill_order
 from servelm.scheduler.request import Request, RequestStatus
-from servelm.scheduler.step_cost import StepCostModel, chunk_pairs, step_time_target_s
+from servelm.scheduler.step_cost import StepCostModel, StepShape, step_time_target_s
 from servelm.scheduler.step_log import StepLog
-from servelm.scheduler.step_plan import StepPlan
+from servelm.scheduler.step_plan import ChunkPlan, StepPlan
+from servelm.scheduler.step_pricing import MAX_CHUNK_OVERHEAD, StepPricing, auto_step_target_s
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.tier_loads import Admission, TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
 
-# The arrival bound (arrival_wait_ms): it protects classes whose TTFT target is at most this many
-# times the bound (150 ms protects a 300 ms realtime target), and it never shrinks a step so far
-# that the cost model's fixed part (weights read, Python, sampling) is over this share of the step.
-ARRIVAL_PROTECTS = 2.0
-ARRIVAL_MAX_FIXED_SHARE = 0.25
+# A step's chunks after this many tokens of their prompt count as deep for the prediction-error
+# metric (servelm:step_time_prediction_error{kind}): where attention over the context outweighs
+# the chunk's own matmuls on a CPU, and a model of tokens alone used to go wrong.
+DEEP_CONTEXT = 1024
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -112,6 +108,7 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,  # None: no request ever verifies drafts
         kv_tiers: KVTiers | None = None,  # KV beyond the pool (host / disk); None: the pool alone
         kv_transfer: KVTransferConfig | None = None,  # disaggregation (needs kv_tiers); None: no role
+        num_layers: int = 0,  # the model's decoder layers, for layered prefill (0: token chunks only)
     ) -> None:
         if scheduler_config.max_model_len is None:
             raise ValueError(
@@ -138,7 +135,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # the runner must forget these next step
         self._pending_outputs: list[EngineOutput] = []  # aborts, delivered by the next update()
         self._next_arrival_seq = 0
-        self.step_cost = StepCostModel()  # learned in update() from the runner's timings; used when max_step_ms > 0
+        self.step_cost = StepCostModel()  # calibrated by the builder, refined in update() from the runner's timings
+        self._num_layers = num_layers if scheduler_config.layered_prefill else 0
         self.step_log = StepLog()  # what the executed steps were, for metrics
         self._drafts = DraftScheduling(speculative, self.max_model_len) if speculative is not None else None
         self._tier_loads = TierLoads(kv_tiers, kv_cache_manager, kv_transfer) if kv_tiers is not None else None
@@ -262,7 +260,7 @@ class Scheduler:
         """The live requests a failed step scheduled, taken off the running and waiting lists, and
         the runner told to forget them and what the step had it forget (it may not have applied
         the step: forgetting is idempotent). The caller finishes or requeues them."""
-        taken = [self._requests[rid] for rid in scheduler_output.num_scheduled_tokens if rid in self._requests]
+        taken = [self._requests[rid] for rid in scheduler_output.scheduled_request_ids if rid in self._requests]
         self._take_off_lists(taken)
         self._finished_ids |= scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids
         self._finished_ids |= {r.request_id for r in taken}
@@ -299,101 +297,37 @@ class Scheduler:
 
     # -- schedule -------------------------------------------------------------------
 
-    def _step_budget(self, decoding: list[Request], target_s: float | None) -> int:
-        """max_num_batched_tokens, or less while `decoding` requests decode under the step-time
-        target `target_s`: the tokens that fit as a chunk of the deepest prompt mid-prefill,
-        whose tokens cost the most (depth 0 when none is: a prompt admitted after a long prefix
-        hit is not priced deeper, the budget being set before admission)."""
-        budget = self.config.max_num_batched_tokens
-        if not decoding or target_s is None:
-            return budget
-        deepest = max((r.num_computed_tokens for r in self._running if r.is_prefilling), default=0)
-        fits = self.step_cost.tokens_within(target_s, context=deepest)
-        if fits is None:
-            return budget
-        # Every decode, and at least a block of prefill per prompt that could take a partial-prefill
-        # slot, so a prompt that arrives next to a long one still moves (_chunk_cap shares the
-        # prefill part out). Per prompt, not per slot: with one deep prompt alone, a floor of a
-        # block per slot (64 tokens) held a realtime stream's steps at 140-150 ms against its
-        # 100 ms target at 2-3k depth.
-        prompts = sum(1 for r in self._running if r.is_prefilling) + len(self._waiting)
-        slots = max(1, min(self.config.max_num_partial_prefills, prompts))
-        least = len(decoding) + self._kv.block_size * slots
-        return min(budget, max(fits, least))
-
-    def _chunk_cap(self, budget: int) -> int:
-        """The cap on one prompt's chunk before the top-up: long_prefill_token_threshold (its
-        default a 1/max_num_partial_prefills share of max_num_batched_tokens), and no more than
-        that share of a step budget the step-time target shrank. The cap is what lets a prompt
-        arriving next to a long one into the step: left at its static size under a shrunken
-        budget, the long prompt's chunk took all of it, and a 63-token prompt arriving while a
-        3,000-token one prefilled next to a decoding stream waited 62 steps, that whole prefill
-        (2 CPU cores). The top-up still hands the long prompt what nobody else takes."""
-        cap = self.config.prefill_chunk_cap
-        if not cap or budget >= self.config.max_num_batched_tokens:
-            return cap
-        return min(cap, max(self._kv.block_size, budget // self.config.max_num_partial_prefills))
-
-    def _arrival_limit(self) -> int | None:
-        """The arrival bound in tokens (StepPlan.bulk_limit): what the cost model says ends within
-        arrival_wait_ms, but never so few that the step's fixed part is over ARRIVAL_MAX_FIXED_SHARE
-        of it (the floor: without it a fit whose fixed part exceeded the bound cut every step to
-        one block, and a 4,000-token prompt took 167 steps instead of 2); None when off or unlearned."""
-        if self.config.arrival_wait_ms <= 0:
-            return None
-        within = self.step_cost.tokens_within(self.config.arrival_wait_ms / 1000.0, ARRIVAL_MAX_FIXED_SHARE)
-        if within is None:
-            return None
-        return min(self.config.max_num_batched_tokens, max(within, self._kv.block_size))
-
-    def _protected(self, request: Request) -> bool:
-        """Does the arrival bound exist for `request`'s class? Those whose TTFT target is at most
-        ARRIVAL_PROTECTS x arrival_wait_ms: a step of ordinary length would eat much of it. Their
-        own chunks are not held to the bound (it was measured splitting a realtime prompt over
-        several steps, which cost it more than the bound saved it)."""
-        target = request.slo.ttft_target_s
-        wait_ms = self.config.arrival_wait_ms
-        return wait_ms > 0 and target is not None and 1000.0 * target <= ARRIVAL_PROTECTS * wait_ms
+    def step_target_s(self) -> float | None:
+        """The step-time target before any decode's class tightens it: max_step_ms, or when unset
+        the default the calibrated cost model gives (step_pricing.auto_step_target_s); None: none."""
+        max_step_ms = self.config.max_step_ms
+        if max_step_ms is None:
+            return auto_step_target_s(self.step_cost)
+        return max_step_ms / 1000.0 if max_step_ms > 0 else None
 
     def _step_target_s(self, decoding: Iterable[Request]) -> float | None:
-        """The step-time target while these requests decode: max_step_ms or, tighter, their
+        """The step-time target with these requests decoding: step_target_s or, tighter, their
         classes' TBT targets (None: neither)."""
-        return step_time_target_s(self.config.max_step_ms, (r.slo.tbt_target_s for r in decoding))
+        base = self.step_target_s()
+        return step_time_target_s(1000.0 * base if base else 0.0, (r.slo.tbt_target_s for r in decoding))
 
-    def _chunk_pairs(self, num_scheduled_tokens: dict[str, int]) -> int:
-        """The attention pairs of a step's prompt chunks (step_cost.chunk_pairs), read before
-        update() advances their requests. Decodes and drafts count none: their attention is a
-        read of the cache, priced in the fixed and per-token parts."""
-        pairs = 0
-        for request_id, num_scheduled in num_scheduled_tokens.items():
-            request = self._requests.get(request_id)
-            if request is not None and request.is_prefilling:
-                pairs += chunk_pairs(num_scheduled, request.num_computed_tokens)
-        return pairs
-
-    def _bound_for_first_token(self, request: Request, plan: StepPlan) -> None:
-        """`request`'s prompt completes in this step: its first token is due at the step's end, a
-        gap like a decode's. Bound what the step may still take (lower-ranked chunks, the top-up)
-        by its step-time target, so a realtime prompt does not wait for others' bulk prefill in
-        its own step. Its own chunk is already in: it is never cut. Only a class's target counts
-        here: max_step_ms bounds steps that carry decodes, as it always has."""
-        target_s = step_time_target_s(0.0, (request.slo.tbt_target_s,))
-        fits = None if target_s is None else self.step_cost.tokens_within(target_s)
-        if fits is not None:
-            plan.budget = min(plan.budget, max(0, fits - plan.num_tokens))
+    def _chunk_cap(self) -> int:
+        """The cap on one prompt's chunk before the top-up (long_prefill_token_threshold), while time
+        does not price the step: it is what lets a prompt arriving next to a long one into a step
+        whose budget the long one would take. A priced step lets the prompts that finish whole go
+        first instead (_schedule_prefills), and sizes the long prompt's chunk by the time left."""
+        return self.config.prefill_chunk_cap
 
     def schedule(self) -> SchedulerOutput:
         now = self._clock()
         config = self.config
         decoding = [r for r in self._running if not r.is_prefilling]
-        target_s = self._step_target_s(decoding) if decoding else None  # no decode: no step-time target
-        budget = self._step_budget(decoding, target_s)
+        pricing = StepPricing(self.step_cost, self._step_target_s(decoding), self._num_layers)
         plan = StepPlan(
-            budget=budget,
-            time_target_s=target_s,
-            chunk_cap=self._chunk_cap(budget),
+            budget=config.max_num_batched_tokens,
+            chunk_cap=0 if pricing.priced() else self._chunk_cap(),
             long_threshold=config.prefill_chunk_cap,
-            bulk_limit=self._arrival_limit(),
+            pricing=pricing,
             # Unchunked, no prompt may be left unfinished: a chunk is the whole prompt or nothing.
             partial_slots=config.max_num_partial_prefills if config.enable_chunked_prefill else 0,
             long_slots=config.max_long_partial_prefills,
@@ -404,7 +338,8 @@ class Scheduler:
         self._running.sort(key=lambda request: self._ranking.rank(request, now))
         self._schedule_decodes(plan, now)
         self._schedule_prefills(plan, now)
-        self._top_up_prefills(plan)
+        if not pricing.priced():
+            self._top_up_prefills(plan)
         self._requeue(plan)
         return self._output(plan)
 
@@ -421,9 +356,12 @@ class Scheduler:
             scheduled_draft_token_ids=plan.draft_token_ids,
             num_drafts_wanted=plan.num_drafts_wanted,
             kv_transfers=self._tier_loads.take_transfers() if self._tier_loads is not None else KVTransfers(),
+            layer_slices=plan.layer_slices,
         )
 
     def _schedule_decodes(self, plan: StepPlan, now: float) -> None:
+        """Step 1: every decode, best rank first, as far as the token budget goes; never cut by time
+        (they are the fixed part of the step the prompts' chunks are sized around)."""
         decodes = [r for r in self._running if not r.is_prefilling]
         num_drafts = self._choose_drafts(decodes)
         for request in decodes:
@@ -438,6 +376,8 @@ class Scheduler:
             if new_block_ids is not None:
                 self._send_running(request, new_block_ids, plan)
                 plan.take(request.request_id, num_new + k)
+                if plan.pricing is not None:
+                    plan.pricing.add_decode(num_new + k, request.num_computed_tokens)
                 if k:
                     plan.draft_token_ids[request.request_id] = request.draft_token_ids[:k]
                 if self._drafts is not None:
@@ -468,27 +408,66 @@ class Scheduler:
         """k per decode (missing: 0): what each may verify, and what pays at this step's size and cost."""
         if self._drafts is None or not decodes:
             return {}
-        return self._drafts.choose(decodes, self.step_cost.current())
+        return self._drafts.choose(decodes, self.step_cost.decode_cost())
 
     def _schedule_prefills(self, plan: StepPlan, now: float) -> None:
-        """Running prompts mid-prefill and waiting requests, merged by (effective priority,
-        deadline, running first); see the module docstring, step 2."""
+        """Step 2: running prompts mid-prefill and waiting requests, merged by (effective priority,
+        deadline, running first). In a priced step, within one effective priority the prompts that
+        finish whole in the time left go first and the others (a long prompt's next chunk or
+        layers) after them, so a short request never waits behind a long prompt of its class."""
         prefilling = [r for r in self._running if r.is_prefilling]  # step 1 scheduled none of them
         num_prefilling_left = len(prefilling)
         admitted: list[Request] = []
+        deferred: list[tuple[bool, Request]] = []  # (is_waiting, request): after the level's short ones
+        level: int | None = None
+        pricing = plan.pricing
         for is_waiting, request in prefill_order(prefilling, self._waiting.ordered(now), self._ranking, now):
-            if plan.budget <= 0:
+            if plan.budget <= 0 or (pricing is not None and pricing.time_left_s() <= 0 and plan.has_prefill):
                 break
+            priority = self._ranking.effective_priority(request, now)
+            if deferred and priority != level:  # the level's short prompts are in: its long ones now
+                self._schedule_deferred(deferred, plan, now, admitted)
+                deferred = []
+            level = priority
             if not is_waiting:
                 num_prefilling_left -= 1
-                if request.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
+                if request.status is not RequestStatus.RUNNING:
+                    continue  # preempted earlier in this loop
+                if self._defers(request, plan):
+                    deferred.append((False, request))
+                else:
                     self._schedule_prefill_chunk(request, plan, now)
             elif self._admission_open(plan):
-                if self._try_admit(request, plan, now):
+                if self._defers(request, plan):
+                    deferred.append((True, request))
+                elif self._try_admit(request, plan, now):
                     admitted.append(request)
             elif not num_prefilling_left:
                 break  # nobody can be admitted: stop before walking a long queue for nothing
+        self._schedule_deferred(deferred, plan, now, admitted)
         self._waiting.remove_many(admitted)
+
+    def _defers(self, request: Request, plan: StepPlan) -> bool:
+        """In a priced step: does `request` wait for its level's short prompts (its rest does not
+        finish whole in the time left, or its chunk runs by layers)?"""
+        pricing = plan.pricing
+        if pricing is None or not pricing.priced():
+            return False
+        if request.layered_tokens:
+            return True
+        rest = request.num_tokens - request.num_computed_tokens
+        return rest > plan.budget or not pricing.fits_chunk(rest, request.num_computed_tokens)
+
+    def _schedule_deferred(self, deferred: list[tuple[bool, Request]], plan: StepPlan, now: float,
+                           admitted: list[Request]) -> None:  # fmt: skip
+        for is_waiting, request in deferred:
+            if plan.budget <= 0 and not request.layered_tokens:
+                break
+            if not is_waiting:
+                if request.status is RequestStatus.RUNNING:  # not preempted since it was deferred
+                    self._schedule_prefill_chunk(request, plan, now)
+            elif self._admission_open(plan) and self._try_admit(request, plan, now):
+                admitted.append(request)
 
     def _admission_open(self, plan: StepPlan) -> bool:
         # New tokens always need a fresh block (a prefix hit covers full blocks only).
@@ -499,44 +478,111 @@ class Scheduler:
             and self._kv.num_free_blocks > 0
         )
 
-    def _prefill_chunk(self, request: Request, num_computed: int, plan: StepPlan) -> int:
-        """`request`'s chunk before the top-up (StepPlan.prefill_chunk), or its whole rest where
-        the token budget would leave a short prompt unfinished but the step, that prompt whole
-        in it, still ends within the step-time target: the budget priced every token at the
-        deepest prompt's depth. An 83-token voice prompt arriving while a 2,764-token one
-        prefilled next to a decoding stream (default model, 2 CPU cores) got 77 tokens of a
-        103-token budget priced at depth ~2,000 and its first token a step later, 383 ms after
-        it arrived."""
-        num_uncomputed = request.num_tokens - num_computed
-        protected = self._protected(request)
-        num_new = plan.prefill_chunk(num_uncomputed, protected, mid_prefill=request.status is RequestStatus.RUNNING)
-        if num_new == num_uncomputed or plan.time_target_s is None or plan.is_long(num_uncomputed):
-            return num_new
-        if plan.bulk_limit is not None and not protected:
-            return num_new  # the arrival bound holds it
-        num_tokens = plan.num_tokens + num_uncomputed
-        if num_tokens > self.config.max_num_batched_tokens:
-            return num_new
-        pairs = self._chunk_pairs(plan.num_scheduled_tokens) + chunk_pairs(num_uncomputed, num_computed)
-        predicted = self.step_cost.predict(num_tokens, pairs)
-        return num_uncomputed if predicted is not None and predicted <= plan.time_target_s else num_new
+    def _plan_chunk(self, request: Request, num_computed: int, plan: StepPlan) -> ChunkPlan | None:
+        """`request`'s chunk this step after `num_computed` of its tokens (None: none): the token
+        budget's chunk (StepPlan.prefill_chunk), held in a priced step to what ends within the
+        target; where such a token chunk would be too small to run efficiently (step_pricing.py,
+        MAX_CHUNK_OVERHEAD), a layered chunk of as many layers as fit. A prompt that is the step's
+        first prefill work moves by at least a block (or a layer) even over the target, so that
+        decodes filling every step never starve the prompts."""
+        rest = request.num_tokens - num_computed
+        mid_prefill = request.status is RequestStatus.RUNNING
+        num_tokens = plan.prefill_chunk(rest, mid_prefill=mid_prefill)
+        pricing = plan.pricing
+        if pricing is None or not pricing.priced():
+            return ChunkPlan(num_tokens) if num_tokens else None
+        in_time = pricing.largest_chunk(num_tokens, num_computed)
+        if in_time == rest:
+            return ChunkPlan(rest)
+        if not plan.has_slot(rest):
+            return None
+        if self._num_layers and (in_time == 0 or pricing.chunk_overhead_share(in_time, num_computed) > MAX_CHUNK_OVERHEAD):
+            chunk = pricing.layered_chunk_tokens(min(rest, self.config.max_num_batched_tokens), num_computed)
+            num_layers = pricing.layers_within(chunk, num_computed, self._num_layers)
+            if num_layers == 0 and not plan.has_prefill:
+                num_layers = 1
+            if 0 < num_layers < self._num_layers:
+                return ChunkPlan(chunk, num_layers)
+            if num_layers == self._num_layers:
+                return ChunkPlan(chunk)  # all of its layers fit after all: an ordinary chunk
+        if in_time == 0 and not plan.has_prefill:
+            in_time = min(num_tokens, self._kv.block_size)
+        return ChunkPlan(in_time) if in_time else None
 
     def _schedule_prefill_chunk(self, request: Request, plan: StepPlan, now: float) -> None:
-        num_uncomputed = request.num_tokens - request.num_computed_tokens
-        num_new = self._prefill_chunk(request, request.num_computed_tokens, plan)
-        if not num_new:
-            plan.sat_out.append(request)  # no slot: it keeps its KV; only the top-up may move it
+        if request.layered_tokens:
+            self._schedule_layers(request, plan)
             return
-        new_block_ids = self._allocate_or_preempt(request, num_new, plan, now)
+        num_uncomputed = request.num_tokens - request.num_computed_tokens
+        chunk = self._plan_chunk(request, request.num_computed_tokens, plan)
+        if chunk is None:
+            plan.sat_out.append(request)  # no slot or no time: it keeps its KV; only the top-up may move it
+            return
+        new_block_ids = self._allocate_or_preempt(request, chunk.num_tokens, plan, now)
         if new_block_ids is not None:
             sent = self._send_running(request, new_block_ids, plan)
-            plan.take_prefill(request, num_new, num_uncomputed, sent.new_block_ids)
-            if num_new == num_uncomputed:
-                self._bound_for_first_token(request, plan)
+            if chunk.num_layers:
+                self._begin_layered(request, chunk, plan)
+            else:
+                self._take_chunk(request, chunk.num_tokens, num_uncomputed, sent.new_block_ids, plan)
+
+    def _take_chunk(self, request: Request, num_tokens: int, num_uncomputed: int, block_ids: list[int],
+                    plan: StepPlan) -> None:  # fmt: skip
+        """A token chunk of `num_tokens` (all layers) into the step, its time into the pricing."""
+        if plan.pricing is not None:
+            plan.pricing.add_chunk(num_tokens, request.num_computed_tokens)
+        plan.take_prefill(request, num_tokens, num_uncomputed, block_ids)
+        if num_tokens == num_uncomputed:
+            self._bound_for_first_token(request, plan)
+
+    def _begin_layered(self, request: Request, chunk: ChunkPlan, plan: StepPlan) -> None:
+        """A layered chunk begins (its blocks are allocated): its first layers run this step."""
+        request.layered_tokens, request.layers_done = chunk.num_tokens, 0
+        self._take_layers(request, chunk.num_layers, plan)
+
+    def _schedule_layers(self, request: Request, plan: StepPlan) -> None:
+        """The next layers of `request`'s chunk in flight: as many as fit the time left (the step's
+        first prefill work: at least one); none leaves it waiting with its layers so far."""
+        layers_left = self._num_layers - request.layers_done
+        num_uncomputed = request.num_tokens - request.num_computed_tokens
+        assert plan.pricing is not None  # schedule() prices every step it plans
+        num_layers = plan.pricing.layers_within(request.layered_tokens, request.num_computed_tokens, layers_left)
+        if num_layers == 0 and not plan.has_prefill:
+            num_layers = 1
+        finishes_prompt = num_layers == layers_left and request.layered_tokens == num_uncomputed
+        if num_layers and (finishes_prompt or plan.has_slot(num_uncomputed)):
+            self._take_layers(request, num_layers, plan)
+
+    def _take_layers(self, request: Request, num_layers: int, plan: StepPlan) -> None:
+        """`num_layers` more layers of `request`'s layered chunk run this step; the last of them
+        completes the chunk, whose tokens then count as scheduled (update() computes them)."""
+        num_tokens, start = request.layered_tokens, request.layers_done
+        end = start + num_layers
+        plan.layer_slices[request.request_id] = LayerSlice(num_tokens, start, end)
+        if plan.pricing is not None:
+            plan.pricing.add_slice(num_tokens, request.num_computed_tokens, num_layers)
+        num_uncomputed = request.num_tokens - request.num_computed_tokens
+        if end < self._num_layers:
+            plan.take_slot(num_uncomputed)  # the prompt stays unfinished this step
+            return
+        plan.take_completed_chunk(request.request_id, num_tokens)
+        if num_tokens < num_uncomputed:
+            plan.take_slot(num_uncomputed)
+        else:
+            self._bound_for_first_token(request, plan)
+
+    def _bound_for_first_token(self, request: Request, plan: StepPlan) -> None:
+        """`request`'s prompt completes in this step: its first token is due at the step's end, a
+        gap like a decode's. What the step may still take (lower-ranked chunks) is bounded
+        (StepPricing.bound_for_first_token: a share of the target, and the prompt's class TBT), so a
+        request does not wait for others' bulk prefill in its own step. Its own chunk is already in."""
+        if plan.pricing is not None:
+            plan.pricing.bound_for_first_token(request.slo.tbt_target_s)
 
     def _top_up_prefills(self, plan: StepPlan) -> None:
-        """Budget nobody else could use: to the chunks that left their prompt unfinished, then
-        to the running prompts that sat the step out, in schedule order, as far as blocks go."""
+        """Step 3, unpriced steps only: budget nobody else could use, to the chunks that left their
+        prompt unfinished, then to the running prompts that sat the step out, in schedule order, as
+        far as blocks go. (A priced step sized every chunk by the time left already.)"""
         for request, block_ids in plan.unfinished_prefills:
             more = self._grow_chunk(request, plan)
             if more is not None:
@@ -553,8 +599,7 @@ class Scheduler:
         Returns the blocks that took, or None when it cannot grow."""
         num_scheduled = plan.num_scheduled_tokens.get(request.request_id, 0)
         room = self._kv.max_new_tokens(request.request_id, num_computed_tokens=request.num_computed_tokens)
-        num_total = min(request.num_tokens - request.num_computed_tokens,
-                        num_scheduled + plan.room(self._protected(request)), room)  # fmt: skip
+        num_total = min(request.num_tokens - request.num_computed_tokens, num_scheduled + plan.budget, room)
         if num_total <= num_scheduled:
             return None
         more = self._kv.allocate_slots(request.request_id, num_total, num_computed_tokens=request.num_computed_tokens)
@@ -585,7 +630,10 @@ class Scheduler:
             if new_block_ids is not None:
                 return new_block_ids
             # `request` itself is unscheduled, so there is always a victim.
-            victim = next(r for r in reversed(self._running) if r.request_id not in plan.num_scheduled_tokens)
+            victim = next(
+                r for r in reversed(self._running)
+                if r.request_id not in plan.num_scheduled_tokens and r.request_id not in plan.layer_slices
+            )
             self._running.remove(victim)
             self._preempt(victim, plan, now)
             if victim is request:
@@ -600,6 +648,7 @@ class Scheduler:
         request.tiers_looked_up = False  # its saved blocks may swap back in
         request.num_preemptions += 1
         request.num_sent_tokens = 0  # the runner drops its mirror; it is re-sent in full
+        request.layered_tokens = request.layers_done = 0  # the runner drops its chunk in flight too
         self._drop_drafts(request)
         request.record(EventType.PREEMPTED, now)
         request.record(EventType.QUEUED, now)
@@ -637,13 +686,15 @@ class Scheduler:
                 # DEFER: it stays in the queue, its pull waiting for room.
                 return admission is Admission.LOADING
         num_uncomputed = request.num_tokens - hit.num_computed_tokens
-        num_new = self._prefill_chunk(request, hit.num_computed_tokens, plan)
+        chunk = self._plan_chunk(request, hit.num_computed_tokens, plan)
+        num_new = chunk.num_tokens if chunk is not None else 0
         room = self._kv.max_new_tokens(
             request.request_id, num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit
         )
         if num_new > room and self._is_starving(request, now) and plan.has_slot(num_uncomputed):
             num_new = room  # the aging guarantee: it starts in what is free instead of waiting for more
-        if not 0 < num_new <= room:
+            chunk = ChunkPlan(num_new)  # a token chunk: a layered one needs its whole chunk's blocks
+        if chunk is None or not 0 < num_new <= room:
             return False
         block_ids = self._kv.allocate_slots(
             request.request_id, num_new, num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit
@@ -671,9 +722,10 @@ class Scheduler:
             )
         )
         request.num_sent_tokens = request.num_tokens
-        plan.take_prefill(request, num_new, num_uncomputed, block_ids)
-        if num_new == num_uncomputed:
-            self._bound_for_first_token(request, plan)
+        if chunk.num_layers:
+            self._begin_layered(request, chunk, plan)
+        else:
+            self._take_chunk(request, num_new, num_uncomputed, block_ids, plan)
         return True
 
     def _lookup(self, request: Request) -> ComputedBlocks:
@@ -690,11 +742,11 @@ class Scheduler:
         now = self._clock()
         # The fit is of the target's step; the proposer's time is charged to drafts (drafts.py).
         forward_seconds = model_output.execute_seconds - model_output.propose_seconds
-        self.step_cost.observe(
-            scheduler_output.total_num_scheduled_tokens,
-            forward_seconds,
-            self._chunk_pairs(scheduler_output.num_scheduled_tokens),
-        )
+        shape, kind = self._executed_shape(scheduler_output)
+        predicted = self.step_cost.predict(shape)  # what the step was planned against
+        self.step_cost.observe(shape, forward_seconds)
+        self.step_log.record_prediction(kind, predicted, forward_seconds)
+        self._advance_layers(scheduler_output)
         if self._drafts is not None:
             num_drafts_made = sum(len(drafts) for drafts in model_output.draft_token_ids.values())
             self._drafts.proposed(model_output.propose_seconds, num_drafts_made)
@@ -720,6 +772,41 @@ class Scheduler:
         if any_finished:
             self._running = [r for r in self._running if not r.status.is_finished]
         return outputs
+
+    def _executed_shape(self, scheduler_output: SchedulerOutput) -> tuple[StepShape, str]:
+        """What a step computed, read before update() advances its requests, and its kind for the
+        prediction-error metric: "decode" (no prompt work), "deep" (a chunk after DEEP_CONTEXT
+        tokens or more of its prompt) or "shallow"."""
+        pricing = StepPricing(self.step_cost, None, self._num_layers)
+        deepest = -1
+        slices = scheduler_output.layer_slices
+        for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(request_id)
+            if request is None or request_id in slices:
+                continue
+            if request.is_prefilling:
+                pricing.add_chunk(num_scheduled, request.num_computed_tokens)
+                deepest = max(deepest, request.num_computed_tokens)
+            else:
+                pricing.add_decode(num_scheduled, request.num_computed_tokens)
+        for request_id, layers in slices.items():
+            request = self._requests.get(request_id)
+            if request is not None:
+                pricing.add_slice(layers.num_tokens, request.num_computed_tokens, layers.end_layer - layers.start_layer)
+                deepest = max(deepest, request.num_computed_tokens)
+        kind = "decode" if deepest < 0 else "deep" if deepest >= DEEP_CONTEXT else "shallow"
+        return pricing.shape, kind
+
+    def _advance_layers(self, scheduler_output: SchedulerOutput) -> None:
+        """The layers a step ran of each layered chunk; a chunk whose last layer ran is done (its
+        tokens are computed with the step's other chunks in _update_request)."""
+        for request_id, layers in scheduler_output.layer_slices.items():
+            request = self._requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING or not request.layered_tokens:
+                continue  # aborted or preempted after schedule(): its chunk is gone with its KV
+            request.layers_done = layers.end_layer
+            if layers.end_layer >= self._num_layers:
+                request.layered_tokens = request.layers_done = 0
 
     def _update_request(
         self,

@@ -1,40 +1,53 @@
-"""How long a step takes on this engine, learned from the steps it has run.
+"""How long a step takes on this engine: a cost model calibrated at start-up and refined by every step.
 
-A step's time is close to linear in two counts: its scheduled tokens, and the attention pairs of
-its prompt chunks (each new prompt token against every earlier token of its prompt). The fixed
-part is the decode batch reading every weight once, Python, the sampler; a token costs its
-matmul FLOPs; a pair costs the attention's. Tokens alone priced a chunk deep in a long prompt
-like one at its start: a 148-token chunk after 3,640 cached tokens, planned at 200 ms next to a
-decode, took 408 ms (2 CPU cores, the default model), and a stream decoding beside a 4,000-token
-prefill waited 301 ms a token at the median under a 200 ms bound (benchmarks/step_time_target.py;
-212 ms with pairs priced). The scheduler asks the inverse question — how many
-tokens of a chunk at a given context fit in a time — to keep steps that carry decodes under a
-target, so one long prompt's chunk cannot stall every stream's next token (on a CPU a
-2,048-token chunk of a 135M model is several seconds).
+A step's time is close to linear in a few counts of what it computes (`StepShape`):
 
-The fit is ordinary least squares over a sliding window of recent steps, so it follows the
-machine (another job taking a core, a warmer cache) without any per-device table. Until the
-window has seen steps of different sizes there is no slope to trust, and the answer is None:
-the scheduler then keeps its static budget. Once fitted, the last good fit stands in whenever
-the window cannot be fitted again — which the budget itself causes: steps shaped to one time
-target all have about the same size, and a window of equal sizes has no slope. The pair cost
-needs chunks at different depths to be told from the token cost; a window without them (decodes
-only, or chunks whose pairs move with their tokens) keeps the last pair cost and fits the rest.
+    seconds = fixed                                   Python, sampling, the LM head, launching
+            + per_pass        x dense passes          a prompt forward reads every weight once
+            + per_decode      x decode tokens         a decode row: its matmul rows, its sampling
+            + per_decode_ctx  x decode context        ... its attention reads its whole context
+            + per_token       x prompt tokens         a prompt token's matmul FLOPs
+            + per_pair        x prompt pairs          each new token against every earlier token
+            + per_chunk_ctx   x chunk context         a chunk after cached context reads all of it
+
+The last term is what a model of tokens and pairs alone missed: a small chunk deep in a long
+prompt pays for reading its whole context again, whatever its size (on 2 AMD cores and the
+default model, a 16-token chunk after 6,144 tokens took 214 ms against 48 ms at the prompt's
+start, 4x what its pairs predict). A layer slice of a chunk (layered prefill) is the fraction of
+its chunk's counts its layers are; so counts are floats.
+
+The coefficients are non-negative least squares, each step weighted by 1/seconds² (relative
+error is what the scheduler's bound cares about: a 5 ms decode matters as much as a 3 s
+prompt), over the steps a start-up calibration timed (worker/warmup.py: prompts of several sizes,
+chunks after cached context at several depths, decodes of several rows; kept as the prior, worth
+`PRIOR_WEIGHT` of the window) and the last `window` steps the engine ran. So it starts right on
+any machine, without a table of devices, and follows the machine as it drifts (another job on a
+core, a warmer cache). A count the window never varies keeps its calibrated price.
+
+The scheduler asks it what a step of a given shape costs (`predict`), and derives from it the
+largest chunk or the most layers that keep a step within its time target (step_pricing.py).
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields
 
-MIN_OBSERVATIONS = 4  # steps seen before the fit is used
-MIN_TOKEN_SPREAD = 8  # the window's step sizes must differ by this much for a slope
 # Share of a TBT target a step may take. A token gap is the step plus what runs between steps
-# (scheduling, update, sending the output), and the fit predicts a mean step while the target
+# (scheduling, update, sending the output), and the model predicts a mean step while the target
 # binds a tail: a fifth is left for both.
 TBT_STEP_SHARE = 0.8
+# How much the start-up calibration weighs against the window, in window steps: enough to hold the
+# prices the window cannot tell apart, little enough that a machine running slower than at
+# start-up is followed within a few dozen steps.
+PRIOR_WEIGHT = 16.0
+# Steps observed between two fits (a fit reads the whole window: ~0.7 ms in Python, too much to
+# pay on every few-millisecond step of a GPU; the prices move slowly).
+REFIT_EVERY = 4
+# Relative ridge towards zero on every coefficient, on features scaled to ~1: keeps the system
+# solvable when the data cannot tell two counts apart (it then shares their cost between them).
+_RIDGE = 1e-6
 
 
 def step_time_target_s(max_step_ms: float, tbt_targets_s: Iterable[float | None]) -> float | None:
@@ -47,150 +60,208 @@ def step_time_target_s(max_step_ms: float, tbt_targets_s: Iterable[float | None]
     return min(targets, default=None)
 
 
-def chunk_pairs(num_new: int, num_computed: int) -> int:
+def chunk_pairs(num_new: float, num_computed: float) -> float:
     """Attention pairs of a prompt chunk of `num_new` tokens after `num_computed` of its prompt:
     each new token against the context and the new tokens before it."""
-    return num_new * num_computed + num_new * (num_new - 1) // 2
+    return num_new * num_computed + num_new * (num_new - 1) / 2
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computes, in the counts the cost model prices (module doc). Sums with `+`."""
+
+    dense_passes: float = 0.0  # prompt forwards reading every weight: 1 a step with prompt tokens, a slice its share
+    decode_tokens: float = 0.0  # tokens of requests past their prompt (1 + drafts each)
+    decode_context: float = 0.0  # the context those rows attend to, summed
+    prompt_tokens: float = 0.0  # prompt-chunk tokens
+    prompt_pairs: float = 0.0  # their attention pairs (chunk_pairs)
+    chunk_context: float = 0.0  # the cached context before each chunk, summed
+
+    def __add__(self, other: StepShape) -> StepShape:
+        return StepShape(*(a + b for a, b in zip(self.counts(), other.counts())))
+
+    def counts(self) -> tuple[float, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @staticmethod
+    def decode(num_tokens: int, context: int) -> StepShape:
+        """One decoding request verifying `num_tokens` - 1 drafts after `context` tokens."""
+        return StepShape(decode_tokens=num_tokens, decode_context=num_tokens * context)
+
+    @staticmethod
+    def chunk(num_tokens: float, context: int, share: float = 1.0) -> StepShape:
+        """A prompt chunk of `num_tokens` after `context` tokens of its prompt, or `share` of its
+        layers (a layer slice). Its dense pass is the step's: one a step, however many chunks;
+        `StepPricing` adds it once."""
+        return StepShape(
+            prompt_tokens=share * num_tokens,
+            prompt_pairs=share * chunk_pairs(num_tokens, context),
+            chunk_context=share * context if context else 0.0,
+        )
+
+    @property
+    def num_features(self) -> int:
+        return 1 + len(fields(self))
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, *self.counts())
+
+
+# Feature names, for errors and reports: the fixed part, then StepShape's fields in order.
+FEATURES = ("fixed", *(f.name for f in fields(StepShape)))
 
 
 @dataclass
 class StepCostModel:
-    window: int = 64  # most recent steps kept
-    _steps: deque[tuple[int, int, float]] = field(init=False)  # (tokens, pairs, seconds), the last `window`
-    _last_fit: tuple[float, float] | None = None
-    _per_pair: float = 0.0  # seconds per attention pair: the last fit that could tell it apart
-    # fit()'s answer for the window as it stands: the scheduler asks several times a step, and the
-    # window changes only in observe(), which marks it stale
-    _window_fit: tuple[float, float] | None = None
-    _window_fit_stale: bool = True
+    window: int = 128  # most recent steps kept
+    _steps: deque[tuple[tuple[float, ...], float]] = field(init=False)  # (features, seconds)
+    _prior: list[tuple[tuple[float, ...], float]] = field(default_factory=list)  # the calibration's steps
+    _coefficients: tuple[float, ...] | None = None
+    _num_unfitted: int = 0  # steps observed since the last fit
+    _stale: bool = False  # a fit is due: REFIT_EVERY steps since the last, or a new calibration
+    _calibrated_fixed_s: float | None = None
 
     def __post_init__(self) -> None:
         self._steps = deque(maxlen=self.window)
 
+    def calibrate(self, steps: Sequence[tuple[StepShape, float]]) -> None:
+        """The start-up calibration's timed steps: the prior every later fit keeps."""
+        self._prior = [(shape.features(), seconds) for shape, seconds in steps if seconds > 0]
+        self._stale = True
+        prior_fit = _nonnegative_least_squares([(x, y, 1.0) for x, y in self._prior]) if self._prior else None
+        self._calibrated_fixed_s = None if prior_fit is None else prior_fit[0] + prior_fit[1]
+
     @property
-    def per_pair_s(self) -> float:
-        """Seconds one attention pair of a prompt chunk adds (0 until a window told it apart)."""
-        return self._per_pair
+    def calibrated(self) -> bool:
+        return bool(self._prior)
 
-    def observe(self, num_tokens: int, seconds: float, num_pairs: int = 0) -> None:
-        """One step's time: its scheduled tokens and its prompt chunks' pairs (chunk_pairs)."""
-        if num_tokens > 0 and seconds > 0:
-            self._steps.append((num_tokens, max(0, num_pairs), seconds))
-            self._window_fit_stale = True
+    @property
+    def calibrated_fixed_s(self) -> float | None:
+        """The fixed part of a prompt step (fixed + one dense pass) as the calibration alone measured
+        it: what the default step-time target derives from, so the target stays put while the fit
+        follows the machine. None without a calibration."""
+        return self._calibrated_fixed_s
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), both >= 0; None while the window cannot tell them
-        apart. Refits the pair cost (per_pair_s) too when the window can tell it apart."""
-        if self._window_fit_stale:
-            self._window_fit, self._window_fit_stale = self._fit_window(), False
-        return self._window_fit
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """One executed step: what it computed and how long the runner took."""
+        if seconds > 0 and any(shape.counts()):
+            self._steps.append((shape.features(), seconds))
+            self._num_unfitted += 1
+            if self._num_unfitted >= REFIT_EVERY or self._coefficients is None:
+                self._stale = True
 
-    def _fit_window(self) -> tuple[float, float] | None:
-        if len(self._steps) < MIN_OBSERVATIONS:
+    def coefficients(self) -> tuple[float, ...] | None:
+        """Seconds per unit of each feature (FEATURES order), all >= 0; None until the steps seen
+        tell a fixed part from a per-token price (no calibration and fewer than 4 steps of
+        different sizes)."""
+        if self._stale:
+            self._stale, self._num_unfitted = False, 0
+            fitted = self._fit()
+            if fitted is not None:
+                self._coefficients = fitted
+        return self._coefficients
+
+    def predict(self, shape: StepShape) -> float | None:
+        """Seconds a step of `shape` should take; None while the model has no fit."""
+        coefficients = self.coefficients()
+        if coefficients is None:
             return None
-        xs = [float(n) for n, _, _ in self._steps]
-        if max(xs) - min(xs) < MIN_TOKEN_SPREAD:
-            return None
-        ps = [float(p) for _, p, _ in self._steps]
-        ys = [s for _, _, s in self._steps]
-        with_pairs = _fit_two(xs, ps, ys)
-        if with_pairs is not None:
-            intercept, slope, self._per_pair = with_pairs
-        else:
-            # Tokens alone, the known pair cost taken off first (else a window of deep chunks
-            # would raise every token's price by their attention).
-            net = [y - self._per_pair * p for y, p in zip(ys, ps)]
-            mean_x, mean_y = sum(xs) / len(xs), sum(net) / len(net)
-            var_x = sum((x - mean_x) ** 2 for x in xs)
-            slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, net)) / var_x
-            if slope <= 0:  # noise swamped the per-token cost: no basis for a token count
-                return None
-            intercept = mean_y - slope * mean_x
-        self._last_fit = (max(0.0, intercept), slope)
-        return self._last_fit
+        return sum(c * x for c, x in zip(coefficients, shape.features()))
 
-    def current(self) -> tuple[float, float] | None:
-        """The fit the scheduler uses: the window's own, else the last good one; None before any."""
-        return self.fit() or self._last_fit
+    def fixed_s(self) -> float | None:
+        """The fixed part of a step that carries prompt tokens (fixed + one dense pass): what any
+        prompt step pays whatever its size. None while there is no fit."""
+        coefficients = self.coefficients()
+        return None if coefficients is None else coefficients[0] + coefficients[1]
 
-    def predict(self, num_tokens: int, num_pairs: int = 0) -> float | None:
-        """Seconds a step of `num_tokens` scheduled tokens whose prompt chunks have `num_pairs`
-        attention pairs should take; None while the model has no fit."""
-        fitted = self.current()
-        if fitted is None:
-            return None
-        fixed, per_token = fitted
-        return fixed + per_token * num_tokens + self._per_pair * num_pairs
+    def decode_cost(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per extra token) of a decode step, the speculation controller's view:
+        a one-row decode step is what a step costs whatever drafts it verifies; a draft verified is
+        one more row through the matmuls, priced as a prompt token (the decode-token price also
+        carries each request's own share of the step: its sampling, its metadata)."""
+        coefficients = self.coefficients()
+        return None if coefficients is None else (coefficients[0] + coefficients[2], coefficients[4])
 
     def prompt_blocks_s(self, block_size: int, first_depth: int, num_blocks: int) -> list[float] | None:
         """What computing each of `num_blocks` prompt blocks adds to a step, the first starting
         after `first_depth` tokens of its prompt: its tokens and its attention pairs at its depth
         (no fixed part: the step runs anyway). None while the model has no fit."""
-        fitted = self.current()
-        if fitted is None:
+        coefficients = self.coefficients()
+        if coefficients is None:
             return None
-        per_token = fitted[1]
+        per_token, per_pair = coefficients[4], coefficients[5]
         return [
-            per_token * block_size + self._per_pair * chunk_pairs(block_size, first_depth + i * block_size)
+            per_token * block_size + per_pair * chunk_pairs(block_size, first_depth + i * block_size)
             for i in range(num_blocks)
         ]
 
-    def tokens_within(
-        self, seconds: float, max_fixed_share: float | None = None, context: int | None = None
-    ) -> int | None:
-        """Most tokens a step may schedule to take at most `seconds` (0 if even the fixed part
-        is over it), priced as one prompt chunk after `context` tokens of its prompt (None: tokens
-        without attention pairs, as decodes); None while the model has no fit. With
-        `max_fixed_share`, never fewer than the tokens at which the fixed part is that share of
-        the step (a bound below the fixed part would otherwise cut steps to nothing and pay the
-        fixed part for every few tokens)."""
-        fitted = self.current()
-        if fitted is None:
+    def _fit(self) -> tuple[float, ...] | None:
+        window = list(self._steps)
+        if not self._prior:
+            sizes = {round(x[3] + x[4]) for x, _ in window}
+            if len(window) < 4 or max(sizes, default=0) - min(sizes, default=0) < 8:
+                return None  # nothing to tell a fixed part from a per-token price yet
+        prior_weight = PRIOR_WEIGHT / max(1, len(self._prior))  # PRIOR_WEIGHT steps' worth in all
+        rows = [(x, y, 1.0) for x, y in window] + [(x, y, prior_weight) for x, y in self._prior]
+        return _nonnegative_least_squares(rows)
+
+
+def _nonnegative_least_squares(rows: list[tuple[tuple[float, ...], float, float]]) -> tuple[float, ...] | None:
+    """min sum w (y - x.b)^2 / y^2 over b >= 0, by dropping the most negative coefficient and
+    solving again until none is left (at most one pass per feature)."""
+    num = len(rows[0][0])
+    # Scale each feature to ~1 over the data so the ridge and the pivots see comparable columns.
+    scale = [max((abs(x[j]) for x, _, _ in rows), default=0.0) or 1.0 for j in range(num)]
+    active = [j for j in range(num) if any(x[j] for x, _, _ in rows)]
+    while active:
+        solution = _solve_weighted(rows, active, scale)
+        if solution is None:
             return None
-        fixed, per_token = fitted
-        tokens = _largest_chunk(seconds - fixed, per_token, 0.0 if context is None else self._per_pair, context or 0)
-        if max_fixed_share is not None:
-            tokens = max(tokens, int(fixed * (1.0 - max_fixed_share) / (max_fixed_share * per_token) + 1e-9))
-        return tokens
+        worst = min(active, key=lambda j: solution[j])
+        if solution[worst] >= 0:
+            return tuple(solution.get(j, 0.0) / scale[j] for j in range(num))
+        active.remove(worst)
+    return None
 
 
-# Least independent spread the pairs need beside the tokens: 1 - their correlation² over the
-# window. Below it the two slopes trade off against each other and noise decides them.
-_MIN_PAIR_INDEPENDENCE = 0.05
+def _solve_weighted(rows: list[tuple[tuple[float, ...], float, float]], active: list[int],
+                    scale: list[float]) -> dict[int, float] | None:  # fmt: skip
+    """Weighted least squares (weights w / y^2) over the `active` scaled features: their solution."""
+    k = len(active)
+    a = [[0.0] * k for _ in range(k)]
+    b = [0.0] * k
+    for x, y, w in rows:
+        weight = w / (y * y)
+        xs = [x[j] / scale[j] for j in active]
+        for i in range(k):
+            wx = weight * xs[i]
+            b[i] += wx * y
+            row = a[i]
+            for j in range(i, k):
+                row[j] += wx * xs[j]
+    for i in range(k):
+        for j in range(i):
+            a[i][j] = a[j][i]
+        a[i][i] += _RIDGE * (a[i][i] or 1.0)
+    solved = _gauss(a, b)
+    return None if solved is None else dict(zip(active, solved))
 
 
-def _fit_two(xs: list[float], ps: list[float], ys: list[float]) -> tuple[float, float, float] | None:
-    """OLS of ys on tokens xs and pairs ps: (intercept, per token, per pair), both slopes > 0;
-    None when the pairs do not vary apart from the tokens or a slope comes out non-positive."""
-    n = len(xs)
-    mx, mp, my = sum(xs) / n, sum(ps) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    spp = sum((p - mp) ** 2 for p in ps)
-    sxp = sum((x - mx) * (p - mp) for x, p in zip(xs, ps))
-    if spp <= 0 or sxx <= 0:
-        return None
-    det = sxx * spp - sxp * sxp
-    if det < _MIN_PAIR_INDEPENDENCE * sxx * spp:
-        return None
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    spy = sum((p - mp) * (y - my) for p, y in zip(ps, ys))
-    per_token = (spp * sxy - sxp * spy) / det
-    per_pair = (sxx * spy - sxp * sxy) / det
-    if per_token <= 0 or per_pair <= 0:
-        return None
-    return my - per_token * mx - per_pair * mp, per_token, per_pair
-
-
-def _largest_chunk(seconds: float, per_token: float, per_pair: float, context: int) -> int:
-    """Largest n with per_token·n + per_pair·chunk_pairs(n, context) <= seconds (0 if none)."""
-    if seconds <= 0:
-        return 0
-    linear = per_token + per_pair * (context - 0.5)  # chunk_pairs = n·context + n²/2 - n/2
-    if per_pair <= 0:
-        return max(0, int(seconds / per_token + 1e-9))  # + epsilon: 17.999… fits 18
-    half = per_pair / 2.0
-    root = (-linear + math.sqrt(linear * linear + 4.0 * half * seconds)) / (2.0 * half)
-    tokens = max(0, int(root + 1e-9))
-    while tokens > 0 and per_token * tokens + per_pair * chunk_pairs(tokens, context) > seconds * (1 + 1e-9):
-        tokens -= 1  # the root's rounding, never more than a token or two
-    return tokens
+def _gauss(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve a x = b (a small dense system) by Gaussian elimination with partial pivoting."""
+    n = len(b)
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            factor = m[r][col] / m[col][col]
+            if factor:
+                for c in range(col, n + 1):
+                    m[r][c] -= factor * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x

@@ -3,7 +3,7 @@
 Fed once per step by Scheduler.update() with that step's SchedulerOutput and ModelOutput
 (the runner timed its own execution); drained by the engine-core process loop into each
 OutputBatch's CoreStats (servelm:engine_step_seconds, servelm:iteration_tokens,
-servelm:num_preemptions_total). Torch-free and model-free, like the rest of the scheduler.
+servelm:num_preemptions_total, servelm:step_time_prediction_error). Torch-free and model-free, like the rest of the scheduler.
 """
 
 from __future__ import annotations
@@ -19,12 +19,26 @@ class StepLog:
     def __init__(self, max_records: int = MAX_STEP_RECORDS) -> None:
         self.num_preemptions = 0  # cumulative: requests that lost their blocks
         self._records: deque[tuple[int, float]] = deque(maxlen=max_records)
+        # (kind, predicted seconds, measured seconds) of steps the cost model had a prediction for
+        self._predictions: deque[tuple[str, float, float]] = deque(maxlen=max_records)
 
     def record(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> None:
         """One executed step. Empty steps (nothing scheduled) count their preemptions only."""
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
         if scheduler_output.total_num_scheduled_tokens:
             self._records.append((scheduler_output.total_num_scheduled_tokens, model_output.execute_seconds))
+
+    def record_prediction(self, kind: str, predicted_s: float | None, measured_s: float) -> None:
+        """What the step-cost model predicted for an executed step and what it took (kinds:
+        Scheduler._executed_shape); nothing while the model had no prediction."""
+        if predicted_s is not None and predicted_s > 0 and measured_s > 0:
+            self._predictions.append((kind, predicted_s, measured_s))
+
+    def take_predictions(self) -> list[tuple[str, float, float]]:
+        """(kind, predicted, measured) since the last call; clears them."""
+        predictions = list(self._predictions)
+        self._predictions.clear()
+        return predictions
 
     def take_records(self) -> list[tuple[int, float]]:
         """(scheduled tokens, runner seconds) of the steps since the last call; clears them."""

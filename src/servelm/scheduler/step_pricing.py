@@ -1,0 +1,184 @@
+"""What one step may still take in time, as the scheduler fills it: the step-time bound.
+
+A step is never interrupted, so whatever arrives while it runs waits for its end: the step's
+length is how long a new request can wait before it is even looked at. Every step is therefore
+held to a time target (`max_step_ms`; by default chosen at start-up, `auto_step_target_s`), not
+only the steps that carry decodes: a 3,801-token prompt alone once ran as one 9 s step and a
+16-token request behind it waited 8.9 s for its first token (2 AMD cores, the default model).
+
+    target ─┬─ decodes' TBT:  TBT_STEP_SHARE x the tightest class TBT among the decodes
+            └─ first tokens:  a step that completes a prompt ends within FIRST_TOKEN_SHARE x target
+    predicted(step) = cost model over the step's shape (step_cost.py), summed as it is filled
+
+The scheduler adds, in its order, decodes (never cut), prompts that finish whole, then the next
+chunk of a long prompt: as many tokens as the time left allows (`largest_chunk`), or, where a token
+chunk that small would spend more than MAX_CHUNK_OVERHEAD of its time on the parts every chunk pays
+(a pass over the weights, re-reading its context), a large chunk run a few layers a step
+(`layered_chunk_tokens`, `layers_within`; layered prefill, worker/layered_chunks.py).
+
+Without a target (max_step_ms 0) or before the cost model has a fit, time is no constraint here:
+every question answers as if the step had room (the token budget alone binds).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from servelm.scheduler.step_cost import TBT_STEP_SHARE, StepCostModel, StepShape
+
+# The default target (max_step_ms unset): this many times the fixed part of a prompt step on this
+# engine, as calibrated at start-up, so that a step's fixed part costs at most 1/AUTO_TARGET_FACTOR
+# of its time (what chunking a lone long prompt may lose to it). ~250 ms on 2 CPU cores and the
+# default model; tens of milliseconds on a GPU. Clamped to [AUTO_TARGET_MIN_S, AUTO_TARGET_MAX_S].
+AUTO_TARGET_FACTOR = 10.0
+AUTO_TARGET_MIN_S = 0.02
+AUTO_TARGET_MAX_S = 1.0
+# A step that completes a prompt delivers its first token at its end: it ends within this share of
+# the target, so a short request arriving next to a long prefill waits for the step in flight and
+# a short one of its own, while the long prompt still gets at least this share of every step.
+FIRST_TOKEN_SHARE = 0.5
+# A token chunk that would spend more than this share of its predicted time on what every chunk
+# pays whatever its size (the step's pass over the weights, re-reading its cached context) runs as
+# a layered chunk instead.
+MAX_CHUNK_OVERHEAD = 0.1
+# One layer of a layered chunk costs at most this share of the target, so a step's time left can
+# be filled a layer at a time.
+LAYER_SHARE = 0.5
+
+
+def auto_step_target_s(model: StepCostModel) -> float | None:
+    """The default step-time target for an engine whose cost model is calibrated; None before."""
+    fixed = model.calibrated_fixed_s
+    if fixed is None:
+        return None
+    return min(AUTO_TARGET_MAX_S, max(AUTO_TARGET_MIN_S, AUTO_TARGET_FACTOR * fixed))
+
+
+@dataclass
+class StepPricing:
+    """The time side of one step's plan: its target and the predicted time of what it holds so far.
+    Built and mutated by the Scheduler only, one per schedule() call."""
+
+    model: StepCostModel
+    target_s: float | None  # None: no bound
+    num_layers: int  # the model's decoder layers (layered chunks); 0: no layered prefill
+    shape: StepShape = field(default_factory=StepShape)
+    has_prompt: bool = False  # the step's main forward carries prompt tokens (its dense pass is in `shape`)
+    base_target_s: float | None = field(init=False)  # the target before any first-token bound
+
+    def __post_init__(self) -> None:
+        self.base_target_s = self.target_s
+
+    # -- filling -------------------------------------------------------------------------
+
+    def add_decode(self, num_tokens: int, context: int) -> None:
+        self.shape = self.shape + StepShape.decode(num_tokens, context)
+
+    def add_chunk(self, num_tokens: int, context: int) -> None:
+        self.shape = self.shape + self._chunk_shape(num_tokens, context)
+        self.has_prompt = True
+
+    def add_slice(self, num_tokens: int, context: int, num_layers: int) -> None:
+        """`num_layers` layers of a layered chunk: their share of the chunk, with their share of its pass."""
+        self.shape = self.shape + self._slice_shape(num_tokens, context, num_layers)
+
+    def bound_for_first_token(self, tbt_target_s: float | None = None) -> None:
+        """A prompt completes this step: the step's end is that prompt's first token. The step ends
+        within FIRST_TOKEN_SHARE of its own target and within TBT_STEP_SHARE of the prompt's class
+        TBT target (`tbt_target_s`), but never before what it already holds."""
+        bounds = [] if self.base_target_s is None else [FIRST_TOKEN_SHARE * self.base_target_s]
+        if tbt_target_s is not None:
+            bounds.append(TBT_STEP_SHARE * tbt_target_s)
+        if not bounds:
+            return
+        bound = max(min(bounds), self.predicted_s() or 0.0)
+        self.target_s = bound if self.target_s is None else min(self.target_s, bound)
+
+    # -- questions -----------------------------------------------------------------------
+
+    def predicted_s(self) -> float | None:
+        return self.model.predict(self.shape)
+
+    def priced(self) -> bool:
+        """Whether time binds this step: a target and a fit to price against it."""
+        return self.target_s is not None and self.model.coefficients() is not None
+
+    def time_left_s(self) -> float:
+        if not self.priced():
+            return math.inf
+        assert self.target_s is not None
+        return self.target_s - (self.predicted_s() or 0.0)
+
+    def fits_chunk(self, num_tokens: int, context: int) -> bool:
+        """Would the step, with this chunk added, still end within the target?"""
+        if not self.priced():
+            return True
+        assert self.target_s is not None
+        predicted = self.model.predict(self.shape + self._chunk_shape(num_tokens, context))
+        return predicted is not None and predicted <= self.target_s
+
+    def largest_chunk(self, limit: int, context: int) -> int:
+        """Most tokens (at most `limit`) of a chunk after `context` that keep the step within the target."""
+        if limit <= 0 or self.fits_chunk(limit, context):
+            return max(0, limit)
+        low, high = 0, limit  # fits(low), not fits(high): the cost only grows with the chunk
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self.fits_chunk(middle, context) else (low, middle)
+        return low
+
+    def chunk_overhead_share(self, num_tokens: int, context: int) -> float:
+        """Share of a chunk's own predicted time spent on what any chunk pays whatever its size (a
+        pass over the weights unless the step already makes one, re-reading its context); 0 without
+        a fit."""
+        coefficients = self.model.coefficients()
+        if coefficients is None or num_tokens <= 0:
+            return 0.0
+        alone = self._chunk_shape(num_tokens, context)
+        total = sum(c * x for c, x in zip(coefficients[1:], alone.counts()))
+        overhead = coefficients[1] * alone.dense_passes + coefficients[6] * alone.chunk_context
+        return overhead / total if total > 0 else 0.0
+
+    def layered_chunk_tokens(self, limit: int, context: int) -> int:
+        """The chunk a layered prefill runs after `context`: the most tokens (at most `limit`) one of
+        whose layers costs at most LAYER_SHARE of the target (so a step can always fit one). At
+        least 1."""
+        if not self.priced() or self.num_layers <= 0:
+            return max(1, limit)
+        assert self.target_s is not None
+        layer_budget = LAYER_SHARE * self.target_s
+        low, high = 1, max(1, limit)
+        if self._slice_cost(high, context, 1) <= layer_budget:
+            return high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self._slice_cost(middle, context, 1) <= layer_budget else (low, middle)
+        return low
+
+    def layers_within(self, num_tokens: int, context: int, max_layers: int) -> int:
+        """Most layers (at most `max_layers`) of a layered chunk that fit the time left (maybe 0)."""
+        if not self.priced():
+            return max_layers
+        per_layer = self._slice_cost(num_tokens, context, 1)
+        left = self.time_left_s()
+        if per_layer <= 0:
+            return max_layers
+        return max(0, min(max_layers, int(left / per_layer + 1e-9)))
+
+    # -- shapes --------------------------------------------------------------------------
+
+    def _chunk_shape(self, num_tokens: int, context: int) -> StepShape:
+        pass_shape = StepShape() if self.has_prompt else StepShape(dense_passes=1.0)
+        return pass_shape + StepShape.chunk(num_tokens, context)
+
+    def _slice_shape(self, num_tokens: int, context: int, num_layers: int) -> StepShape:
+        share = num_layers / self.num_layers if self.num_layers else 1.0
+        return StepShape(dense_passes=share) + StepShape.chunk(num_tokens, context, share)
+
+    def _slice_cost(self, num_tokens: int, context: int, num_layers: int) -> float:
+        coefficients = self.model.coefficients()
+        if coefficients is None:
+            return 0.0
+        shape = self._slice_shape(num_tokens, context, num_layers)
+        return sum(c * x for c, x in zip(coefficients[1:], shape.counts()))

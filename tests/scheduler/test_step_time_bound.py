@@ -1,0 +1,193 @@
+"""The step-time bound (step_pricing.py) and layered prefill in the scheduler, driven by hand-built
+ModelOutputs over a cost model taught an exact linear truth: every step is held to the target,
+decodes or not; a request arriving mid-prefill joins the next step (decodes, short prompts, then
+the long prompt's chunk); a chunk the target would make too small runs by layers instead, its
+tokens computed only after its last layer."""
+
+from __future__ import annotations
+
+import pytest
+from test_scheduler import EOS, Clock, make_scheduler, request, step
+
+from servelm.config import SchedulerConfig
+from servelm.kv import KVCacheManager
+from servelm.scheduler.request import RequestStatus
+from servelm.scheduler.scheduler import Scheduler
+from servelm.scheduler.step_cost import StepShape
+from servelm.scheduler.step_pricing import AUTO_TARGET_FACTOR, FIRST_TOKEN_SHARE
+
+# Seconds per unit of (fixed, dense pass, decode token, decode context, prompt token, pair, chunk context).
+TRUTH = (0.002, 0.008, 0.001, 0.0, 0.0005, 1e-6, 1e-5)
+NUM_LAYERS = 10
+
+
+def truth_s(shape: StepShape) -> float:
+    return sum(c * x for c, x in zip(TRUTH, shape.features()))
+
+
+def calibrated(s: Scheduler) -> Scheduler:
+    """`s` with its cost model calibrated on TRUTH, as the engine builder calibrates it at start-up."""
+    shapes = [StepShape(dense_passes=1) + StepShape.chunk(n, 0) for n in (16, 64, 256)]
+    shapes += [StepShape(dense_passes=0.1) + StepShape.chunk(n, d, 0.1) for n, d in ((128, 1024), (256, 2048), (32, 4096))]
+    shapes += [StepShape.decode(1, d) for d in (16, 1024, 4096)] + [StepShape.decode(4, 16) + StepShape.decode(1, 0)]
+    s.step_cost.calibrate([(shape, truth_s(shape)) for shape in shapes])
+    return s
+
+
+def bounded(max_step_ms: float | None = 100.0, num_layers: int = NUM_LAYERS, **config: object) -> Scheduler:
+    config.setdefault("max_num_batched_tokens", 2048)
+    config.setdefault("max_model_len", 8192)
+    config.setdefault("aging_s", 0.0)
+    kv = KVCacheManager(4096, 4)
+    return calibrated(Scheduler(SchedulerConfig(max_step_ms=max_step_ms, **config), kv, eos_token_ids=[EOS],  # type: ignore[arg-type]
+                                clock=Clock(), num_layers=num_layers))  # fmt: skip
+
+
+def planned_s(s: Scheduler, so) -> float:
+    shape, _ = s._executed_shape(so)
+    return truth_s(shape)
+
+
+def run_step(s: Scheduler):
+    so = s.schedule()
+    s.check_invariants()
+    seconds = planned_s(s, so)
+    from test_scheduler import sample_for
+
+    model_output = sample_for(s, so)
+    model_output.execute_seconds = seconds
+    outputs = {o.request_id: o for o in s.update(so, model_output)}
+    s.check_invariants()
+    return so, outputs, seconds
+
+
+def test_the_default_target_is_ten_times_the_calibrated_fixed_part_of_a_prompt_step() -> None:
+    s = bounded(max_step_ms=None)
+    assert s.step_target_s() == pytest.approx(AUTO_TARGET_FACTOR * (TRUTH[0] + TRUTH[1]), rel=1e-3)
+    assert bounded(max_step_ms=0.0).step_target_s() is None
+    assert bounded(max_step_ms=250.0).step_target_s() == pytest.approx(0.25)
+    uncalibrated = make_scheduler(max_step_ms=None)
+    assert uncalibrated.step_target_s() is None  # nothing measured: no default to derive
+
+
+def test_a_lone_long_prompt_is_held_to_the_target_and_runs_its_deep_chunks_by_layers() -> None:
+    """Nothing else runs, yet every step ends within the target: whatever arrives next waits at
+    most that. Shallow, token chunks are efficient; deep, a token chunk that fits would be mostly
+    its context re-read, and the chunk runs a few layers a step instead."""
+    s = bounded()
+    s.add_request(request("long", 6000, max_tokens=1))
+    layered_steps = token_steps = 0
+    while (r := s.get_request("long")) is not None and r.num_output_tokens == 0:
+        computed_before = r.num_computed_tokens
+        so, out, seconds = run_step(s)
+        assert seconds <= 0.100 + 1e-9, so
+        if so.layer_slices:
+            layered_steps += 1
+            layers = so.layer_slices["long"]
+            done = layers.end_layer == NUM_LAYERS
+            assert ("long" in so.num_scheduled_tokens) == done  # its tokens count once its last layer ran
+            assert r.num_computed_tokens == computed_before + (layers.num_tokens if done else 0)
+        else:
+            token_steps += 1
+    assert token_steps > 0 and layered_steps > 0
+    assert out["long"].new_token_ids and out["long"].num_prompt_tokens == 6000
+
+
+def test_without_layered_prefill_deep_chunks_are_small_token_chunks_within_the_target() -> None:
+    s = bounded(num_layers=0)
+    s.add_request(request("long", 3000, max_tokens=1))
+    sizes = []
+    while s.get_request("long") is not None:
+        so, _, seconds = run_step(s)
+        assert not so.layer_slices and seconds <= 0.100 + 1e-9
+        sizes.append(so.num_scheduled_tokens.get("long", 0))
+    assert sizes[0] > 4 * sizes[-2]  # deep chunks shrink with their context
+
+
+def test_a_short_request_arriving_mid_prefill_joins_the_next_step_ahead_of_the_long_chunk() -> None:
+    s = bounded()
+    s.add_request(request("long", 6000, max_tokens=1))
+    for _ in range(40):  # well into the prompt: its chunks run by layers now
+        run_step(s)
+    assert s.get_request("long").layered_tokens > 0
+    s.add_request(request("short", 16, max_tokens=4))
+    so, out, seconds = run_step(s)
+    assert so.num_scheduled_tokens.get("short") == 16 and out["short"].new_token_ids  # whole, first token now
+    # The step that gives a first token ends within FIRST_TOKEN_SHARE of the target; the long
+    # prompt still moves in it if a layer fits.
+    assert seconds <= FIRST_TOKEN_SHARE * 0.100 + 1e-9
+    so, out, seconds = run_step(s)
+    assert so.num_scheduled_tokens["short"] == 1 and "long" in so.layer_slices and seconds <= 0.100 + 1e-9
+
+
+def test_shorts_go_first_within_a_priority_and_not_across_priorities() -> None:
+    s = bounded()
+    s.add_request(request("long", 3000, max_tokens=1, priority=0))
+    run_step(s)
+    s.add_request(request("batch-short", 16, max_tokens=1, priority=1))
+    s.add_request(request("short", 16, max_tokens=1, priority=0))
+    so, _, _ = run_step(s)
+    order = list(so.num_scheduled_tokens) + [rid for rid in so.layer_slices if rid not in so.num_scheduled_tokens]
+    assert order.index("short") < order.index("long")
+    # A short prompt of a worse priority waits for the long one's chunk: if it fits at all, after it.
+    if "batch-short" in order:
+        assert order.index("long") < order.index("batch-short")
+
+
+def test_decodes_are_never_cut_and_a_long_prompt_still_moves_when_they_fill_the_step() -> None:
+    s = bounded(max_step_ms=5.0)  # under even a decode step's fixed part
+    for name in ("a", "b"):
+        s.add_request(request(name, 8, max_tokens=50))
+    while any(s.get_request(name).num_output_tokens == 0 for name in ("a", "b")):
+        run_step(s)  # their prompts a block a step: even those are over 5 ms
+    s.add_request(request("long", 2000, max_tokens=1))
+    for _ in range(5):
+        so, _, _ = run_step(s)
+        assert so.num_scheduled_tokens["a"] == 1 and so.num_scheduled_tokens["b"] == 1
+        assert "long" in so.num_scheduled_tokens or "long" in so.layer_slices  # a block or a layer a step
+
+
+def test_a_layered_chunk_is_dropped_by_preemption_and_recomputed() -> None:
+    s = bounded()
+    s.add_request(request("long", 6000, max_tokens=1))
+    while not s.get_request("long").layers_done:
+        run_step(s)
+    r = s.get_request("long")
+    computed = r.num_computed_tokens
+    plan_so = s.schedule()
+    s.requeue_step(plan_so)  # the engine's recovery path: everything in the step goes back to waiting
+    assert r.status is RequestStatus.PREEMPTED and r.layered_tokens == 0 and r.layers_done == 0
+    assert r.num_computed_tokens == 0 and computed > 0
+    so, _, _ = run_step(s)
+    assert "long" in so.preempted_request_ids or "long" in {n.request_id for n in so.new_requests}
+    s.check_invariants()
+
+
+def test_an_aborted_layered_chunk_is_forgotten_by_the_runner() -> None:
+    s = bounded()
+    s.add_request(request("long", 6000, max_tokens=1))
+    while not s.get_request("long").layers_done:
+        run_step(s)
+    s.abort_requests(["long"])
+    so, out, _ = run_step(s)
+    assert "long" in so.finished_request_ids and out["long"].finish_reason is not None
+    assert not so.layer_slices
+
+
+def test_unpriced_steps_keep_the_static_budget() -> None:
+    for scheduler in (bounded(max_step_ms=0.0), make_scheduler(num_blocks=256, max_num_batched_tokens=64, max_model_len=512,
+                                                               max_step_ms=None)):  # fmt: skip
+        scheduler.add_request(request("long", 200))
+        so, _ = step(scheduler)
+        assert so.num_scheduled_tokens == {"long": min(200, scheduler.config.max_num_batched_tokens)}
+        assert not so.layer_slices
+
+
+def test_prediction_errors_are_logged_by_kind() -> None:
+    s = bounded()
+    s.add_request(request("long", 3000, max_tokens=2))
+    while s.get_request("long") is not None:
+        run_step(s)
+    kinds = {kind for kind, predicted, measured in s.step_log.take_predictions()
+             if predicted == pytest.approx(measured, rel=1e-6)}  # fmt: skip
+    assert kinds == {"shallow", "deep", "decode"}
