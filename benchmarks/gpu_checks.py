@@ -200,7 +200,7 @@ def _reference_regret(reference, prompt: list[int], tokens: list[int], device: s
 
 
 def random_engine(shape: str, device: str, dtype: torch.dtype, kv_gib: float,
-                  enforce_eager: bool = False) -> tuple[BuiltEngine, int]:  # fmt: skip
+                  enforce_eager: bool = False, **engine_flags: Any) -> tuple[BuiltEngine, int]:  # fmt: skip
     config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
               "hidden_act": "silu", **SHAPES[shape]}  # fmt: skip
     arch = ModelArchConfig.from_hf_config(config)
@@ -221,8 +221,9 @@ def random_engine(shape: str, device: str, dtype: torch.dtype, kv_gib: float,
         weight_bytes -= embedding.numel() * embedding.element_size()
     model = build_model(arch, weights, dtype, device)
     del weights
+    flags = {"max_num_batched_tokens": 8192, **engine_flags}
     engine_config = EngineConfig.from_flat(model=None, device=device, kv_cache_memory_gib=kv_gib, max_num_seqs=256,
-                                           max_num_batched_tokens=8192, enforce_eager=enforce_eager)  # fmt: skip
+                                           enforce_eager=enforce_eager, **flags)  # fmt: skip
     return assemble_engine(engine_config, model, arch, load_tokenizer(None), f"random {shape}"), weight_bytes
 
 

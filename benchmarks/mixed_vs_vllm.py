@@ -49,7 +49,7 @@ def run_bench(base_url: str, rate: float, args: argparse.Namespace, out: Path, e
         sys.executable, "-m", "servelm.cli", "bench", "run", "--base-url", base_url, "--profile", "mixed",
         "--weights", args.weights, "--rate", str(rate), "--num-requests", str(args.num_requests),
         "--duration-s", str(args.duration_s), "--seed", str(args.seed), "--out", str(out), "--no-progress", "--no-plots",
-        *extra,
+        *(["--max-output-tokens", str(args.max_output_tokens)] if args.max_output_tokens else []), *extra,
     ]  # fmt: skip
     subprocess.run(command, check=True)
     return json.loads((out / "run.json").read_text())
@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--weights", default="voice=0.4,code=0.3,analytics=0.2,chat=0.1")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-output-tokens", type=int, default=None, help="caps every output length (bench's flag)")
     parser.add_argument("--servelm-args", default="",
                         help="flags after `servelm serve` for the servelm systems (A/B runs, e.g. "
                         "'--gemm-precision bfloat16'; the figures against targets use none)")  # fmt: skip

@@ -55,6 +55,10 @@ SIGNAL_DOCS = {
     "output_backlog_mean": "outputs waiting in a stream's queue when it takes them, mean",
     "outputs_queued_mean": "engine outputs waiting in the API for their streams, mean",
     "outputs_queued_max": "engine outputs waiting in the API for their streams, max",
+    "step_prediction_ratio_p10": "engine step time measured / predicted by the step-cost model, p10 (1: exact)",
+    "step_prediction_ratio_p90": "engine step time measured / predicted by the step-cost model, p90 (1: exact)",
+    "deep_step_prediction_ratio_p90": "... of steps with a chunk after 1,024+ prompt tokens, p90",
+    "step_target_s": "the step-time target every step is sized to (0: none)",
     "loop_lag_mean_s": "API event-loop lag, mean",
     "loop_lag_p99_s": "API event-loop lag, p99",
 }
@@ -112,6 +116,7 @@ def window_signals(window: Window) -> Signals:
     step, step_tokens = window.histogram(P + "engine_step_seconds"), window.histogram(P + "iteration_tokens")
     lag = window.histogram(P + "api_event_loop_lag_seconds")
     itl = window.histogram(P + "inter_token_latency_seconds")
+    prediction = window.histogram(P + "step_time_prediction_ratio")
     values: dict[str, float | None] = {
         "request_rate": _ratio(requests, window.duration_s) if requests is not None else _client_rate(window),
         "prompt_tokens_per_request": _ratio(prompt_tokens, requests),
@@ -143,6 +148,10 @@ def window_signals(window: Window) -> Signals:
         "output_backlog_mean": _mean(window.histogram(P + "stream_output_backlog")),
         "outputs_queued_mean": _gauge(window, "num_outputs_queued_in_api", "mean"),
         "outputs_queued_max": _gauge(window, "num_outputs_queued_in_api", "max"),
+        "step_prediction_ratio_p10": _quantile(prediction, 0.1),
+        "step_prediction_ratio_p90": _quantile(prediction, 0.9),
+        "deep_step_prediction_ratio_p90": _quantile(window.histogram(P + "step_time_prediction_ratio", kind="deep"), 0.9),
+        "step_target_s": _gauge(window, "step_time_target_seconds", "max"),
         "loop_lag_mean_s": _mean(lag),
         "loop_lag_p99_s": _quantile(lag, 0.99),
     }
@@ -153,6 +162,9 @@ def window_signals(window: Window) -> Signals:
             f"{window.label}: requests still waiting at the window's end have no TTFT yet; the queue time per request "
             f"is Little's law's (mean waiting / arrival rate), {unseen_queue_s * 1000:.0f} ms more than finished requests show"
         )
+    drift = prediction_drift(values)
+    if drift:
+        notes.append(f"{window.label}: {drift}")
     if ttft is None and window.has(P + "router_requests"):
         notes.append(
             "this source is a servelm router: its /metrics carry router-level signals only (no TTFT split, queue "
@@ -170,6 +182,26 @@ def window_signals(window: Window) -> Signals:
         classes=_window_classes(window),
         evictions_by_tenant={t: n / window.duration_s for t, n in evictions.items()} if evictions is not None else None,
         notes=notes,
+    )
+
+
+# The step-cost model has drifted when a tenth of steps run this far from what it predicted: the
+# step-time target (what arrivals wait at most) no longer holds as planned.
+PREDICTION_DRIFT = 0.25
+
+
+def prediction_drift(values: dict[str, float | None]) -> str | None:
+    """A note when the step-cost model's predictions drift past PREDICTION_DRIFT (p10 or p90 of
+    measured / predicted), else None."""
+    low, high = values.get("step_prediction_ratio_p10"), values.get("step_prediction_ratio_p90")
+    if low is None or high is None or (1 - PREDICTION_DRIFT <= low and high <= 1 + PREDICTION_DRIFT):
+        return None
+    target = values.get("step_target_s")
+    bound = f" against a {target * 1000:.0f} ms step-time target" if target else ""
+    return (
+        f"the step-cost model is off: steps took {low:.2f}x-{high:.2f}x what it predicted (p10-p90){bound}; "
+        "steps are sized by it, so they run longer (or shorter) than the target says. Something else on the machine, "
+        "or a shape of step the start-up calibration did not see: it refits from the steps it runs"
     )
 
 

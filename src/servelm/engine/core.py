@@ -157,11 +157,16 @@ class EngineCore:
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_accepted_per_position=list(spec.accepted_per_position) if spec else [],
             tiers=tier_stats(tiers) if tiers is not None else TierStats(),
+            step_target_s=self.scheduler.step_target_s() or 0.0,
         )
 
     def take_step_records(self) -> list[tuple[int, float]]:
         """(scheduled tokens, runner seconds) of the steps since the last call (Scheduler.step_log)."""
         return self.scheduler.step_log.take_records()
+
+    def take_step_predictions(self) -> list[tuple[str, float, float]]:
+        """(kind, predicted, measured seconds) of the steps since the last call (Scheduler.step_log)."""
+        return self.scheduler.step_log.take_predictions()
 
 
 def tier_stats(tiers: KVTiers) -> TierStats:

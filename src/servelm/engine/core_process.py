@@ -139,6 +139,7 @@ def _serve(
         if step_outputs or changed:
             stats = core.stats()
             stats.recent_steps = core.take_step_records()
+            stats.recent_predictions = core.take_step_predictions()
             batch = OutputBatch(outputs=step_outputs, stats=stats, timestamp=time.time())
             outputs.send(from_core_encoder.encode(batch))
         # After the outputs went out: a slice (~2 ms) delays the next step, not this one.

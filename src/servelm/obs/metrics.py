@@ -40,6 +40,9 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15,
                       5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# measured / predicted of a step's time: 1 is a perfect prediction, 1.25 a step 25% longer than planned
+_PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.65, 0.75, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.25, 1.35, 1.5, 1.75, 2.0,
+                             3.0, 5.0)
 _LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # 0 is its own bucket: a stream that keeps up never has an output waiting.
 _BACKLOG_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 50000.0)
@@ -185,6 +188,13 @@ class ServerMetrics:
                                       ["model_name"], buckets=_TOKEN_GAP_BUCKETS, registry=self.registry).labels(model_name)  # fmt: skip
         self.step_tokens = Histogram(PREFIX + "iteration_tokens", "Tokens scheduled per engine step (prefill + decode).",
                                      ["model_name"], buckets=length_buckets(max_model_len), registry=self.registry).labels(model_name)  # fmt: skip
+        # The scheduler sizes every step by a cost model's prediction (scheduler/step_cost.py): when it
+        # drifts from what steps take, the step-time target no longer holds (servelm diagnose shows it).
+        self.step_prediction_ratio = Histogram(
+            PREFIX + "step_time_prediction_ratio",
+            "Engine step time measured / predicted by the scheduler's step-cost model (1: exact), by kind of step: "
+            "decode (no prompt work), shallow or deep (a prompt chunk after 1,024+ tokens of its prompt).",
+            ["model_name", "kind"], buckets=_PREDICTION_RATIO_BUCKETS, registry=self.registry)  # fmt: skip
         self.loop_lag = Histogram(PREFIX + "api_event_loop_lag_seconds",
                                   "How late the API event loop ran a timer that was due (obs.loop_lag): how long every "
                                   "ready callback (SSE writes, request parsing, engine outputs) waited behind others.",
@@ -194,6 +204,8 @@ class ServerMetrics:
         for num_tokens, seconds in stats.recent_steps:
             self.step_tokens.observe(num_tokens)
             self.step_seconds.observe(seconds)
+        for kind, predicted_s, measured_s in stats.recent_predictions:
+            self.step_prediction_ratio.labels(self.model_name, kind).observe(measured_s / predicted_s)
 
     def observe_engine_restart(self) -> None:
         self.engine_restarts.inc()
@@ -318,6 +330,8 @@ class _CoreCollector(Collector):
             ("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).", stats.kv_usage),
             ("kv_cache_used_blocks", "KV blocks held by requests.", stats.num_used_blocks),
             ("kv_cache_total_blocks", "KV blocks in the pool.", self.num_blocks),
+            ("step_time_target_seconds", "The step-time target every step is sized to (0: none; "
+             "--max-step-ms, by default chosen at start-up).", stats.step_target_s),
             ("num_requests_in_api", "Engine requests the API process has in flight.", self.num_in_api()),
             (
                 "num_outputs_queued_in_api",

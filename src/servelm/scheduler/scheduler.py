@@ -89,7 +89,7 @@ from servelm.scheduler.tier_loads import Admission, TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
 
 # A step's chunks after this many tokens of their prompt count as deep for the prediction-error
-# metric (servelm:step_time_prediction_error{kind}): where attention over the context outweighs
+# metric (servelm:step_time_prediction_ratio{kind}): where attention over the context outweighs
 # the chunk's own matmuls on a CPU, and a model of tokens alone used to go wrong.
 DEEP_CONTEXT = 1024
 

@@ -3,7 +3,7 @@
 Fed once per step by Scheduler.update() with that step's SchedulerOutput and ModelOutput
 (the runner timed its own execution); drained by the engine-core process loop into each
 OutputBatch's CoreStats (servelm:engine_step_seconds, servelm:iteration_tokens,
-servelm:num_preemptions_total, servelm:step_time_prediction_error). Torch-free and model-free, like the rest of the scheduler.
+servelm:num_preemptions_total, servelm:step_time_prediction_ratio). Torch-free and model-free, like the rest of the scheduler.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ class StepLog:
         self._predictions: deque[tuple[str, float, float]] = deque(maxlen=max_records)
 
     def record(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> None:
-        """One executed step. Empty steps (nothing scheduled) count their preemptions only."""
+        """One executed step. Empty steps (nothing to compute) count their preemptions only; a step of
+        layer slices alone (layered prefill) is a step, of 0 scheduled tokens."""
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
-        if scheduler_output.total_num_scheduled_tokens:
+        if scheduler_output.has_work:
             self._records.append((scheduler_output.total_num_scheduled_tokens, model_output.execute_seconds))
 
     def record_prediction(self, kind: str, predicted_s: float | None, measured_s: float) -> None:

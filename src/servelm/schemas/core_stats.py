@@ -44,3 +44,7 @@ class CoreStats(msgspec.Struct, kw_only=True):
     # (scheduled tokens, runner seconds) of every step since the previous batch, mid-prefill
     # steps included (they send no outputs), for the step histograms.
     recent_steps: list[tuple[int, float]] = []
+    # (kind, predicted seconds, measured seconds) of those steps the step-cost model predicted; kind
+    # "decode" (no prompt work), "shallow" or "deep" (a chunk after 1,024+ tokens of its prompt).
+    recent_predictions: list[tuple[str, float, float]] = []
+    step_target_s: float = 0.0  # the step-time target before any class tightens it (0: none)

@@ -202,6 +202,10 @@ class ModelRunner:
             self._sample(rows, all_hidden, output)
             if self.proposer is not None:
                 self._propose(rows.samples, output, so.num_drafts_wanted)
+        elif self.device.type == "cuda":
+            # Nothing sampled, so nothing waited for the device: wait here, or the step's time (which
+            # the scheduler's cost model learns from) would be its launches, and the next step's its work.
+            torch.cuda.current_stream(self.device).synchronize()
         return output
 
     def _run_layer_slices(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:

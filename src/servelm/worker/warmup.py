@@ -100,8 +100,9 @@ def calibrate(runner: ModelRunner) -> list[TimedStep]:
         prefill, decode = _prefill_then_decode(runner, num_prompt)
         steps.append(TimedStep(num_prompt, 0, True, prefill.execute_seconds))
         steps.append(TimedStep(1, num_prompt, False, decode.execute_seconds))
-    rows, num_prompt = CALIBRATION_DECODE_ROWS, CALIBRATION_PROMPT_TOKENS[0]
-    if rows * (num_prompt + runner.block_size) + 1 <= min(capacity, _pool_tokens(runner)):
+    rows = min(CALIBRATION_DECODE_ROWS, len(runner.block_table.num_blocks))  # the table's rows: max_num_seqs
+    num_prompt = CALIBRATION_PROMPT_TOKENS[0]
+    if rows > 1 and rows * (num_prompt + runner.block_size) + 1 <= min(capacity, _pool_tokens(runner)):
         steps.append(TimedStep(1, num_prompt, False, _decode_batch(runner, rows, num_prompt), num_requests=rows))
     for context in CALIBRATION_DEEP_DECODES:
         if context + 1 <= capacity:
