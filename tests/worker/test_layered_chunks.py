@@ -15,7 +15,7 @@ from servelm.sampling_params import SamplingParams
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
 
 
-def _runner(tiny_dir):  # noqa: ANN001, ANN202
+def _runner(tiny_dir):
     return build_engine(EngineConfig.from_flat(model=str(tiny_dir), num_blocks=64, block_size=16)).core.runner
 
 
