@@ -26,7 +26,12 @@ from servelm.obs.startup import StartupTimeline
 from servelm.sampling_params import SamplingParams
 from servelm.spec.suffix import SuffixProposer
 from servelm.testing.reference_decode import greedy_decode
-from servelm.worker.warmup import CALIBRATION_PROMPT_TOKENS, WARMUP_MANY_ROWS_TOKENS, WARMUP_PROMPT_TOKENS
+from servelm.worker.warmup import (
+    CALIBRATION_PROMPT_TOKENS,
+    CALIBRATION_REPEATS,
+    WARMUP_MANY_ROWS_TOKENS,
+    WARMUP_PROMPT_TOKENS,
+)
 
 ENGINE_PHASES = ["kernel_build", "load", "kv_sizing", "warmup"]
 
@@ -96,8 +101,8 @@ def test_warm_up_runs_a_prefill_and_a_decode_and_leaves_nothing_behind(tiny_dir,
     assert calibrated, "the pool holds at least the shortest calibration prompt"
     # a prefill, then one decode token; again for a many-row prompt
     expected = [[WARMUP_PROMPT_TOKENS], [1], [WARMUP_MANY_ROWS_TOKENS], [1]]
-    for n in calibrated:  # then each calibration prompt, and a decode after it
-        expected += [[n], [1]]
+    for n in calibrated:  # then each calibration prompt, and a decode after it, CALIBRATION_REPEATS times
+        expected += [[n], [1]] * CALIBRATION_REPEATS
     assert backend.query_lens == expected
     runner, kv = core.runner, core.kv_manager
     assert runner.requests == {}
