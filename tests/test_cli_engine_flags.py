@@ -18,8 +18,14 @@ def test_scheduler_flags_reach_the_scheduler_config() -> None:
 
 def test_unset_flags_keep_the_defaults() -> None:
     config = engine_config_from_args(build_parser().parse_args(["serve"]))
-    assert config.scheduler.max_step_ms == 200.0  # streams keep their pace by default
-    assert config.scheduler.arrival_wait_ms == 0.0  # no bound unless given
+    assert config.scheduler.max_step_ms is None  # auto: a target from the calibrated step cost
+    assert config.scheduler.layered_prefill
+
+
+def test_arrival_wait_is_the_step_target_and_zero_is_unbounded() -> None:
+    args = build_parser().parse_args(["serve", "--arrival-wait-ms", "0", "--no-layered-prefill"])
+    config = engine_config_from_args(args).scheduler
+    assert config.max_step_ms == 0.0 and not config.layered_prefill
 
 
 def test_a_negative_step_target_is_refused() -> None:

@@ -77,21 +77,17 @@ from servelm.datatypes import (
 from servelm.kv.block_pool import KVCacheEvent, PrefixCacheStats
 from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
 from servelm.kv.tiers import KVTiers
+from servelm.scheduler.chunk_choice import choose_chunk
 from servelm.scheduler.drafts import DraftScheduling, SpecCounters
 from servelm.scheduler.ranking import FairShare, Ranking, prefill_order
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.step_cost import StepCostModel, StepShape, step_time_target_s
 from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.step_plan import ChunkPlan, StepPlan
-from servelm.scheduler.step_pricing import MAX_CHUNK_OVERHEAD, StepPricing, auto_step_target_s
+from servelm.scheduler.step_pricing import StepPricing, auto_step_target_s, executed_shape
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.tier_loads import Admission, TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
-
-# A step's chunks after this many tokens of their prompt count as deep for the prediction-error
-# metric (servelm:step_time_prediction_ratio{kind}): where attention over the context outweighs
-# the chunk's own matmuls on a CPU, and a model of tokens alone used to go wrong.
-DEEP_CONTEXT = 1024
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -479,35 +475,10 @@ class Scheduler:
         )
 
     def _plan_chunk(self, request: Request, num_computed: int, plan: StepPlan) -> ChunkPlan | None:
-        """`request`'s chunk this step after `num_computed` of its tokens (None: none): the token
-        budget's chunk (StepPlan.prefill_chunk), held in a priced step to what ends within the
-        target; where such a token chunk would be too small to run efficiently (step_pricing.py,
-        MAX_CHUNK_OVERHEAD), a layered chunk of as many layers as fit. A prompt that is the step's
-        first prefill work moves by at least a block (or a layer) even over the target, so that
-        decodes filling every step never starve the prompts."""
-        rest = request.num_tokens - num_computed
-        mid_prefill = request.status is RequestStatus.RUNNING
-        num_tokens = plan.prefill_chunk(rest, mid_prefill=mid_prefill)
-        pricing = plan.pricing
-        if pricing is None or not pricing.priced():
-            return ChunkPlan(num_tokens) if num_tokens else None
-        in_time = pricing.largest_chunk(num_tokens, num_computed)
-        if in_time == rest:
-            return ChunkPlan(rest)
-        if not plan.has_slot(rest):
-            return None
-        if self._num_layers and (in_time == 0 or pricing.chunk_overhead_share(in_time, num_computed) > MAX_CHUNK_OVERHEAD):
-            chunk = pricing.layered_chunk_tokens(min(rest, self.config.max_num_batched_tokens), num_computed)
-            num_layers = pricing.layers_within(chunk, num_computed, self._num_layers)
-            if num_layers == 0 and not plan.has_prefill:
-                num_layers = 1
-            if 0 < num_layers < self._num_layers:
-                return ChunkPlan(chunk, num_layers)
-            if num_layers == self._num_layers:
-                return ChunkPlan(chunk)  # all of its layers fit after all: an ordinary chunk
-        if in_time == 0 and not plan.has_prefill:
-            in_time = min(num_tokens, self._kv.block_size)
-        return ChunkPlan(in_time) if in_time else None
+        """`request`'s chunk this step after `num_computed` of its tokens (chunk_choice.py)."""
+        return choose_chunk(plan, request.num_tokens - num_computed, num_computed,
+                            mid_prefill=request.status is RequestStatus.RUNNING, num_layers=self._num_layers,
+                            max_chunk_tokens=self.config.max_num_batched_tokens, block_size=self._kv.block_size)  # fmt: skip
 
     def _schedule_prefill_chunk(self, request: Request, plan: StepPlan, now: float) -> None:
         if request.layered_tokens:
@@ -774,28 +745,8 @@ class Scheduler:
         return outputs
 
     def _executed_shape(self, scheduler_output: SchedulerOutput) -> tuple[StepShape, str]:
-        """What a step computed, read before update() advances its requests, and its kind for the
-        prediction-error metric: "decode" (no prompt work), "deep" (a chunk after DEEP_CONTEXT
-        tokens or more of its prompt) or "shallow"."""
-        pricing = StepPricing(self.step_cost, None, self._num_layers)
-        deepest = -1
-        slices = scheduler_output.layer_slices
-        for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            request = self._requests.get(request_id)
-            if request is None or request_id in slices:
-                continue
-            if request.is_prefilling:
-                pricing.add_chunk(num_scheduled, request.num_computed_tokens)
-                deepest = max(deepest, request.num_computed_tokens)
-            else:
-                pricing.add_decode(num_scheduled, request.num_computed_tokens)
-        for request_id, layers in slices.items():
-            request = self._requests.get(request_id)
-            if request is not None:
-                pricing.add_slice(layers.num_tokens, request.num_computed_tokens, layers.end_layer - layers.start_layer)
-                deepest = max(deepest, request.num_computed_tokens)
-        kind = "decode" if deepest < 0 else "deep" if deepest >= DEEP_CONTEXT else "shallow"
-        return pricing.shape, kind
+        """What a step computed and its kind (step_pricing.executed_shape), before update() advances it."""
+        return executed_shape(scheduler_output, self._requests, self.step_cost, self._num_layers)
 
     def _advance_layers(self, scheduler_output: SchedulerOutput) -> None:
         """The layers a step ran of each layered chunk; a chunk whose last layer ran is done (its

@@ -23,8 +23,11 @@ every question answers as if the step had room (the token budget alone binds).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from servelm.datatypes import SchedulerOutput
+from servelm.scheduler.request import Request
 from servelm.scheduler.step_cost import TBT_STEP_SHARE, StepCostModel, StepShape
 
 # The default target (max_step_ms unset): this many times the fixed part of a prompt step on this
@@ -42,6 +45,10 @@ FIRST_TOKEN_SHARE = 0.5
 # pays whatever its size (the step's pass over the weights, re-reading its cached context) runs as
 # a layered chunk instead.
 MAX_CHUNK_OVERHEAD = 0.1
+# A step's chunks after this many tokens of their prompt count as deep for the prediction metric
+# (servelm:step_time_prediction_ratio{kind}): where attention over the context outweighs the chunk's
+# own matmuls on a CPU, and a model of tokens alone used to go wrong.
+DEEP_CONTEXT = 1024
 # One layer of a layered chunk costs at most this share of the target, so a step's time left can
 # be filled a layer at a time.
 LAYER_SHARE = 0.5
@@ -182,3 +189,29 @@ class StepPricing:
             return 0.0
         shape = self._slice_shape(num_tokens, context, num_layers)
         return sum(c * x for c, x in zip(coefficients[1:], shape.counts()))
+
+
+def executed_shape(scheduler_output: SchedulerOutput, requests: Mapping[str, Request], model: StepCostModel,
+                   num_layers: int) -> tuple[StepShape, str]:  # fmt: skip
+    """What a step computed, from its SchedulerOutput and its requests as they were when it was
+    planned, and its kind: "decode" (no prompt work), "deep" (a chunk after DEEP_CONTEXT tokens or
+    more of its prompt) or "shallow". Requests gone since (aborted) are left out."""
+    pricing = StepPricing(model, None, num_layers)
+    deepest = -1
+    slices = scheduler_output.layer_slices
+    for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+        request = requests.get(request_id)
+        if request is None or request_id in slices:
+            continue
+        if request.is_prefilling:
+            pricing.add_chunk(num_scheduled, request.num_computed_tokens)
+            deepest = max(deepest, request.num_computed_tokens)
+        else:
+            pricing.add_decode(num_scheduled, request.num_computed_tokens)
+    for request_id, layers in slices.items():
+        request = requests.get(request_id)
+        if request is not None:
+            pricing.add_slice(layers.num_tokens, request.num_computed_tokens, layers.end_layer - layers.start_layer)
+            deepest = max(deepest, request.num_computed_tokens)
+    kind = "decode" if deepest < 0 else "deep" if deepest >= DEEP_CONTEXT else "shallow"
+    return pricing.shape, kind
