@@ -16,6 +16,7 @@ from servelm.delivery.file_server import DirectoryFiles, Faults, RangeFileServer
 from servelm.delivery.http_source import HttpSource
 from servelm.delivery.manifest import ManifestError, read_manifest
 from servelm.delivery.source import FetchError, NotYetAvailableError
+from servelm.delivery.whole_file import WholeFileStreams
 
 
 def _serve(server: ThreadingHTTPServer) -> Iterator[str]:
@@ -88,16 +89,38 @@ def plain_server(model_dir: Path) -> Iterator[str]:
     yield from _serve(ThreadingHTTPServer(("127.0.0.1", 0), handler))
 
 
-def test_a_server_without_range_serves_only_whole_file_chunks(model_dir: Path, plain_server: str) -> None:
+def test_a_server_without_range_is_read_a_whole_file_at_a_time(model_dir: Path, plain_server: str) -> None:
     manifest = read_manifest(model_dir)
     source = HttpSource(plain_server, connections=1)
     try:
         config = manifest.file("config.json").chunks[0]
         assert source.read(config) == (model_dir / "config.json").read_bytes()
         assert source.read(manifest.file("empty.txt").chunks[0]) == b""
-        with pytest.raises(FetchError, match="honour Range"):
-            source.read(manifest.file("model-00001-of-00002.safetensors").chunks[1])
+        shard = manifest.file("model-00001-of-00002.safetensors")
+        content = (model_dir / shard.path).read_bytes()
+        for chunk in (shard.chunks[1], shard.chunks[4], shard.chunks[2], shard.chunks[0], shard.chunks[5]):
+            assert source.read(chunk) == content[chunk.offset : chunk.end]  # any order, from the stream
     finally:
+        source.close()
+
+
+def test_a_chunk_that_left_the_window_is_read_again_from_a_new_pass(model_dir: Path, plain_server: str) -> None:
+    shard = read_manifest(model_dir).file("model-00001-of-00002.safetensors")
+    content = (model_dir / shard.path).read_bytes()
+    opened: list[str] = []
+    source = HttpSource(plain_server, connections=1)
+
+    def open_file(path: str):  # counts the passes over each file
+        opened.append(path)
+        return source._open_whole_file(path)
+
+    streams = WholeFileStreams(open_file, max_window_bytes=2 * shard.chunks[0].length)
+    try:
+        for chunk in (shard.chunks[0], shard.chunks[1], shard.chunks[4], shard.chunks[3], shard.chunks[0]):
+            assert streams.read(chunk) == content[chunk.offset : chunk.end]
+        assert opened == [shard.path, shard.path]  # chunk 0 had left the 2-chunk window: one more pass
+    finally:
+        streams.close()
         source.close()
 
 

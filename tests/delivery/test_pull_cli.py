@@ -17,8 +17,8 @@ import httpx
 import pytest
 from delivery_helpers import CHUNK_BYTES, same_files, write_model_dir
 
-from servelm.delivery.file_server import RangeFileServer
-from servelm.delivery.manifest import MANIFEST_NAME, read_manifest
+from servelm.delivery.file_server import DirectoryFiles, RangeFileServer
+from servelm.delivery.manifest import MANIFEST_NAME, build_manifest, read_manifest
 from servelm.delivery.store import STATE_DIR
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -102,3 +102,62 @@ def test_an_origin_that_differs_from_its_manifest(model_dir: Path, origin: Range
     assert error.startswith("servelm pull: chunk model-00001-of-00002.safetensors#2 ")
     assert "the origin's files differ from its manifest" in error
     assert not (tmp_path / "dest" / MANIFEST_NAME).exists() and done.stdout == ""
+
+
+@pytest.fixture
+def plain_http_origin(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]:
+    """`python -m http.server` over a model directory: an origin that ignores Range (200, the whole file)."""
+    directory = write_model_dir(tmp_path / "origin", BIG, seed=5)
+    process = subprocess.Popen(
+        [sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", str(directory)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    )  # fmt: skip
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], 30)
+    assert ready, "http.server did not start"
+    port = process.stdout.readline().split(" port ")[1].split()[0]
+    yield f"http://127.0.0.1:{port}/", directory, process
+    process.kill()
+    process.wait(timeout=10)
+
+
+def test_pull_from_an_origin_that_ignores_range_reads_each_file_whole(
+    plain_http_origin: tuple[str, Path, subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    url, origin, process = plain_http_origin
+    dest = tmp_path / "dest"
+    done = servelm("pull", url, "--to", str(dest), "--connections", str(CONNECTIONS), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "ignores Range" in done.stderr  # said once, as a warning
+    assert same_files(origin, dest, BIG) and read_manifest(dest) == read_manifest(origin)
+    process.kill()
+    _, log = process.communicate(timeout=10)
+    for name in BIG:  # 24 chunks each: a few ranged tries (one per connection at most), then one pass
+        gets = sum(1 for line in log.splitlines() if f'"GET /{name} ' in line)
+        assert 1 <= gets <= CONNECTIONS + 1, (name, gets)
+
+
+def test_manifest_of_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "README.md").write_text("not a model")
+    for directory, found in ((empty, "no files"), (notes, "README.md")):
+        done = servelm("manifest", str(directory))
+        assert done.returncode == 1 and "holds no model weights" in done.stderr and found in done.stderr, done.stderr
+        assert ".safetensors" in done.stderr and not (directory / MANIFEST_NAME).exists()
+
+
+def test_pull_of_a_manifest_without_weights_is_refused(tmp_path: Path) -> None:
+    origin = tmp_path / "origin"  # published before manifests were checked: config.json alone
+    origin.mkdir()
+    (origin / "config.json").write_text("{}")
+    (origin / MANIFEST_NAME).write_text(build_manifest(origin, CHUNK_BYTES).to_json())
+    server = RangeFileServer(DirectoryFiles(origin)).start()
+    try:
+        done = servelm("pull", server.url, "--to", str(tmp_path / "dest"), "--no-progress")
+    finally:
+        server.stop()
+    assert done.returncode == 1 and "holds no model weights" in done.stderr, done.stderr
+    assert not (tmp_path / "dest" / MANIFEST_NAME).exists()

@@ -16,10 +16,13 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from servelm.config import EngineConfig
 from servelm.datatypes import FinishReason
 from servelm.engine.builder import build_engine
+from servelm.engine.llm import LLM
+from servelm.sampling_params import SamplingParams
 from servelm.testing.engine_run import ReferenceWorkload, greedy_requests, reference_workload, run_requests
 from servelm.worker.multi_rank import RankFailedError
 
@@ -100,3 +103,25 @@ def test_a_dead_rank_fails_the_next_step_and_followers_leave_with_rank_0(tiny_di
     finally:
         core.close()
     assert not followers_of(os.getpid())
+
+
+def _followers() -> list[psutil.Process]:
+    return [child for child in psutil.Process().children(recursive=True) if "rank_main" in " ".join(child.cmdline())]
+
+
+def test_two_parallel_llms_one_after_the_other_in_one_process(tiny_dir):
+    """A notebook's pattern: a TP=2 LLM, then a CP=2 one. Each shutdown (the context manager, then
+    `del`) stops its followers and leaves the process group, so the next can form its own."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    settings = {"threads_per_rank": 1, "distributed_timeout_s": 30.0, "num_blocks": 32}
+    with LLM(str(tiny_dir), tensor_parallel_size=2, **settings) as first:
+        tp_tokens = first.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids
+        assert len(_followers()) == 1
+    assert _followers() == [] and not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="shut down"):
+        first.generate([[1, 2, 3]], params)
+    first.shutdown()  # idempotent
+    second = LLM(str(tiny_dir), context_parallel_size=2, **settings)
+    assert second.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids == tp_tokens  # same greedy tokens
+    del second
+    assert _followers() == [] and not torch.distributed.is_initialized()

@@ -146,15 +146,18 @@ def _crash_loop_gives_up(server: ServerProcess, client: httpx.Client) -> None:
     while time.monotonic() < deadline and "not restarting" not in (seen or [""])[-1]:
         health = client.get("/health")  # 200 until the kill is noticed (~0.2 s)
         seen.append(health.json()["error"]["message"] if health.status_code == 503 else health.text)
+        if health.status_code == 503 and "not restarting" not in seen[-1]:
+            assert client.get("/live").json() == {"status": "restarting"}  # no pod restart meanwhile
         time.sleep(0.1)
     assert "engine restarting (attempt 2 of 2)" in seen, sorted(set(seen))
     gave_up = seen[-1]
     assert gave_up.startswith("engine crashed 3 times in ") and gave_up.endswith("; not restarting"), gave_up
     for _ in range(5):  # stable: no flapping back to "restarting", no restart behind it
         time.sleep(0.3)
-        health, ready = client.get("/health"), client.get("/ready")
+        health, ready, live = client.get("/health"), client.get("/ready"), client.get("/live")
         assert (health.status_code, health.json()["error"]["message"]) == (503, gave_up)
         assert ready.status_code == 503
+        assert (live.status_code, live.json()["error"]["message"]) == (503, gave_up)  # the pod is replaced
     refused = client.post("/v1/completions", json={"prompt": "anyone?", "max_tokens": 2})
     assert refused.status_code == 503 and refused.json()["error"]["message"] == gave_up
     assert int(refused.headers["retry-after"]) > 0

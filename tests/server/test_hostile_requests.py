@@ -104,6 +104,7 @@ ROUTES = {
     ("POST", "/detokenize"): False,
     ("GET", "/openapi.json"): False,
     ("GET", "/servelm/model/{path:path}"): False,  # the weights a new replica pulls (peer://): never public
+    ("GET", "/live"): True,
     ("GET", "/health"): True,
     ("GET", "/ready"): True,  # a readiness probe, like /health
     ("GET", "/metrics"): True,  # open unless --protect-metrics, as vLLM and Prometheus expect
@@ -133,7 +134,7 @@ def test_every_route_but_the_probes_and_metrics_needs_the_key(restricted):
                                        headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
                 assert keyed.status_code == KEYED_STATUS.get(path, 200), (path, keyed.text)
         assert client.get("/no/such/route").status_code == 401, "unknown paths reveal nothing without the key"
-    assert open_paths(ServerOptions(api_key=KEY, protect_metrics=True)) == {"/health", "/ready"}
+    assert open_paths(ServerOptions(api_key=KEY, protect_metrics=True)) == {"/live", "/health", "/ready"}
 
 
 def test_a_request_larger_than_the_queue_is_a_400_not_a_429(restricted):

@@ -1,6 +1,6 @@
 """Cold start you can see (issue 16), on real `servelm serve` processes:
 
-- the server listens while its engine starts: /health 200, /ready 503 "starting: <phase>", every
+- the server listens while its engine starts: /live 200, /health and /ready 503 "starting: <phase>", every
   engine route 503 with Retry-After, /metrics 200; then /ready 200, requests are served, and
   /metrics has servelm:startup_seconds for each phase the engine ran;
 - a start-up that fails after the server listens ends the process non-zero, the error logged;
@@ -47,7 +47,9 @@ def _wait_ready(client: httpx.Client, timeout_s: float) -> list[str]:
         message = response.json()["error"]["message"]
         if not messages or messages[-1] != message:
             messages.append(message)
-        assert client.get("/health").status_code == 200, "alive all the while it starts"
+        assert client.get("/live").status_code == 200, "alive all the while it starts"
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["message"] == message, "not ready, as /ready"
         assert time.monotonic() < deadline, f"not ready after {timeout_s} s: {messages}"
         time.sleep(0.1)
     return messages
@@ -55,11 +57,13 @@ def _wait_ready(client: httpx.Client, timeout_s: float) -> list[str]:
 
 def test_the_server_listens_while_its_engine_starts_then_shows_where_the_time_went(tiny_model_dir):
     env = {FAULT_STARTUP_DELAY_ENV: str(DELAY_S)}
-    with launch_server(tiny_model_dir, ARGS, env=env, wait_for="/health") as server:
+    with launch_server(tiny_model_dir, ARGS, env=env, wait_for="/live") as server:
         with httpx.Client(base_url=server.base_url, timeout=10) as client:
             ready = client.get("/ready")
             assert ready.status_code == 503 and ready.json()["error"]["message"].startswith("starting: "), ready.text
-            assert client.get("/health").json() == {"status": "starting"}
+            assert client.get("/live").json() == {"status": "starting"}
+            health = client.get("/health")  # a script waiting for /health never sends too early
+            assert health.status_code == 503 and health.json()["error"]["message"].startswith("starting: ")
             for method, path, body in ENGINE_ROUTES:
                 refused = client.request(method, path, json=body)
                 assert refused.status_code == 503, (path, refused.text)
@@ -69,7 +73,7 @@ def test_the_server_listens_while_its_engine_starts_then_shows_where_the_time_we
 
             messages = _wait_ready(client, timeout_s=120)
             assert "starting: load" in messages, messages
-            assert client.get("/health").json() == {"status": "ok"}
+            assert client.get("/health").json() == {"status": "ok"} == client.get("/live").json()
             completion = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert completion.status_code == 200, completion.text
             seconds = _startup_seconds(client.get("/metrics").text)
@@ -84,9 +88,9 @@ def test_the_server_listens_while_its_engine_starts_then_shows_where_the_time_we
 def test_a_start_up_that_fails_after_the_server_listens_exits_non_zero_with_the_error_logged(tmp_path):
     missing = tmp_path / "no-such-model"
     env = {FAULT_STARTUP_DELAY_ENV: "1"}  # long enough to see it listening, then the load fails
-    server = launch_server(missing, ARGS, env=env, wait_for="/health")
+    server = launch_server(missing, ARGS, env=env, wait_for="/live")
     try:
-        assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{server.base_url}/live", timeout=10).status_code == 200
         code = server.process.wait(timeout=120)
     finally:
         server.stop()
@@ -96,7 +100,7 @@ def test_a_start_up_that_fails_after_the_server_listens_exits_non_zero_with_the_
 
 
 def test_sigterm_while_the_engine_starts_exits_cleanly_and_takes_the_core_with_it(tiny_model_dir):
-    server = launch_server(tiny_model_dir, ARGS, env={FAULT_STARTUP_DELAY_ENV: "60"}, wait_for="/health")
+    server = launch_server(tiny_model_dir, ARGS, env={FAULT_STARTUP_DELAY_ENV: "60"}, wait_for="/live")
     try:
         with httpx.Client(base_url=server.base_url, timeout=10) as client:
             deadline = time.monotonic() + 60

@@ -1,7 +1,7 @@
 """The `local` launcher: every ProcessSpec as a child process on this machine.
 
 Start order: all replicas at once (model loading dominates, so in parallel), wait until
-each answers /ready (serving; /health answers as soon as it listens), then the router (it needs
+each answers /ready (serving; /live answers as soon as it listens), then the router (it needs
 the replicas' URLs), wait for it too (its /ready: a replica in rotation).
 `stop()` sends SIGTERM to the router first (no new requests reach replicas), then the
 replicas, and SIGKILLs whatever has not exited after `stop_timeout_s`. Safe to call twice.

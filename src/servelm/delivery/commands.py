@@ -13,7 +13,13 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from servelm.delivery.manifest import DEFAULT_CHUNK_BYTES, ManifestError, read_manifest, write_manifest
+from servelm.delivery.manifest import (
+    DEFAULT_CHUNK_BYTES,
+    ManifestError,
+    read_manifest,
+    require_weights,
+    write_manifest,
+)
 from servelm.delivery.pull import DEFAULT_CONNECTIONS, DEFAULT_MAX_ATTEMPTS, Puller, PullError, PullStats
 from servelm.delivery.source import ChunkSource
 from servelm.delivery.store import ChunkStore
@@ -83,7 +89,9 @@ def pull_from(
     """Fill `directory` with the source's model (resuming an interrupted pull), verified chunk by
     chunk; it is marked complete (its servelm-manifest.json) only once every chunk is there.
     Raises PullError (a chunk that kept failing), ManifestError (no or a bad manifest)."""
-    store = ChunkStore.open(directory, source.fetch_manifest())
+    manifest = source.fetch_manifest()
+    require_weights(manifest, f"{source.description}'s manifest")
+    store = ChunkStore.open(directory, manifest)
     puller = Puller(source, store, connections, max_attempts, progress).start()
     try:
         return puller.wait()

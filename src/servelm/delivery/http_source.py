@@ -4,7 +4,9 @@ CDN, S3's HTTP face, a peer node's RangeFileServer, a running replica's /servelm
     HttpSource("http://origin:8080/models/llama/", connections=8).read(chunk)
       GET /models/llama/<chunk.file>   Range: bytes=<offset>-<end - 1>
         206 + Content-Range bytes <offset>-<end - 1>/<size>   the chunk
-        200 (offset 0, Content-Length == length)             a whole-file chunk (a server without Range)
+        200 (offset 0, Content-Length == length)             a whole-file chunk
+        200 with the whole file (an origin that ignores Range) from then on, every chunk from one
+                                                             sequential GET per file (whole_file.py)
         409                                                  NotYetAvailableError (a peer mid-pull)
         404                                                  FetchError: the file is missing at the origin
         anything else, a short body, a transport error      FetchError
@@ -16,15 +18,27 @@ pull, not once per chunk. Nothing here retries: the puller does, and counts it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import httpx
 
 from servelm.delivery.manifest import MANIFEST_NAME, ChunkRef, Manifest, ManifestError
 from servelm.delivery.source import FetchError, NotYetAvailableError, content_range_matches
+from servelm.delivery.whole_file import WholeFileStreams
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0  # per network operation (connect, each read), not per chunk
+# Whole-file mode keeps this many chunks per connection of a file's stream readable (whole_file.py).
+WINDOW_CHUNKS_PER_CONNECTION = 2
+
+
+class RangeIgnoredError(FetchError):
+    """The origin answered a ranged GET with the whole file."""
 
 
 class HttpSource:
@@ -39,6 +53,9 @@ class HttpSource:
     ) -> None:
         self.base_url = base_url if base_url.endswith("/") else base_url + "/"
         self.description = self.base_url
+        self.connections = connections
+        self._whole_files: WholeFileStreams | None = None  # set once the origin ignored a Range
+        self._mode_lock = threading.Lock()
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         # follow_redirects: hubs answer a file's URL with a redirect to their CDN; httpx keeps
         # the Range header across it.
@@ -66,6 +83,41 @@ class HttpSource:
         return Manifest.from_json(response.content, url)
 
     def read(self, chunk: ChunkRef) -> bytes:
+        if self._whole_files is None:
+            try:
+                return self._read_range(chunk)
+            except RangeIgnoredError as ignored:
+                self._enter_whole_file_mode(chunk, ignored)
+        assert self._whole_files is not None
+        return self._whole_files.read(chunk)
+
+    def _enter_whole_file_mode(self, chunk: ChunkRef, ignored: RangeIgnoredError) -> None:
+        with self._mode_lock:
+            if self._whole_files is None:
+                logger.warning("%s; reading each file whole, in one pass, from now on", ignored)
+                window = max(WINDOW_CHUNKS_PER_CONNECTION * self.connections * chunk.length, 1 << 20)
+                self._whole_files = WholeFileStreams(self._open_whole_file, max_window_bytes=window)
+
+    @contextlib.contextmanager
+    def _open_whole_file(self, path: str) -> Iterator[Iterator[bytes]]:
+        """A GET of the whole file: its body's pieces (FetchError unless it answers 200)."""
+        url = self.url(path)
+        try:
+            with self._client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise FetchError(f"GET {url}: HTTP {response.status_code}")
+                yield self._pieces(response, url)
+        except httpx.HTTPError as exc:
+            raise FetchError(f"GET {url}: {exc!r}") from exc
+
+    @staticmethod
+    def _pieces(response: httpx.Response, url: str) -> Iterator[bytes]:
+        try:
+            yield from response.iter_raw()
+        except httpx.HTTPError as exc:
+            raise FetchError(f"GET {url}: {exc!r}") from exc
+
+    def _read_range(self, chunk: ChunkRef) -> bytes:
         url = self.url(chunk.file)
         where = f"chunk {chunk.key} (bytes {chunk.offset}-{chunk.end - 1}) from {url}"
         # An empty file's one chunk has no byte to name in a Range: ask for the whole (empty) file.
@@ -101,7 +153,7 @@ class HttpSource:
             length = response.headers.get("Content-Length")
             if chunk.offset == 0 and length is not None and int(length) == chunk.length:
                 return  # the whole file is this one chunk
-            raise FetchError(f"{where}: 200 with {length} bytes instead of the range (does the server honour Range?)")
+            raise RangeIgnoredError(f"{where}: 200 with {length} bytes instead of the range (the origin ignores Range)")
         if status == 409:
             raise NotYetAvailableError(f"{where}: not held there yet (409)")
         if status == 404:
@@ -109,4 +161,6 @@ class HttpSource:
         raise FetchError(f"{where}: HTTP {status}")
 
     def close(self) -> None:
+        if self._whole_files is not None:
+            self._whole_files.close()
         self._client.close()

@@ -31,6 +31,8 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 # Files that are never part of a model: the manifest itself and a pull's own bookkeeping.
 IGNORED_NAMES = frozenset({MANIFEST_NAME})
 IGNORED_DIRS = frozenset({".servelm-pull", ".git", "__pycache__"})
+# What makes a directory a model's: at least one file of weights.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -187,9 +189,20 @@ def build_manifest(
     return Manifest(chunk_bytes, files)
 
 
+def require_weights(manifest: Manifest, where: str) -> None:
+    """ManifestError unless `manifest` lists a weights file: a manifest of a wrong or empty
+    directory would otherwise publish, and pull, a "model" of no bytes."""
+    if not any(entry.path.endswith(WEIGHT_SUFFIXES) for entry in manifest.files):
+        found = ", ".join(entry.path for entry in manifest.files[:5]) or "no files"
+        raise ManifestError(f"{where} holds no model weights (expected at least one {' / '.join(WEIGHT_SUFFIXES)} "
+                            f"file, next to config.json; found {found})")  # fmt: skip
+
+
 def write_manifest(directory: str | Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Path:
-    """`servelm manifest DIR`: write DIR/servelm-manifest.json (atomically) and return its path."""
+    """`servelm manifest DIR`: write DIR/servelm-manifest.json (atomically) and return its path;
+    ManifestError (nothing written) when DIR holds no model weights."""
     manifest = build_manifest(directory, chunk_bytes)
+    require_weights(manifest, str(directory))
     target = Path(directory) / MANIFEST_NAME
     partial = target.with_suffix(".json.partial")
     partial.write_text(manifest.to_json())

@@ -9,6 +9,10 @@ Inputs are checked before anything reaches the core (prompt forms: engine/prompt
 ids within the vocabulary; SamplingParams). A request that still fails inside a step fails
 alone (EngineCore.step); generate() then raises RequestFailedError once every other request
 of the call has finished, so the core is empty and the same LLM serves the next call.
+
+`shutdown()` (or leaving `with LLM(...) as llm:`, or deleting it) stops the engine: the KV tiers'
+last saves, a multi-rank engine's follower processes and this process's place in their process
+group, so a second parallel LLM can start in the same process (a notebook, a test suite).
 """
 
 from __future__ import annotations
@@ -61,6 +65,29 @@ class LLM:
         self.engine: BuiltEngine = build_engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._shut_down = False
+
+    def shutdown(self) -> None:
+        """Stop the engine (idempotent): its KV saves, its ranks and their process group. The LLM
+        generates nothing after it."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self.engine.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if getattr(self, "_shut_down", True):  # shut down already, or __init__ failed before the engine
+            return
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - at interpreter exit, or mid-collection: nothing to tell
+            pass
 
     def generate(
         self,
@@ -71,6 +98,8 @@ class LLM:
         """Run every prompt to completion; results in the order of `prompts` (forms: prompt_inputs.py).
         TypeError/ValueError for malformed input, before anything is sent; RequestFailedError when
         a request failed inside the engine."""
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down: create a new one")
         parsed = parse_prompts(prompts)
         params_list = self._params_per_prompt(sampling_params, len(parsed))
         if priority is not None and len(priority) != len(parsed):

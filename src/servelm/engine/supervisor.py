@@ -14,10 +14,12 @@ starts empty. Requests of the dead core are not replayed here: they fail with an
 `lost_with_core` recognises, and the server answers them 503 (Retry-After) or ends their stream with
 an error event; a router in front may continue them elsewhere.
 
-Given up, the process does NOT exit: it stays up, answering 503 with the reason on /health and
-/ready (and 503 to every request), and /metrics keeps `engine_restarts_total`. Under Kubernetes the
-liveness probe on /health then restarts the pod, as vLLM's exit would, while the reason stays
-readable until it does. A launcher without probes sees a running process: it must watch /health.
+Given up, the process does NOT exit: it stays up, answering 503 with the reason on /live, /health
+and /ready (and 503 to every request), and /metrics keeps `engine_restarts_total`. Under Kubernetes
+the liveness probe on /live then restarts the pod, as vLLM's exit would, while the reason stays
+readable until it does. A launcher without probes sees a running process: it must watch /live.
+While a restart is under way /live stays 200 (the supervisor is handling it; a pod restart would
+only start over) and /health is 503.
 
 Contract: one per client, all on the API process's event loop; `start()` once the client's first
 core is ready; `close()` (idempotent, synchronous) stops any restart under way; the client's
@@ -136,6 +138,11 @@ class EngineSupervisor:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+    @property
+    def gave_up(self) -> str | None:
+        """Why the supervisor stopped restarting the core (for good); None while it has not."""
+        return self._gave_up
 
     def down(self) -> EngineDown | None:
         """None while a core serves; else why not, and when to come back."""

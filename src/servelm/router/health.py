@@ -1,8 +1,8 @@
 """Periodic health checks: GET /ready on every replica, every `interval_s`.
 
 A replica that answers 200 within `timeout_s` is (put back) in rotation; one that does not
-is taken out at once (Router.mark_down drops its index). /ready, not /health: a servelm replica
-is alive (/health 200) well before it serves (its engine starting: /ready 503), and must get no
+is taken out at once (Router.mark_down drops its index). /ready: a servelm replica is alive
+(/live 200) well before it serves (its engine starting: /ready and /health 503), and must get no
 traffic until then. An OpenAI server without /ready (vLLM) answers it 404: its /health decides. The proxy also marks a replica
 down the moment a request to it fails at the connection level, without waiting for this.
 Before a replica enters rotation its disaggregation role is asked for (roles.py); a replica
@@ -22,7 +22,7 @@ from servelm.router.roles import apply_role, fetch_role
 from servelm.router.state import Router
 
 READY_PATH = "/ready"  # servelm: serving (the engine ready, not draining)
-HEALTH_PATH = "/health"  # any OpenAI server's liveness; the fallback where /ready is not found
+HEALTH_PATH = "/health"  # any OpenAI server's health; the fallback where /ready is not found
 
 
 def _reason(response: httpx.Response) -> str:

@@ -4,11 +4,11 @@
                                 (the tenant)      (in flight, tokens/min)    (slow clients cut)      ─▶ FastAPI routes
                                                                   ─▶ completions / chat ─▶ AsyncEngineClient ─ZMQ─▶ engine core
 
-The server listens at once and the engine starts behind it (server/lifecycle.py): /health says
-the process is alive, /ready that it serves; until then every engine route answers 503.
+The server listens at once and the engine starts behind it (server/lifecycle.py): /live says the
+process is alive, /health and /ready that it serves; until then every engine route answers 503.
 
 With an API key (--api-key, or the keys of a --tenants file: servelm.tenancy.registry), every
-route needs one but /health and /ready (probes, load balancers) and, unless --protect-metrics, /metrics
+route needs one but /live, /health and /ready (probes, load balancers) and, unless --protect-metrics, /metrics
 (Prometheus; vLLM leaves both open too). /tokenize and /detokenize do work, so they are keyed;
 so is /openapi.json. A key names its tenant: its SLO class, priority range and limits. A POST body must be JSON
 (`Content-Type: application/json`, else 415: a browser page cannot send one cross-origin
@@ -262,7 +262,7 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
 
 def open_paths(options: ServerOptions) -> frozenset[str]:
     """The routes that answer without an API key (when keys are set)."""
-    probes = {"/health", "/ready"}
+    probes = {"/live", "/health", "/ready"}
     return frozenset(probes if options.protect_metrics else probes | {"/metrics"})
 
 
@@ -351,18 +351,27 @@ def _add_routes(app: FastAPI) -> None:
     async def model_file(request: Request, path: str) -> Response:
         return await _ctx(request).model_files.response(path)
 
-    @app.get("/health")
-    async def health(request: Request) -> Response:
-        """Liveness: 200 while the process is alive and its engine starting or running."""
+    @app.get("/live")
+    async def live(request: Request) -> Response:
+        """Liveness: 200 while the process is, or may come to be, serving (starting, restarting its
+        engine, draining); 503 once only a new process can serve (start-up failed, restarts gave up)."""
         lifecycle = _lifecycle(request)
         problem = lifecycle.liveness_problem()
         if problem is not None:
             return unavailable(problem).response()
-        return json_response({"status": "ok" if lifecycle.ctx is not None else "starting"})
+        return json_response({"status": lifecycle.live_status()})
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        """200 only while the engine serves: a script that waits for it sends nothing too early."""
+        problem = _lifecycle(request).readiness_problem()
+        if problem is not None:
+            return unavailable(problem).response()
+        return json_response({"status": "ok"})
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
-        """Readiness: 200 only while the engine serves (not starting, draining or dead)."""
+        """Readiness, as /health (the name Kubernetes readiness probes and the router use)."""
         problem = _lifecycle(request).readiness_problem()
         if problem is not None:
             return unavailable(problem).response()

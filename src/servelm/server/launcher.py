@@ -77,7 +77,7 @@ def launch_server(
 ) -> ServerProcess:
     """`python -m servelm.cli serve --model MODEL --port PORT EXTRA...`, serving on return (or raises with its log).
     With --ssl-certfile in EXTRA it serves HTTPS; `verify` is httpx's (a context trusting a self-signed certificate).
-    `wait_for`: the path that must answer 200 first; "/health" returns as soon as it listens (the engine starting)."""
+    `wait_for`: the path that must answer 200 first; "/live" returns as soon as it listens (the engine starting)."""
     port = port or free_port()
     log_file = tempfile.NamedTemporaryFile(prefix=f"servelm-{port}-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "servelm.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]

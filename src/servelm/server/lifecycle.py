@@ -6,15 +6,17 @@
                               │                                   restarting ──▶ gave up: stays down
                               └──▶ failed: logged, uvicorn stopped, the process exits non-zero
 
-What each route answers (liveness and readiness as Kubernetes probes mean them):
+What each route answers (as Kubernetes probes mean them: /live is liveness, /health and /ready are
+readiness; /health is 503 until the engine serves, as TGI's, so a script that waits for it never
+sends too early):
 
-    state       /health  /ready                     completions, chat               /metrics
-    starting    200      503 "starting: <phase>"    503 (Retry-After)               startup family only
-    ready       200      200                        served                          everything
-    draining    503      503                        503 (admission)                 everything
-    restarting  503      503                        503 (admission, Retry-After)    everything
-    gave up     503      503                        503 (admission, Retry-After)    everything
-    failed      503      503                        503                             as it was
+    state       /live  /health, /ready            completions, chat               /metrics
+    starting    200    503 "starting: <phase>"    503 (Retry-After)               startup family only
+    ready       200    200                        served                          everything
+    draining    200    503                        503 (admission)                 everything
+    restarting  200    503                        503 (admission, Retry-After)    everything
+    gave up     503    503                        503 (admission, Retry-After)    everything
+    failed      503    503                        503                             as it was
 
 Restarting says "engine restarting (attempt k of N)"; gave up says "engine crashed C times in T s
 (...); not restarting" and stays so: the process does not exit (engine.supervisor says why).
@@ -56,21 +58,31 @@ class ServerLifecycle:
     on_failed: Callable[[], None] | None = None  # run_server's: stop uvicorn once start-up failed
 
     def liveness_problem(self) -> str | None:
-        """Why /health is 503: draining, the engine failed to start, or it is down (restarting, or
-        the supervisor gave up); None while alive."""
+        """Why /live is 503: the engine failed to start, or the supervisor gave up restarting it
+        (for good: only a new process can serve again); None while it is, or may come to be, serving."""
+        if self.failure is not None:
+            return ENGINE_DOWN_MESSAGE
+        return self.ctx.supervisor.gave_up if self.ctx is not None else None
+
+    def readiness_problem(self) -> str | None:
+        """Why /health and /ready are 503: draining, "starting: <phase>", the engine down
+        (restarting, gave up) or failed; None while serving."""
         if self.draining:
             return SHUTTING_DOWN
         if self.failure is not None:
             return ENGINE_DOWN_MESSAGE
-        down = self.ctx.supervisor.down() if self.ctx is not None else None
+        if self.ctx is None:
+            return f"starting: {self.phase}"
+        down = self.ctx.supervisor.down()
         return down.message if down is not None else None
 
-    def readiness_problem(self) -> str | None:
-        """Why /ready is 503 (the liveness problems, or "starting: <phase>"); None while serving."""
-        problem = self.liveness_problem()
-        if problem is None and self.ctx is None:
-            return f"starting: {self.phase}"
-        return problem
+    def live_status(self) -> str:
+        """/live's status while alive: starting, ok, restarting or draining."""
+        if self.draining:
+            return "draining"
+        if self.ctx is None:
+            return "starting"
+        return "restarting" if self.ctx.supervisor.down() is not None else "ok"
 
     def serving_context(self) -> ServerContext:
         """The context of a ready engine for a route that needs one; the 503 APIError before that.
