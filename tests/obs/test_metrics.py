@@ -8,8 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from servelm.datatypes import EventType as E
 from servelm.datatypes import RequestEvent, RequestSlo
 from servelm.obs.attribution import TTFTBreakdown
-from servelm.obs.metrics import FinishedRequest, ServerMetrics, length_buckets, priority_class
+from servelm.obs.metrics import FinishedRequest, ServerMetrics, length_buckets
 from servelm.schemas.core_stats import CoreStats
+from servelm.schemas.slo_class import priority_class
 
 BATCH = RequestSlo(slo_class="batch")
 INTERACTIVE = RequestSlo(slo_class="interactive")

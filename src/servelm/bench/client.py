@@ -28,8 +28,6 @@ from servelm.bench.slow_reader import SlowReading
 from servelm.bench.tokens import TokenSource
 from servelm.bench.workload import WorkloadRequest
 
-BREAKDOWN_COMPONENTS = ("ingress", "queue", "kv_load", "kv_transfer", "prefill", "preemption", "output")
-
 
 @dataclass(frozen=True)
 class ClientConfig:

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from servelm.bench.client import BREAKDOWN_COMPONENTS, RequestRecord
-from servelm.bench.stats import NETWORK
+from servelm.bench.client import RequestRecord
+from servelm.schemas.ttft import NETWORK, TTFT_COMPONENTS
 
 _COLORS = {"voice": "tab:blue", "code": "tab:orange", "analytics": "tab:green", "chat": "tab:red",
            "trace": "tab:purple", "overall": "black"}  # fmt: skip
@@ -99,7 +99,7 @@ def plot_throughput(records: list[RequestRecord], duration_s: float, path: Path)
 def _stacked_split(ax: Any, labels: list[str], splits: list[dict[str, float]]) -> None:
     positions = np.arange(len(labels))  # numeric: labels like "0.5" must stay category names
     bottoms = np.zeros(len(labels))
-    for component, color in zip((*BREAKDOWN_COMPONENTS, NETWORK), _SPLIT_COLORS):
+    for component, color in zip((*TTFT_COMPONENTS, NETWORK), _SPLIT_COLORS):
         values = np.array([max(split.get(component, 0.0), 0.0) * 1000 for split in splits])
         ax.bar(positions, values, bottom=bottoms, label=component, color=color)
         bottoms += values

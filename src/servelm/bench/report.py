@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from servelm.bench.client import BREAKDOWN_COMPONENTS, RequestRecord
-from servelm.bench.stats import NETWORK, Summary
+from servelm.bench.client import RequestRecord
+from servelm.bench.stats import Summary
 from servelm.bench.workload import SLO
+from servelm.schemas.ttft import NETWORK, TTFT_COMPONENTS
 
 SCHEMA = "servelm-bench/1"
 
@@ -102,14 +103,14 @@ def breakdown_rows(summary: dict[str, Any], prefix: str = "") -> list[str]:
     for group in [*summary["classes"].values(), summary["overall"]]:
         split = group["ttft_breakdown_s"]
         if split:
-            cells = " | ".join(_ms(split.get(c)) for c in (*BREAKDOWN_COMPONENTS, NETWORK))
+            cells = " | ".join(_ms(split.get(c)) for c in (*TTFT_COMPONENTS, NETWORK))
             rows.append(f"| {prefix}{group['name']} | {group['num_with_breakdown']} | {cells} |")
     return rows
 
 
 BREAKDOWN_HEADER = (
-    "| class | requests | " + " | ".join(f"{c} (ms)" for c in (*BREAKDOWN_COMPONENTS, NETWORK)) + " |\n"
-    "|---|---:|" + "---:|" * (len(BREAKDOWN_COMPONENTS) + 1)
+    "| class | requests | " + " | ".join(f"{c} (ms)" for c in (*TTFT_COMPONENTS, NETWORK)) + " |\n"
+    "|---|---:|" + "---:|" * (len(TTFT_COMPONENTS) + 1)
 )
 
 

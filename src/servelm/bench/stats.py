@@ -20,16 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from servelm.bench.client import BREAKDOWN_COMPONENTS, RequestRecord
+from servelm.bench.client import RequestRecord
 from servelm.bench.workload import SLO
+from servelm.schemas.ttft import NETWORK, TTFT_COMPONENTS, percentile
 
 PERCENTILES = (50, 90, 95, 99)
-NETWORK = "network"  # client-measured TTFT less the server's: the request's trip in and the first chunk's out
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    data = np.asarray(list(values), dtype=float)
-    return float(np.percentile(data, q)) if data.size else None
 
 
 def distribution(values: Iterable[float]) -> dict[str, float | None]:
@@ -124,7 +119,7 @@ def summarize_group(
 
 def _mean_breakdown(records: list[RequestRecord]) -> dict[str, float]:
     splits = [(r.ttft_s or 0.0, r.ttft_breakdown_s or {}) for r in records]
-    out = {c: float(np.mean([split.get(c, 0.0) for _, split in splits])) for c in BREAKDOWN_COMPONENTS}
+    out = {c: float(np.mean([split.get(c, 0.0) for _, split in splits])) for c in TTFT_COMPONENTS}
     out[NETWORK] = float(np.mean([ttft - split.get("ttft", 0.0) for ttft, split in splits]))
     return out
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from servelm.bench.client import BREAKDOWN_COMPONENTS
+from servelm.schemas.ttft import TTFT_COMPONENTS
 
 
 @dataclass(frozen=True)
@@ -87,5 +87,5 @@ def _request(record: dict) -> LoggedRequest:
         num_preemptions=sum(int(c.get("num_preemptions", 0)) for c in timeline.get("choices", [])),
         ttft_s=split_ms["ttft"] / 1000.0 if split_ms else None,
         # A log written before a component existed (kv_load) lacks it: 0 s there.
-        components_s={c: split_ms.get(c, 0.0) / 1000.0 for c in BREAKDOWN_COMPONENTS} if split_ms else {},
+        components_s={c: split_ms.get(c, 0.0) / 1000.0 for c in TTFT_COMPONENTS} if split_ms else {},
     )

@@ -15,12 +15,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from servelm.bench.client import BREAKDOWN_COMPONENTS
-from servelm.bench.stats import NETWORK, percentile
 from servelm.diagnose.request_log import LoggedRequest, RequestLog
 from servelm.diagnose.window import Histogram, Window
+from servelm.schemas.ttft import NETWORK, TTFT_COMPONENTS, percentile
 
-COMPONENTS = (*BREAKDOWN_COMPONENTS, NETWORK)
+COMPONENTS = (*TTFT_COMPONENTS, NETWORK)
 P = "servelm:"
 CLASS_LABELS = ("slo_class", "priority")  # today's label, then the one it replaced
 
@@ -235,7 +234,7 @@ def _components(window: Window, where: dict[str, str]) -> dict[str, float | None
     """Mean seconds per request of each TTFT component; queue/prefill from the core's own histograms
     when the server has no TTFT split (vLLM's names, an older servelm)."""
     out: dict[str, float | None] = {}
-    for name in BREAKDOWN_COMPONENTS:
+    for name in TTFT_COMPONENTS:
         out[name] = _mean(window.histogram(P + "ttft_component_seconds", component=name, **where))
     if out["queue"] is None:
         out["queue"] = _mean(window.histogram(P + "request_queue_time_seconds", **where))
@@ -317,7 +316,7 @@ def request_log_signals(log: RequestLog) -> Signals:
 
 def _logged_components(requests: list[LoggedRequest]) -> dict[str, float | None]:
     out: dict[str, float | None] = {
-        c: statistics.fmean(r.components_s[c] for r in requests) if requests else None for c in BREAKDOWN_COMPONENTS
+        c: statistics.fmean(r.components_s[c] for r in requests) if requests else None for c in TTFT_COMPONENTS
     }
     out[NETWORK] = None
     return out

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from servelm.bench.stats import NETWORK
 from servelm.diagnose.capture import (
     BENCH_FILE,
     BENCH_SCHEMA,
@@ -28,6 +27,7 @@ from servelm.diagnose.capture import (
     WINDOW_FILE,
 )
 from servelm.diagnose.prom import Family, gauge_totals, parse_text
+from servelm.schemas.ttft import NETWORK
 
 LabelSet = tuple[tuple[str, str], ...]  # sorted (name, value) pairs, `le` excluded
 

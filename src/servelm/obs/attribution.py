@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servelm.datatypes import EventType, RequestEvent
+from servelm.schemas.ttft import TTFT_COMPONENTS
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class TTFTBreakdown:
     core_to_api: float  # first token sampled → its output received by the API (part of `output`)
     detokenize: float  # received → detokenized (part of `output`)
 
-    COMPONENTS = ("ingress", "queue", "kv_load", "kv_transfer", "prefill", "preemption", "output")
+    COMPONENTS = TTFT_COMPONENTS
 
     def as_ms(self) -> dict[str, float]:
         names = (*self.COMPONENTS, "ttft", "ttft_mono", "core_to_api", "detokenize")

@@ -4,7 +4,7 @@ Two sources:
 - per request, observed in the API process when a request finishes (latency histograms,
   token counters, finish reasons), labelled by model, tenant and SLO class (the request's
   RequestSlo; without a tenants file tenant "default" and the class its priority names,
-  `priority_class`); and per-class goodput, `request_slo_met` (see `slo_met`);
+  `schemas.slo_class.priority_class`); and per-class goodput, `request_slo_met` (see `slo_met`);
 - the engine core's own counters and gauges (running / waiting requests, KV usage,
   prefix-cache queries and hits, preemptions), which arrive with every output batch as
   `CoreStats` and are read at scrape time by a custom collector, so they are never stale
@@ -46,12 +46,6 @@ _PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.65, 0.75, 0.85, 0.9, 0.95, 1.0, 1.05, 
 _LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # 0 is its own bucket: a stream that keeps up never has an output waiting.
 _BACKLOG_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 50000.0)
-
-
-def priority_class(priority: int) -> str:
-    """A bounded label for a free-form integer priority (lower runs first; 0 is interactive):
-    the SLO class of a request when no tenants file names one."""
-    return "interactive" if priority <= 0 else "batch"
 
 
 def length_buckets(max_value: int) -> tuple[float, ...]:

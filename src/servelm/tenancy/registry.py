@@ -16,7 +16,7 @@ import hmac
 from collections.abc import Sequence
 
 from servelm.datatypes import RequestSlo
-from servelm.obs.metrics import priority_class
+from servelm.schemas.slo_class import priority_class
 from servelm.tenancy.config import DEFAULT_TENANT, Tenant, TenantsConfig, TenantsConfigError, key_digest
 
 _BEARER = b"Bearer "
