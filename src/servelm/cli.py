@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-engine-restarts", type=int, default=3,
         help="restart a dead engine core at most this often within --engine-restart-window-s (backoff 1 s, "
-        "doubling), then stay down with /health 503 (0: never restart)",
+        "doubling), then stay down with /live and /health 503 (0: never restart)",
     )  # fmt: skip
     serve.add_argument("--engine-restart-window-s", type=float, default=300.0,
                        help="crashes older than this many seconds no longer count against --max-engine-restarts")  # fmt: skip
