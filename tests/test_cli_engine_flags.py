@@ -89,3 +89,25 @@ def test_the_kv_load_policy_flag_reaches_the_tier_config() -> None:
     assert engine_config_from_args(build_parser().parse_args(["serve"])).kv_tiers.kv_load_policy == "cost"
     args = build_parser().parse_args(["serve", "--kv-offloading-size", "1", "--kv-load-policy", "always"])
     assert engine_config_from_args(args).kv_tiers.kv_load_policy == "always"
+
+
+def test_each_flag_is_declared_once_in_the_slice_it_sets() -> None:
+    from dataclasses import fields
+
+    from servelm.config import _GIB_SETTINGS, FLAG_SLICES, KVTierConfig, SpeculativeConfig
+
+    conveniences = {name: KVTierConfig for name in ("kv_offloading_size", "kv_disk_size", "kv_disk_path")}
+    conveniences |= {"kv_cache_memory_gib": FLAG_SLICES[1][1], "speculative_config": SpeculativeConfig}
+    assert set(_GIB_SETTINGS) <= set(conveniences)
+    names: list[str] = []
+    for _, config_slice in FLAG_SLICES:
+        for flag in config_slice.FLAGS:
+            names.extend(flag.names)
+            owner = conveniences.get(flag.setting)
+            assert owner is config_slice or flag.setting in {f.name for f in fields(config_slice)}, flag
+    assert len(names) == len(set(names)), "a flag declared twice"
+    parser = build_parser()
+    for command in ("serve", "generate"):  # every engine command takes every engine flag
+        args = parser.parse_args([command, "--kv-events-port", "5557", "--no-prefix-caching"])
+        config = engine_config_from_args(args)
+        assert config.kv_events.kv_events_port == 5557 and not config.cache.enable_prefix_caching

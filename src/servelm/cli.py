@@ -1,236 +1,40 @@
 """`servelm serve | generate | bench | router | cluster | diagnose | manifest | pull`: the command line.
 
-Engine flags are shared by every subcommand that runs an engine; each maps onto one
-field of one config slice (see servelm.config).
+Engine flags are shared by every subcommand that runs an engine; each is declared once, in the
+config slice it sets (servelm.config: FLAGS), and grouped by slice in --help.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from servelm.config import GEMM_PRECISIONS, EngineConfig
+from servelm.config import FLAG_SLICES, EngineConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model", default=None,
-        help="HF model directory or .gguf file (default: embedded SmolLM2), or a remote one it is pulled from while "
-        "loading: http(s)://HOST/PATH/, s3://BUCKET/PREFIX/ or peer://HOST:PORT (a running servelm replica)",
-    )  # fmt: skip
-    group.add_argument(
-        "--download-dir", default=None, help="where a remote --model is pulled to (default: ~/.cache/servelm/models)"
-    )
-    group.add_argument("--pull-connections", type=int, default=None, help="parallel reads of a remote --model (default 8)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    group.add_argument(
-        "--attention-backend", default=None, choices=["auto", "torch", "triton"],
-        help="attention kernels: auto (triton on CUDA, torch elsewhere), torch (the reference) or triton",
-    )  # fmt: skip
-    group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine core")
-    group.add_argument(
-        "--gemm-precision", default=None, choices=GEMM_PRECISIONS,
-        help="CPU float32 models: what prefill's matmuls compute in (default float32, exact); bfloat16 is faster "
-        "where the CPU has AMX / AVX512-BF16, at a measured logit error (benchmarks/RESULTS.md)",
-    )  # fmt: skip
-    group.add_argument(
-        "--keep-warm-s", type=float, default=None,
-        help="CPU: seconds between reads of every page of the weights (the KV pool: 5x that), keeping them warm "
-        "where a VM's host lets memory left unread go cold (default 1; 0 = off)",
-    )  # fmt: skip
-    group.add_argument(
-        "--hf-overrides", type=json.loads, default=None,
-        help='JSON of Hugging Face config keys replacing the checkpoint\'s, e.g. \'{"rope_scaling": {"rope_type": '
-        '"linear", "factor": 2.0}, "max_position_embeddings": 16384}\'',
-    )  # fmt: skip
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument("--kv-cache-memory", type=float, default=None, dest="kv_cache_memory_gib", help="GiB for KV")
-    group.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-    group.add_argument(
-        "--gpu-memory-utilization", type=float, default=None,
-        help="CUDA: fraction of the device's memory to use in all; the KV cache gets what the weights, a profiled "
-        "worst-case step and a reserve leave (default 0.9; ignored with --kv-cache-memory or --num-blocks)",
-    )  # fmt: skip
-    group.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching")
-    group.add_argument(
-        "--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
-        help="KV cache storage: auto (the model's dtype), int8 or fp8 (scaled per token and head; fewer bytes per block)",
-    )  # fmt: skip
-    group.add_argument(
-        "--kv-offloading-size", type=float, default=None,
-        help="GiB of host memory for KV blocks beyond the pool (L2): prefixes evicted from the pool are loaded back, not recomputed",
-    )  # fmt: skip
-    group.add_argument(
-        "--kv-disk-path", default=None,
-        help="directory for KV blocks on disk (L3): survives restarts; replicas of one model may share it",
-    )  # fmt: skip
-    group.add_argument("--kv-disk-size", type=float, default=None, help="GiB of KV on disk at most (default 16)")
-    group.add_argument(
-        "--kv-load-policy", default=None, choices=["cost", "always"],
-        help="KV found in host memory or on disk: cost (load a block while its tier's measured bandwidth beats "
-        "computing it; default) or always (load every block found)",
-    )  # fmt: skip
-    group.add_argument(
-        "--kv-role", default=None, choices=["prefill", "decode", "both"],
-        help="prefill/decode disaggregation: prefill (compute prompts, serve their KV), decode (pull it, then "
-        "decode) or both; the router sends requests' kv_transfer_params (default: no disaggregation)",
-    )  # fmt: skip
-    group.add_argument(
-        "--kv-transfer-port", type=int, default=None, help="prefill: the KV transfer server's port (default: any free)"
-    )  # fmt: skip
-    group.add_argument(
-        "--kv-transfer-host", default=None, help="prefill: the KV transfer server's address (default 127.0.0.1)"
-    )
-    group.add_argument(
-        "--kv-transfer-hold-s", type=float, default=None,
-        help="prefill: seconds a prompt's KV waits for its pull after the prefill, then is dropped (default 30)",
-    )  # fmt: skip
-    group.add_argument(
-        "--kv-transfer-wait-s", type=float, default=None,
-        help="decode: seconds a pull waits for a silent peer before computing itself (default 5)",
-    )  # fmt: skip
-    group.add_argument(
-        "--kv-transfer-timeout-s", type=float, default=None,
-        help="decode: seconds a whole pull may take, the prefill included (default 120)",
-    )  # fmt: skip
-    group.add_argument(
-        "--kv-transfer-max-reserved-blocks", type=int, default=None,
-        help="decode: most KV blocks held by pulls in flight (default: half the pool)",
-    )  # fmt: skip
-    group.add_argument(
-        "--kv-transfer-peers", default=None, type=_comma_list,
-        help="decode: prefill servers' transfer addresses (tcp://HOST:PORT,...) to connect at start-up",
-    )  # fmt: skip
-    group.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=None,
-        help="ranks the weights are split over (heads, MLP columns, vocabulary); torch.distributed",
-    )  # fmt: skip
-    group.add_argument(
-        "--context-parallel-size", "-cp", type=int, default=None,
-        help="ranks each request's tokens and KV are split over (long prompts; ring attention)",
-    )  # fmt: skip
-    group.add_argument(
-        "--distributed-timeout-s", type=float, default=None,
-        help="seconds a collective may take before a silent rank counts as dead (default 60)",
-    )  # fmt: skip
-    group.add_argument(
-        "--threads-per-rank", type=int, default=None,
-        help="torch threads of each rank with -tp/-cp (default: the cores split over the ranks)",
-    )  # fmt: skip
-    group.add_argument(
-        "--no-shm-collectives", action="store_false", dest="shared_memory_collectives", default=None,
-        help="with -tp/-cp on CPU, send every collective over gloo (default: small ones through shared memory)",
-    )  # fmt: skip
-    group.add_argument(
-        "--enforce-eager", action="store_true", default=None,
-        help="never use CUDA graphs (default: pure-decode steps replay them on CUDA with a graph-capturable backend)",
-    )  # fmt: skip
-    group.add_argument(
-        "--max-cudagraph-capture-size", type=int, default=None,
-        help="largest decode batch a CUDA graph serves; larger ones run eagerly (default: min(--max-num-seqs, 512))",
-    )  # fmt: skip
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-    group.add_argument("--max-num-seqs", type=int, default=None, help="requests per step at most")
-    group.add_argument(
-        "--max-num-partial-prefills", type=int, default=None,
-        help="prompts one step may leave unfinished (several long prompts mid-prefill at once)",
-    )  # fmt: skip
-    group.add_argument(
-        "--max-long-partial-prefills", type=int, default=None,
-        help="... of them longer than --long-prefill-token-threshold",
-    )  # fmt: skip
-    group.add_argument(
-        "--long-prefill-token-threshold", type=int, default=None,
-        help="chunk cap for a prompt while others want the budget (default: budget / max-num-partial-prefills; 0 = none)",
-    )  # fmt: skip
-    group.add_argument(
-        "--aging-s", type=float, default=None,
-        help="seconds of waiting after which a request's priority improves by one class (0 = no aging)",
-    )  # fmt: skip
-    group.add_argument(
-        "--max-step-ms", "--arrival-wait-ms", dest="max_step_ms", type=float, default=None,
-        help="step-time target (ms): every step's work is sized to end within it, so a request arriving mid-step "
-        "waits at most about that long (default: 10x the fixed part of a prompt step, measured at start-up; "
-        "0 = no bound). --arrival-wait-ms is an older name for it",
-    )  # fmt: skip
-    group.add_argument(
-        "--no-layered-prefill", dest="layered_prefill", action="store_false", default=None,
-        help="cut long prompts into token chunks only (default: a chunk the step-time target would make too small "
-        "to run efficiently runs a few layers a step instead)",
-    )  # fmt: skip
-    group.add_argument(
-        "--speculative-config", default=None,
-        help='speculative decoding, JSON in vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
-        "(methods: ngram, suffix, draft; off when not given)",
-    )  # fmt: skip
-
-
-def _comma_list(text: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in text.split(",") if item.strip())
+    """Every engine flag, as its config slice declares it (servelm.config: each slice's FLAGS),
+    one --help group per slice. Unset, a flag passes nothing: the slice's default holds."""
+    for heading, config_slice in FLAG_SLICES:
+        group = parser.add_argument_group(f"engine: {heading}")
+        for flag in config_slice.FLAGS:
+            options: dict[str, Any] = {"dest": flag.setting, "default": None, "help": flag.help}
+            if flag.action is not None:
+                options["action"] = flag.action
+            else:
+                options.update(type=flag.type, choices=flag.choices)
+            group.add_argument(*flag.names, **options)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    flat = {
-        name: getattr(args, name, None)
-        for name in (
-            "dtype",
-            "device",
-            "attention_backend",
-            "max_model_len",
-            "num_threads",
-            "gemm_precision",
-            "keep_warm_s",
-            "hf_overrides",
-            "download_dir",
-            "pull_connections",
-            "block_size",
-            "kv_cache_memory_gib",
-            "num_blocks",
-            "gpu_memory_utilization",
-            "enable_prefix_caching",
-            "kv_cache_dtype",
-            "kv_offloading_size",
-            "kv_disk_path",
-            "kv_disk_size",
-            "kv_load_policy",
-            "kv_role",
-            "kv_transfer_host",
-            "kv_transfer_port",
-            "kv_transfer_hold_s",
-            "kv_transfer_wait_s",
-            "kv_transfer_timeout_s",
-            "kv_transfer_max_reserved_blocks",
-            "kv_transfer_peers",
-            "tensor_parallel_size",
-            "context_parallel_size",
-            "distributed_timeout_s",
-            "threads_per_rank",
-            "shared_memory_collectives",
-            "enforce_eager",
-            "max_cudagraph_capture_size",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "max_num_partial_prefills",
-            "max_long_partial_prefills",
-            "long_prefill_token_threshold",
-            "aging_s",
-            "max_step_ms",
-            "layered_prefill",
-            "kv_events_port",
-            "kv_events_host",
-            "speculative_config",
-        )
-        if getattr(args, name, None) is not None
-    }
-    return EngineConfig.from_flat(model=args.model, **flat)
+    """The EngineConfig of the engine flags given (add_engine_arguments), each to its slice."""
+    settings = (flag.setting for _, config_slice in FLAG_SLICES for flag in config_slice.FLAGS)
+    return EngineConfig.from_flat(**{name: value for name in settings if (value := getattr(args, name, None)) is not None})
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -314,14 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--engine-restart-window-s", type=float, default=300.0,
                        help="crashes older than this many seconds no longer count against --max-engine-restarts")  # fmt: skip
-    serve.add_argument(
-        "--kv-events-port", type=int, default=None,
-        help="publish KV-cache events for a router: PUB on tcp://HOST:P, snapshots on P+1",
-    )  # fmt: skip
-    serve.add_argument(
-        "--kv-events-host", default=None,
-        help="address the KV-event sockets bind (default 127.0.0.1; a pod's IP or 0.0.0.0 for a router elsewhere)",
-    )  # fmt: skip
     serve.set_defaults(handler=_serve)
 
     generate = sub.add_parser("generate", help="one-shot generation (prompts from --prompt or stdin)")

@@ -7,8 +7,27 @@ field (never `assert`, which `python -O` strips).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag, declared once, in the config slice whose setting it sets: cli.py adds
+    it (grouped by slice in --help) and reads it back into EngineConfig.from_flat by `setting`."""
+
+    names: tuple[str, ...]  # "--tensor-parallel-size", "-tp"
+    setting: str  # the from_flat key: a slice's field, or a convenience (_GIB_SETTINGS, kv_disk_path, ...)
+    type: Callable[[str], Any] | None = None
+    choices: Any = None
+    action: str | None = None  # "store_true" / "store_false": a switch
+    help: str | None = None
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """A flag's comma-separated list: its items, stripped, empty ones dropped."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def _require(ok: bool, message: str) -> None:
@@ -19,6 +38,17 @@ def _require(ok: bool, message: str) -> None:
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block geometry, how many blocks, prefix caching."""
+
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(("--block-size",), 'block_size', type=int, help='tokens per KV block'),
+        Flag(("--kv-cache-memory",), 'kv_cache_memory_gib', type=float, help='GiB for KV'),
+        Flag(("--num-blocks",), 'num_blocks', type=int, help='KV blocks (overrides --kv-cache-memory)'),
+        Flag(("--gpu-memory-utilization",), 'gpu_memory_utilization', type=float, help="CUDA: fraction of the device's memory to use in all; the KV cache gets what the weights, a profiled worst-case step and a reserve leave (default 0.9; ignored with --kv-cache-memory or --num-blocks)"),
+        Flag(("--no-prefix-caching",), 'enable_prefix_caching', action="store_false"),
+        Flag(("--kv-cache-dtype",), 'kv_cache_dtype', choices=["auto", "int8", "fp8"], help="KV cache storage: auto (the model's dtype), int8 or fp8 (scaled per token and head; fewer bytes per block)"),
+    )  # fmt: skip
+
 
     block_size: int = 16  # tokens per KV block
     # Size the pool by block count or by bytes (the runner converts bytes to blocks from
@@ -71,6 +101,15 @@ class KVTierConfig:
     shared by replicas of the same model (the model fingerprint is part of every file's name).
     """
 
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(("--kv-offloading-size",), 'kv_offloading_size', type=float, help='GiB of host memory for KV blocks beyond the pool (L2): prefixes evicted from the pool are loaded back, not recomputed'),
+        Flag(("--kv-disk-path",), 'kv_disk_path', help='directory for KV blocks on disk (L3): survives restarts; replicas of one model may share it'),
+        Flag(("--kv-disk-size",), 'kv_disk_size', type=float, help='GiB of KV on disk at most (default 16)'),
+        Flag(("--kv-load-policy",), 'kv_load_policy', choices=["cost", "always"], help="KV found in host memory or on disk: cost (load a block while its tier's measured bandwidth beats computing it; default) or always (load every block found)"),
+    )  # fmt: skip
+
+
     host_bytes: int = 0  # L2 capacity (vLLM's --kv-offloading-size, in GiB on the CLI); 0: no L2
     disk_path: str | None = None  # L3 directory (created if missing); None: no L3
     disk_bytes: int = 16 * 2**30  # L3 capacity; files beyond it are deleted oldest first
@@ -118,6 +157,19 @@ class KVTransferConfig:
     peer, a timeout, a bad checksum) it computes itself.
     """
 
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(("--kv-role",), 'kv_role', choices=["prefill", "decode", "both"], help="prefill/decode disaggregation: prefill (compute prompts, serve their KV), decode (pull it, then decode) or both; the router sends requests' kv_transfer_params (default: no disaggregation)"),
+        Flag(("--kv-transfer-port",), 'kv_transfer_port', type=int, help="prefill: the KV transfer server's port (default: any free)"),
+        Flag(("--kv-transfer-host",), 'kv_transfer_host', help="prefill: the KV transfer server's address (default 127.0.0.1)"),
+        Flag(("--kv-transfer-hold-s",), 'kv_transfer_hold_s', type=float, help="prefill: seconds a prompt's KV waits for its pull after the prefill, then is dropped (default 30)"),
+        Flag(("--kv-transfer-wait-s",), 'kv_transfer_wait_s', type=float, help='decode: seconds a pull waits for a silent peer before computing itself (default 5)'),
+        Flag(("--kv-transfer-timeout-s",), 'kv_transfer_timeout_s', type=float, help='decode: seconds a whole pull may take, the prefill included (default 120)'),
+        Flag(("--kv-transfer-max-reserved-blocks",), 'kv_transfer_max_reserved_blocks', type=int, help='decode: most KV blocks held by pulls in flight (default: half the pool)'),
+        Flag(("--kv-transfer-peers",), 'kv_transfer_peers', type=comma_list, help="decode: prefill servers' transfer addresses (tcp://HOST:PORT,...) to connect at start-up"),
+    )  # fmt: skip
+
+
     kv_role: str | None = None  # None: no disaggregation (requests with kv_transfer_params are refused)
     kv_transfer_host: str = "127.0.0.1"  # the transfer server binds here (producer roles)
     kv_transfer_port: int = 0  # 0: any free port (GET /v1/kv_transfer reports the bound address)
@@ -160,6 +212,19 @@ class KVTransferConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Token-budget scheduling: how much work one step may take and in what order."""
+
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(("--max-num-batched-tokens",), 'max_num_batched_tokens', type=int, help='token budget per step'),
+        Flag(("--max-num-seqs",), 'max_num_seqs', type=int, help='requests per step at most'),
+        Flag(("--max-num-partial-prefills",), 'max_num_partial_prefills', type=int, help='prompts one step may leave unfinished (several long prompts mid-prefill at once)'),
+        Flag(("--max-long-partial-prefills",), 'max_long_partial_prefills', type=int, help='... of them longer than --long-prefill-token-threshold'),
+        Flag(("--long-prefill-token-threshold",), 'long_prefill_token_threshold', type=int, help='chunk cap for a prompt while others want the budget (default: budget / max-num-partial-prefills; 0 = none)'),
+        Flag(("--aging-s",), 'aging_s', type=float, help="seconds of waiting after which a request's priority improves by one class (0 = no aging)"),
+        Flag(('--max-step-ms', '--arrival-wait-ms'), 'max_step_ms', type=float, help="step-time target (ms): every step's work is sized to end within it, so a request arriving mid-step waits at most about that long (default: 10x the fixed part of a prompt step, measured at start-up; 0 = no bound). --arrival-wait-ms is an older name for it"),
+        Flag(("--no-layered-prefill",), 'layered_prefill', action="store_false", help='cut long prompts into token chunks only (default: a chunk the step-time target would make too small to run efficiently runs a few layers a step instead)'),
+    )  # fmt: skip
+
 
     max_num_batched_tokens: int = 2048  # token budget per step, prefill and decode together
     max_num_seqs: int = 128  # requests running at once
@@ -260,6 +325,22 @@ class SchedulerConfig:
 class ModelConfig:
     """Which weights, in which dtype, on which device."""
 
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(("--model",), 'model', help='HF model directory or .gguf file (default: embedded SmolLM2), or a remote one it is pulled from while loading: http(s)://HOST/PATH/, s3://BUCKET/PREFIX/ or peer://HOST:PORT (a running servelm replica)'),
+        Flag(("--download-dir",), 'download_dir', help='where a remote --model is pulled to (default: ~/.cache/servelm/models)'),
+        Flag(("--pull-connections",), 'pull_connections', type=int, help='parallel reads of a remote --model (default 8)'),
+        Flag(("--dtype",), 'dtype', choices=["auto", "float32", "bfloat16", "float16"]),
+        Flag(("--device",), 'device', help='auto | cpu | cuda | cuda:N'),
+        Flag(("--attention-backend",), 'attention_backend', choices=["auto", "torch", "triton"], help='attention kernels: auto (triton on CUDA, torch elsewhere), torch (the reference) or triton'),
+        Flag(("--max-model-len",), 'max_model_len', type=int, help="context window (default: the model's)"),
+        Flag(("--num-threads",), 'num_threads', type=int, help='torch CPU threads for the engine core'),
+        Flag(("--gemm-precision",), 'gemm_precision', choices=GEMM_PRECISIONS, help="CPU float32 models: what prefill's matmuls compute in (default float32, exact); bfloat16 is faster where the CPU has AMX / AVX512-BF16, at a measured logit error (benchmarks/RESULTS.md)"),
+        Flag(("--keep-warm-s",), 'keep_warm_s', type=float, help="CPU: seconds between reads of every page of the weights (the KV pool: 5x that), keeping them warm where a VM's host lets memory left unread go cold (default 1; 0 = off)"),
+        Flag(("--hf-overrides",), 'hf_overrides', type=json.loads, help='JSON of Hugging Face config keys replacing the checkpoint\'s, e.g. \'{"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "max_position_embeddings": 16384}\''),
+    )  # fmt: skip
+
+
     model: str | None = None  # HF directory or .gguf; None: the embedded default model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -308,6 +389,16 @@ class ParallelConfig:
     parallelism splits each request's tokens and KV across `context_parallel_size` ranks. The
     engine core is rank 0 and drives the others from its one schedule."""
 
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(('--tensor-parallel-size', '-tp'), 'tensor_parallel_size', type=int, help='ranks the weights are split over (heads, MLP columns, vocabulary); torch.distributed'),
+        Flag(('--context-parallel-size', '-cp'), 'context_parallel_size', type=int, help="ranks each request's tokens and KV are split over (long prompts; ring attention)"),
+        Flag(("--distributed-timeout-s",), 'distributed_timeout_s', type=float, help='seconds a collective may take before a silent rank counts as dead (default 60)'),
+        Flag(("--threads-per-rank",), 'threads_per_rank', type=int, help='torch threads of each rank with -tp/-cp (default: the cores split over the ranks)'),
+        Flag(("--no-shm-collectives",), 'shared_memory_collectives', action="store_false", help='with -tp/-cp on CPU, send every collective over gloo (default: small ones through shared memory)'),
+    )  # fmt: skip
+
+
     tensor_parallel_size: int = 1
     context_parallel_size: int = 1
     # gloo on CPU, nccl on CUDA ("auto"); collectives (and a rank's start-up) fail after this long
@@ -349,6 +440,13 @@ class KVEventsConfig:
     snapshot REP on tcp://HOST:P+1. Unset, nothing is recorded (nobody would drain them).
     """
 
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(("--kv-events-port",), 'kv_events_port', type=int, help='publish KV-cache events for a router: PUB on tcp://HOST:P, snapshots on P+1'),
+        Flag(("--kv-events-host",), 'kv_events_host', help="address the KV-event sockets bind (default 127.0.0.1; a pod's IP or 0.0.0.0 for a router elsewhere)"),
+    )  # fmt: skip
+
+
     kv_events_port: int | None = None
     kv_events_host: str = "127.0.0.1"
 
@@ -369,6 +467,13 @@ class CudaGraphConfig:
 
     Default: on when the model runs on CUDA with a graph-capturable attention backend, else off.
     """
+
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(("--enforce-eager",), 'enforce_eager', action="store_true", help='never use CUDA graphs (default: pure-decode steps replay them on CUDA with a graph-capturable backend)'),
+        Flag(("--max-cudagraph-capture-size",), 'max_cudagraph_capture_size', type=int, help='largest decode batch a CUDA graph serves; larger ones run eagerly (default: min(--max-num-seqs, 512))'),
+    )  # fmt: skip
+
 
     enforce_eager: bool = False  # vLLM's --enforce-eager: every step eager, no graphs
     # vLLM's --max-cudagraph-capture-size: the largest decode batch a graph serves (larger ones run
@@ -407,6 +512,12 @@ class SpeculativeConfigError(ValueError):
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (servelm.spec): which proposer, how many draft tokens at most, its knobs."""
+
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(("--speculative-config",), 'speculative_config', help='speculative decoding, JSON in vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' (methods: ngram, suffix, draft; off when not given)'),
+    )  # fmt: skip
+
 
     method: str
     # Most draft tokens verified per request per step (k). The controller picks 0..k each step.
@@ -485,6 +596,19 @@ class SpeculativeConfig:
 
 
 # Fields the engine builder fills in from other slices: never a user setting of their own.
+# The slices whose flags the engine's commands take, in --help's order, each under its heading.
+FLAG_SLICES: tuple[tuple[str, Any], ...] = (
+    ("model", ModelConfig),
+    ("KV cache", CacheConfig),
+    ("KV tiers", KVTierConfig),
+    ("prefill/decode disaggregation", KVTransferConfig),
+    ("KV events", KVEventsConfig),
+    ("parallelism", ParallelConfig),
+    ("CUDA graphs", CudaGraphConfig),
+    ("scheduler", SchedulerConfig),
+    ("speculative decoding", SpeculativeConfig),
+)
+
 _RESOLVED_BY_BUILDER: dict[type, set[str]] = {SchedulerConfig: {"max_model_len"}}
 
 # Flat settings given in GiB → the byte fields they set.
