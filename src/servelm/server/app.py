@@ -270,6 +270,14 @@ def _lifecycle(request: Request) -> ServerLifecycle:
     return request.app.state.lifecycle
 
 
+def _readiness_response(request: Request, status: str) -> Response:
+    """/health's and /ready's answer: 503 with why the engine does not serve, else 200 `status`."""
+    problem = _lifecycle(request).readiness_problem()
+    if problem is not None:
+        return unavailable(problem).response()
+    return json_response({"status": status})
+
+
 def _ctx(request: Request) -> ServerContext:
     """The serving context; 503 (Retry-After) while the engine is starting, or failed to."""
     return _lifecycle(request).serving_context()
@@ -364,18 +372,12 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
         """200 only while the engine serves: a script that waits for it sends nothing too early."""
-        problem = _lifecycle(request).readiness_problem()
-        if problem is not None:
-            return unavailable(problem).response()
-        return json_response({"status": "ok"})
+        return _readiness_response(request, "ok")
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
         """Readiness, as /health (the name Kubernetes readiness probes and the router use)."""
-        problem = _lifecycle(request).readiness_problem()
-        if problem is not None:
-            return unavailable(problem).response()
-        return json_response({"status": "ready"})
+        return _readiness_response(request, "ready")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
