@@ -29,7 +29,7 @@ from k8s_manifests import (
     shell_exec_argv,
 )
 
-from servelm.cli import build_parser
+from servelm.cli import build_parser, engine_config_from_args
 from servelm.delivery.swarm_cli import swarm_config_from_args
 from servelm.router.replicas import ReplicaSpec
 
@@ -127,7 +127,9 @@ def test_every_servelm_command_parses_with_servelm_s_own_parser(variants, varian
         parsed[what] = build_parser().parse_args(argv[1:])
     model_dir = f"/models/{find(resources, 'ConfigMap', 'servelm-model')['data']['MODEL_NAME']}"
     assert parsed["replica"].model == parsed["router"].model == str(parsed["router's pull"].to) == model_dir
-    assert parsed["router"].block_size == parsed["replica"].block_size, "the router must hash blocks as the replicas"
+    # The replica's effective block size: a flag left unset passes None and CacheConfig's default holds.
+    replica_block_size = engine_config_from_args(parsed["replica"]).cache.block_size
+    assert parsed["router"].block_size == replica_block_size, "the router must hash blocks as the replicas"
     for text in parsed["router"].replica:
         ReplicaSpec.parse(text)
 

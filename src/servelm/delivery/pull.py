@@ -52,6 +52,7 @@ class PullStats:
     corrupt_reads: int = 0  # reads that failed verification (re-fetched)
     failed_reads: int = 0  # reads that errored or came back short (re-fetched)
     seconds: float = 0.0
+    finished_at: float = 0.0  # wall clock (time.time()) when the last chunk was stored; 0 until then
 
     @property
     def bytes_per_s(self) -> float:
@@ -279,6 +280,7 @@ class Puller:
         else:
             self._done = True
             self.stats.seconds = time.monotonic() - self._started
+            self.stats.finished_at = time.time()
             if self._progress is not None:
                 self._progress.close()
         self._lock.notify_all()

@@ -41,7 +41,10 @@ class OpenedModel:
             return
         stats = self.remote.finish()
         if self.startup is not None:
-            self.startup.add("fetch", self.remote.started_at, time.time() - self.remote.started_at)
+            # The phase ends when the last chunk was stored, not when this is called (after the
+            # load phase: the timeline would say the fetch outlasted the load that needed it).
+            ended_at = stats.finished_at or time.time()
+            self.startup.add("fetch", self.remote.started_at, max(0.0, ended_at - self.remote.started_at))
         logger.info(
             "pulled %s into %s: %.1f MB fetched in %.1f s (%.0f MB/s), %d chunk(s) resumed, %d re-fetched",
             self.remote.spec, self.remote.directory, stats.bytes_fetched / 1e6, stats.seconds,

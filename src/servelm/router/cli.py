@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from servelm import envs
+from servelm.config import CacheConfig
 from servelm.openai_api.overload import OverloadOptions, add_overload_arguments
 from servelm.router.disagg import DisaggSettings
 from servelm.router.policies import LOAD_METRICS, POLICIES, PolicySettings
@@ -19,7 +20,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     )  # fmt: skip
     router.add_argument("--policy", default="kv", choices=sorted(POLICIES))
     router.add_argument("--model", default=None, help="the replicas' model (its tokenizer hashes prompts)")
-    router.add_argument("--block-size", type=int, default=16, help="the replicas' --block-size")
+    router.add_argument(
+        "--block-size", type=int, default=CacheConfig.block_size, help="the replicas' --block-size (the same default)"
+    )
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--api-key", default=None, help=f"require this bearer token (or env {envs.API_KEY})")
