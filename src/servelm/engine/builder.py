@@ -140,6 +140,22 @@ def _injected_startup_faults() -> None:
         raise RuntimeError(f"{FAULT_FAIL_START_ENV}: {marker} exists, so this start-up fails (fault injection)")
 
 
+@dataclass
+class RankZero:
+    """What the engine is assembled around on the process that schedules (rank 0): its model and KV
+    pool, already sized and allocated. One rank, or rank 0 of a multi-rank worker (`followers`
+    then mirror every step on the other ranks; `block_size` is the scheduler's logical block)."""
+
+    model: LlamaForCausalLM
+    kv_caches: list[LayerKVCache]
+    num_blocks: int
+    block_size: int  # tokens per scheduler block (under context parallelism: block_size x cp)
+    max_model_len: int
+    followers: StepBroadcaster | None = None
+    draft_model: LlamaForCausalLM | None = None  # a separate draft checkpoint (one rank only)
+    graph_mode: DecodeGraphMode = DecodeGraphMode.OFF  # CUDA decode graphs (one rank only)
+
+
 def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelArchConfig, tokenizer: Any,
                     source: str, proposer: Proposer | None = None,
                     startup: StartupTimeline | None = None) -> BuiltEngine:  # fmt: skip
@@ -171,8 +187,32 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
         graph_mode = decode_graph_mode(config.cuda_graphs, device, attention_backend_of(model))
         # The decode graphs' padding rows write to one more block, id num_blocks: the scheduler's pool
         # (num_blocks) never hands it out.
-        with_padding_block = graph_mode is not DecodeGraphMode.OFF
-        kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device, padding_block=with_padding_block)
+        kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device,
+                                       padding_block=graph_mode is not DecodeGraphMode.OFF)  # fmt: skip
+    rank_zero = RankZero(model, kv_caches, num_blocks, block_size, max_model_len, draft_model=draft_model,
+                         graph_mode=graph_mode)  # fmt: skip
+    return _assemble(config, rank_zero, arch, tokenizer, source, proposer, startup)
+
+
+def _assemble(config: EngineConfig, rank_zero: RankZero, arch: ModelArchConfig, tokenizer: Any, source: str,
+              proposer: Proposer | None, startup: StartupTimeline) -> BuiltEngine:  # fmt: skip
+    """The one assembly of every engine, one rank or many: proposer, KV tiers, decode graphs,
+    runner, warm-up and calibration, KV manager, scheduler, core. What a rank count does not
+    support is refused before this (multi_rank.check_supported); a failure here stops the
+    other ranks too."""
+    try:
+        return _assemble_around(config, rank_zero, arch, tokenizer, source, proposer, startup)
+    except BaseException:
+        if rank_zero.followers is not None:
+            rank_zero.followers.close()
+        raise
+
+
+def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchConfig, tokenizer: Any, source: str,
+                     proposer: Proposer | None, startup: StartupTimeline) -> BuiltEngine:  # fmt: skip
+    model, kv_caches, num_blocks = rank_zero.model, rank_zero.kv_caches, rank_zero.num_blocks
+    block_size, max_model_len, draft_model = rank_zero.block_size, rank_zero.max_model_len, rank_zero.draft_model
+    device = model.embed_tokens.weight.device
     eos_ids = eos_token_ids(arch, tokenizer)
     # One table for the runner and a draft-model proposer: the draft's K/V sit in the same blocks.
     block_table = BlockTable.for_requests(config.scheduler.max_num_seqs, max_model_len, block_size)
@@ -197,17 +237,18 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
             )
         tiers, offloader = _kv_tiers(config, arch, source, block_tensors([*kv_caches, *draft_kv]))
     decode_graphs = None
-    if with_padding_block:
+    if rank_zero.graph_mode is not DecodeGraphMode.OFF:
         sizes = resolve_capture_sizes(config.cuda_graphs, config.scheduler.max_num_seqs)
-        decode_graphs = DecodeGraphRunner(model, kv_caches, graph_mode, sizes, block_table.max_blocks_per_request,
-                                          block_size, padding_block_id=num_blocks)  # fmt: skip
+        decode_graphs = DecodeGraphRunner(model, kv_caches, rank_zero.graph_mode, sizes,
+                                          block_table.max_blocks_per_request, block_size,
+                                          padding_block_id=num_blocks)  # fmt: skip
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
         proposer=proposer if speculative is not None else None,
         max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
         block_table=block_table, kv_offloader=offloader,
-        decode_graphs=decode_graphs,
+        decode_graphs=decode_graphs, followers=rank_zero.followers,
     )  # fmt: skip
     with startup.phase("warmup"):
         warm_up(runner)
@@ -238,7 +279,8 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
 
 def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline) -> BuiltEngine:
     """Rank 0 of a multi-rank worker (worker/multi_rank.py): it sizes the KV pool, starts the
-    other ranks, joins them, and builds its own shard; the scheduler is the one single one.
+    other ranks, joins them, and builds its own shard; then the one assembly (_assemble) wires
+    the single scheduler and runner around that shard, as for one rank.
 
     Under context parallelism the scheduler's blocks are logical blocks of block_size x cp
     tokens, each rank storing block_size of them (every cp-th position) in its physical block
@@ -283,28 +325,8 @@ def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline) -> 
         "multi-rank worker: tp %d x cp %d ranks (pids %s), %d blocks of %d tokens per rank",
         layout.tensor_parallel_size, layout.context_parallel_size, followers.pids, num_blocks, config.cache.block_size,
     )  # fmt: skip
-    eos_ids = eos_token_ids(arch, tokenizer)
-    speculative = config.speculative
-    proposer = build_proposer(speculative) if speculative is not None else None
-    runner = ModelRunner(
-        shard.model, shard.kv_caches, logical_block_size, eos_ids, device,
-        max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, proposer=proposer,
-        max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0, followers=followers,
-    )  # fmt: skip
-    try:
-        with startup.phase("warmup"):
-            warm_up(runner)
-            calibration = calibrate(runner)
-    except BaseException:
-        runner.close()  # the other ranks stop too
-        raise
-    kv_manager = KVCacheManager(num_blocks, logical_block_size, config.cache.enable_prefix_caching,
-                                config.kv_events.enabled)  # fmt: skip
-    scheduler = Scheduler(config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids,
-                          speculative=speculative, num_layers=_layered_prefill_layers(runner))  # fmt: skip
-    _seed_step_cost(scheduler, calibration)
-    core = EngineCore(scheduler, runner, kv_manager)
-    return BuiltEngine(core, tokenizer, arch, max_model_len, num_blocks, source)
+    rank_zero = RankZero(shard.model, shard.kv_caches, num_blocks, logical_block_size, max_model_len, followers)
+    return _assemble(config, rank_zero, arch, tokenizer, source, None, startup)
 
 
 def _layered_prefill_layers(runner: ModelRunner) -> int:

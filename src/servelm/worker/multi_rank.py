@@ -110,7 +110,9 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 def check_supported(config: EngineConfig) -> None:
-    """What multi-rank workers do not do yet, refused with the reason instead of misbehaving."""
+    """What multi-rank workers do not do yet, refused with the reason instead of misbehaving: the one
+    place that says so (engine/builder.py assembles one rank and many the same way after it; CUDA
+    decode graphs are simply off with several ranks)."""
     if config.parallel.world_size == 1:
         return
     speculative = config.speculative
