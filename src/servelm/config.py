@@ -222,6 +222,7 @@ class SchedulerConfig:
         Flag(("--long-prefill-token-threshold",), 'long_prefill_token_threshold', type=int, help='chunk cap for a prompt while others want the budget (default: budget / max-num-partial-prefills; 0 = none)'),
         Flag(("--aging-s",), 'aging_s', type=float, help="seconds of waiting after which a request's priority improves by one class (0 = no aging)"),
         Flag(('--max-step-ms', '--arrival-wait-ms'), 'max_step_ms', type=float, help="step-time target (ms): every step's work is sized to end within it, so a request arriving mid-step waits at most about that long (default: 10x the fixed part of a prompt step, measured at start-up; 0 = no bound). --arrival-wait-ms is an older name for it"),
+        Flag(("--max-decode-slowdown",), 'max_decode_slowdown', type=float, help="while requests decode, a step carrying prompt work takes at most this many times what their decodes alone would (their token gap grows at most that much beside a long prefill; default 2.5; 0 = no such bound, as does --max-step-ms 0)"),
         Flag(("--no-layered-prefill",), 'layered_prefill', action="store_false", help='cut long prompts into token chunks only (default: a chunk the step-time target would make too small to run efficiently runs a few layers a step instead)'),
     )  # fmt: skip
 
@@ -261,6 +262,12 @@ class SchedulerConfig:
     # ~250 ms on 2 CPU cores and the default model, tens of ms on a GPU); 0: no bound (steps are
     # held to max_num_batched_tokens alone).
     max_step_ms: float | None = None
+    # While requests decode, a step that also carries prompt work is held to this many times the
+    # predicted time of their decodes alone (step_pricing.decode_bound_s), so a stream's token gap
+    # grows at most this much while long prompts prefill beside it, on any hardware: the prompts
+    # get the rest of every step (layered prefill keeps small slices efficient). 0: no such bound
+    # (the step-time target alone, up to ~10x a decode step on a CPU); max_step_ms 0 turns it off too.
+    max_decode_slowdown: float = 2.5
     # Layered prefill (worker/layered_chunks.py): where the target would cut a long prompt into
     # chunks too small to run efficiently, one large chunk's forward is spread over several steps
     # by layers instead. Off: token chunks only (and on a context-parallel worker, whose ranks
@@ -310,6 +317,10 @@ class SchedulerConfig:
             "raise max_num_batched_tokens or lower max_model_len",
         )
         _require(self.aging_s >= 0, f"aging_s must be >= 0, got {self.aging_s}")
+        _require(
+            self.max_decode_slowdown == 0 or self.max_decode_slowdown > 1,
+            f"max_decode_slowdown must be > 1 (or 0: no bound), got {self.max_decode_slowdown}",
+        )
 
     @property
     def prefill_chunk_cap(self) -> int:

@@ -3,7 +3,8 @@
 Each step hands out a token budget (max_num_batched_tokens) and, where the step-cost model can
 price it, a time: every step is held to a step-time target (max_step_ms; by default 10x the
 calibrated fixed part of a prompt step, step_pricing.py), decodes or not, because a step is
-never interrupted and whatever arrives waits for it to end. Requests are ranked by (effective
+never interrupted and whatever arrives waits for it to end; while requests decode, also to
+max_decode_slowdown x what their decodes alone take, so their token gaps stay near a bare decode's. Requests are ranked by (effective
 priority, deadline), effective priority = priority - floor(age / aging_s), deadline = arrival +
 the class's TTFT target, with fair share between the tenants of a class (ranking.py):
 
@@ -14,8 +15,8 @@ the class's TTFT target, with fair share between the tenants of a class (ranking
     2. PREFILL CHUNKS: running prompts mid-prefill and WAITING requests in one order, by
        (effective priority, deadline, running before waiting). In a priced step, within one
        effective priority the prompts whose rest finishes whole in the time left go first and
-       the others after them: a request arriving mid-prefill joins the next step (decodes, short
-       prompts, then the long prompt's next chunk). A long prompt's chunk is what keeps the step
+       the others after them, the fewest tokens left first: a request arriving mid-prefill joins
+       the next step (decodes, short prompts, then the long prompt's next chunk). A long prompt's chunk is what keeps the step
        within its target; where a token chunk that small would spend more than a tenth of its time
        on what every chunk pays (the pass over the weights, re-reading its context), a large chunk
        runs a few layers a step instead (layered prefill: LayerSlice; its tokens count as computed
@@ -84,7 +85,7 @@ from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.step_cost import StepCostModel, StepShape, step_time_target_s
 from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.step_plan import ChunkPlan, StepPlan
-from servelm.scheduler.step_pricing import StepPricing, auto_step_target_s, executed_shape
+from servelm.scheduler.step_pricing import StepPricing, auto_step_target_s, decode_bound_s, executed_shape
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.tier_loads import Admission, TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
@@ -301,11 +302,16 @@ class Scheduler:
             return auto_step_target_s(self.step_cost)
         return max_step_ms / 1000.0 if max_step_ms > 0 else None
 
-    def _step_target_s(self, decoding: Iterable[Request]) -> float | None:
+    def _step_target_s(self, decoding: list[Request]) -> float | None:
         """The step-time target with these requests decoding: step_target_s or, tighter, their
-        classes' TBT targets (None: neither)."""
+        classes' TBT targets, or max_decode_slowdown x their decodes alone (None: none applies)."""
         base = self.step_target_s()
-        return step_time_target_s(1000.0 * base if base else 0.0, (r.slo.tbt_target_s for r in decoding))
+        target = step_time_target_s(1000.0 * base if base else 0.0, (r.slo.tbt_target_s for r in decoding))
+        # max_step_ms 0 asks for unbounded steps: no pace bound either (a class's TBT target still binds).
+        slowdown = self.config.max_decode_slowdown if self.config.max_step_ms != 0 else 0.0
+        decodes = sum((StepShape.decode(1, r.num_computed_tokens) for r in decoding), StepShape())
+        pace = decode_bound_s(self.step_cost, decodes, slowdown)
+        return min((t for t in (target, pace) if t is not None), default=None)
 
     def _chunk_cap(self) -> int:
         """The cap on one prompt's chunk before the top-up (long_prefill_token_threshold), while time
@@ -456,6 +462,11 @@ class Scheduler:
 
     def _schedule_deferred(self, deferred: list[tuple[bool, Request]], plan: StepPlan, now: float,
                            admitted: list[Request]) -> None:  # fmt: skip
+        """One level's prompts that do not finish whole this step, the fewest tokens left first (rank
+        order among equals): a 150-token voice prompt that arrived behind two 4k-token code prompts
+        of its class finishes in a few steps instead of after them. Aging bounds what this costs a
+        long prompt: each aging_s of waiting moves it up a level, ahead of every shorter one."""
+        deferred = sorted(deferred, key=lambda item: item[1].num_tokens - item[1].num_computed_tokens)
         for is_waiting, request in deferred:
             if plan.budget <= 0 and not request.layered_tokens:
                 break

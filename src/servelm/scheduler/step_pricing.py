@@ -7,6 +7,7 @@ only the steps that carry decodes: a 3,801-token prompt alone once ran as one 9 
 16-token request behind it waited 8.9 s for its first token (2 AMD cores, the default model).
 
     target ─┬─ decodes' TBT:  TBT_STEP_SHARE x the tightest class TBT among the decodes
+            ├─ decodes' pace: max_decode_slowdown x what the step's decodes alone take (decode_bound_s)
             └─ first tokens:  a step that completes a prompt ends within FIRST_TOKEN_SHARE x target
     predicted(step) = cost model over the step's shape (step_cost.py), summed as it is filled
 
@@ -60,6 +61,16 @@ def auto_step_target_s(model: StepCostModel) -> float | None:
     if fixed is None:
         return None
     return min(AUTO_TARGET_MAX_S, max(AUTO_TARGET_MIN_S, AUTO_TARGET_FACTOR * fixed))
+
+
+def decode_bound_s(model: StepCostModel, decodes: StepShape, slowdown: float) -> float | None:
+    """The most a step carrying `decodes` (their shape alone) may take: `slowdown` times their
+    predicted time by themselves (fixed part included), so their token gap grows at most that much
+    while prompts prefill beside them. None: no bound (slowdown 0, no decodes, or no fit)."""
+    if slowdown <= 0 or not decodes.decode_tokens:
+        return None
+    predicted = model.predict(decodes)
+    return None if predicted is None else slowdown * predicted
 
 
 @dataclass
