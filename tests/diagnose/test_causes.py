@@ -104,6 +104,8 @@ def _diagnose(tmp_path: Path, baseline: dict, current: dict) -> dict:
         # prefill grew because cached prefixes were evicted: recompute
         ({"prefill": 0.3, "hits": 1000, "evicted": 500}, "kv_cache"),
         ({"output": 0.5, "outputs_queued": 300.0}, "output"),
+        # the same traffic, streams not read: their backlog's CPU slows the prefills (2 cores)
+        ({"queue": 0.1, "prefill": 0.7, "outputs_queued": 300.0, "step_s": 0.02}, "output"),
         ({"network": 0.4}, "network"),
         ({"ingress": 0.3, "loop_lag": 0.05}, "frontend"),
         ({"queue": 0.012}, "none"),  # +7 ms: noise

@@ -107,9 +107,12 @@ def test_without_layered_prefill_deep_chunks_are_small_token_chunks_within_the_t
 def test_a_short_request_arriving_mid_prefill_joins_the_next_step_ahead_of_the_long_chunk() -> None:
     s = bounded()
     s.add_request(request("long", 6000, max_tokens=1))
-    for _ in range(40):  # well into the prompt: its chunks run by layers now
+    long = s.get_request("long")
+    for _ in range(400):  # well into the prompt, a layered chunk in flight
         run_step(s)
-    assert s.get_request("long").layered_tokens > 0
+        if long.num_computed_tokens >= 1024 and long.layered_tokens > 0:
+            break
+    assert long.layered_tokens > 0
     s.add_request(request("short", 16, max_tokens=4))
     so, out, seconds = run_step(s)
     assert so.num_scheduled_tokens.get("short") == 16 and out["short"].new_token_ids  # whole, first token now
@@ -191,3 +194,47 @@ def test_prediction_errors_are_logged_by_kind() -> None:
     kinds = {kind for kind, predicted, measured in s.step_log.take_predictions()
              if predicted == pytest.approx(measured, rel=1e-6)}  # fmt: skip
     assert kinds == {"shallow", "deep", "decode"}
+
+
+def test_while_streams_decode_a_prefill_step_is_held_to_the_decode_slowdown() -> None:
+    """Two streams decode while a long prompt arrives: every step holds their decodes and at most
+    max_decode_slowdown x what those decodes alone take, however much of the target is left, and the
+    long prompt still moves every step (by layers: a token chunk's pass would not fit)."""
+    s = bounded(max_step_ms=100.0, max_decode_slowdown=2.5)
+    for name in ("a", "b"):
+        s.add_request(request(name, 8, max_tokens=200))
+    while any(s.get_request(name).num_output_tokens == 0 for name in ("a", "b")):
+        run_step(s)
+    s.add_request(request("long", 3000, max_tokens=1))
+    for _ in range(20):
+        decodes_alone = truth_s(sum((StepShape.decode(1, s.get_request(n).num_computed_tokens) for n in "ab"),
+                                    StepShape()))  # fmt: skip
+        so, _, seconds = run_step(s)
+        assert so.num_scheduled_tokens["a"] == so.num_scheduled_tokens["b"] == 1
+        assert "long" in so.num_scheduled_tokens or "long" in so.layer_slices
+        assert seconds <= 2.5 * decodes_alone + 1e-9, (seconds, decodes_alone)
+    # Without the pace bound the same steps fill the 100 ms target.
+    unpaced = bounded(max_step_ms=100.0, max_decode_slowdown=0.0)
+    for name in ("a", "b"):
+        unpaced.add_request(request(name, 8, max_tokens=200))
+    while any(unpaced.get_request(name).num_output_tokens == 0 for name in ("a", "b")):
+        run_step(unpaced)
+    unpaced.add_request(request("long", 3000, max_tokens=1))
+    assert max(run_step(unpaced)[2] for _ in range(5)) > 0.05
+
+
+def test_prompts_that_do_not_finish_whole_go_fewest_tokens_left_first() -> None:
+    """Two long prompts of one class mid-prefill, then a medium one arrives that no step finishes
+    whole either: it takes the step's prefill time first (it has the fewest tokens left), and
+    finishes long before the prompts that came earlier."""
+    s = bounded(max_step_ms=100.0)
+    for name in ("first", "second"):
+        s.add_request(request(name, 4000, max_tokens=1))
+    run_step(s)
+    s.add_request(request("medium", 600, max_tokens=1))
+    so, _, _ = run_step(s)
+    order = list(so.num_scheduled_tokens) + [rid for rid in so.layer_slices if rid not in so.num_scheduled_tokens]
+    assert order[0] == "medium", order
+    while s.get_request("medium") is not None:
+        run_step(s)
+    assert s.get_request("first").num_computed_tokens < 4000 and s.get_request("second") is not None

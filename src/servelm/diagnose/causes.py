@@ -15,6 +15,8 @@
                        scheduler    (short requests waited behind others' prefills)
          prefill     → load         when the load grew, else
                        kv_cache     when cached prefixes were evicted and the hit rate fell (recompute), else
+                       output       (queue too) when outputs piled up in the API (OUTPUT_BACKLOG): streams
+                                    not read; their backlog's CPU slows the engine's steps on a small host, else
                        scheduler    (long prompts' chunks share the steps: longer steps, more tokens per step)
 
        Load is checked first: more requests, or longer ones across the board, present exactly as
@@ -32,8 +34,10 @@
          the API event loop runs late (lag p99 x 2)   → frontend
          none of these, on the client's figure        → network  (the server kept pace; the path did not)
 
-       A stream that its client does not read makes every other stream's TTFT no worse in servelm
-       (each stream has its own queue), so slow readers show here, not in step 2.
+       A stream that its client does not read delays no other stream's tokens in servelm (each
+       stream has its own queue), so slow readers show here, or in step 2 only through the CPU
+       their backlog takes from the engine (2 cores: the 2026-12 slow-readers scenario grew
+       prefill by ~0.7 s with outputs piled up and the same traffic).
 
 Without a TTFT split (an older server, vLLM's metrics) the whole growth goes to the first of
 load, kv_cache, scheduler whose signals moved (scheduler when none did: the queue is its own).
@@ -203,7 +207,11 @@ def cause_of(component: str, baseline: Signals, current: Signals) -> str:
     if load_grew(baseline, current):
         return "load"
     kv = kv_limited(baseline, current) if component == "queue" else prefixes_lost(baseline, current)
-    return "kv_cache" if kv else "scheduler"
+    if kv:
+        return "kv_cache"
+    # The same traffic, but streams not read pile outputs up in the API: holding and encoding that
+    # backlog takes CPU the engine's steps share on a small host, so prompts prefill slower too.
+    return "output" if outputs_piled_up(baseline, current) else "scheduler"
 
 
 def tbt_signal(baseline: Signals, current: Signals) -> str | None:

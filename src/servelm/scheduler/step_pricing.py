@@ -51,8 +51,12 @@ MAX_CHUNK_OVERHEAD = 0.1
 # own matmuls on a CPU, and a model of tokens alone used to go wrong.
 DEEP_CONTEXT = 1024
 # One layer of a layered chunk costs at most this share of the target, so a step's time left can
-# be filled a layer at a time.
-LAYER_SHARE = 0.5
+# be filled a layer at a time; and since a chunk's layers are sized when it starts, a stream that
+# starts decoding mid-chunk (its steps then held to max_decode_slowdown x its decode) waits for at
+# most one such layer beside its decode. Smaller layers mean more chunks, each paying a pass over
+# the weights and a re-read of its context: at 0.15 a lone 8k-token prompt is predicted ~7% over
+# one unchunked pass on 2 AMD cores (0.5: ~4%, with 100 ms token gaps beside an in-flight layer).
+LAYER_SHARE = 0.15
 
 
 def auto_step_target_s(model: StepCostModel) -> float | None:
