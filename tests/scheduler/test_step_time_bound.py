@@ -238,3 +238,17 @@ def test_prompts_that_do_not_finish_whole_go_fewest_tokens_left_first() -> None:
     while s.get_request("medium") is not None:
         run_step(s)
     assert s.get_request("first").num_computed_tokens < 4000 and s.get_request("second") is not None
+
+
+def test_a_worse_priority_stream_does_not_hold_back_a_better_prompt() -> None:
+    """Batch streams (priority 1) decoding beside an interactive prompt (priority 0): their pace
+    does not bound its steps (the target does); an interactive stream's would."""
+    s = bounded(max_step_ms=100.0, max_decode_slowdown=2.5)
+    for name in ("a", "b"):
+        s.add_request(request(name, 8, max_tokens=200, priority=1))
+    while any(s.get_request(name).num_output_tokens == 0 for name in ("a", "b")):
+        run_step(s)
+    s.add_request(request("long", 3000, max_tokens=1, priority=0))
+    steps = [run_step(s)[2] for _ in range(5)]
+    decodes_alone = truth_s(StepShape.decode(1, 10) + StepShape.decode(1, 10))
+    assert max(steps) > 2.5 * decodes_alone and max(steps) <= 0.100 + 1e-9

@@ -85,7 +85,14 @@ from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.step_cost import StepCostModel, StepShape, step_time_target_s
 from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.step_plan import ChunkPlan, StepPlan
-from servelm.scheduler.step_pricing import StepPricing, auto_step_target_s, decode_bound_s, executed_shape
+from servelm.scheduler.step_pricing import (
+    LAYER_SHARE,
+    LONE_LAYER_SHARE,
+    StepPricing,
+    auto_step_target_s,
+    decode_bound_s,
+    executed_shape,
+)
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.tier_loads import Admission, TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
@@ -302,14 +309,19 @@ class Scheduler:
             return auto_step_target_s(self.step_cost)
         return max_step_ms / 1000.0 if max_step_ms > 0 else None
 
-    def _step_target_s(self, decoding: list[Request]) -> float | None:
-        """The step-time target with these requests decoding: step_target_s or, tighter, their
-        classes' TBT targets, or max_decode_slowdown x their decodes alone (None: none applies)."""
+    def _step_target_s(self, decoding: list[Request], prefilling: list[Request]) -> float | None:
+        """The step-time target with these requests decoding and these prompts mid-prefill (and the
+        waiting ones): step_target_s or, tighter, the decodes' class TBT targets, or
+        max_decode_slowdown x the decodes alone of those whose priority is as good as the best
+        prompt's: a batch stream's pace never holds back an interactive prompt (None: none applies)."""
         base = self.step_target_s()
         target = step_time_target_s(1000.0 * base if base else 0.0, (r.slo.tbt_target_s for r in decoding))
         # max_step_ms 0 asks for unbounded steps: no pace bound either (a class's TBT target still binds).
         slowdown = self.config.max_decode_slowdown if self.config.max_step_ms != 0 else 0.0
-        decodes = sum((StepShape.decode(1, r.num_computed_tokens) for r in decoding), StepShape())
+        best_prompt = min((p for p in (self._waiting.best_priority(), *(r.priority for r in prefilling))
+                           if p is not None), default=None)  # fmt: skip
+        paced = [r for r in decoding if best_prompt is not None and r.priority <= best_prompt]
+        decodes = sum((StepShape.decode(1, r.num_computed_tokens) for r in paced), StepShape())
         pace = decode_bound_s(self.step_cost, decodes, slowdown)
         return min((t for t in (target, pace) if t is not None), default=None)
 
@@ -324,7 +336,10 @@ class Scheduler:
         now = self._clock()
         config = self.config
         decoding = [r for r in self._running if not r.is_prefilling]
-        pricing = StepPricing(self.step_cost, self._step_target_s(decoding), self._num_layers)
+        prefilling = [r for r in self._running if r.is_prefilling]
+        alone = len(self._running) + len(self._waiting) <= 1  # a lone prompt: the largest layers (step_pricing.py)
+        pricing = StepPricing(self.step_cost, self._step_target_s(decoding, prefilling), self._num_layers,
+                              LONE_LAYER_SHARE if alone else LAYER_SHARE)  # fmt: skip
         plan = StepPlan(
             budget=config.max_num_batched_tokens,
             chunk_cap=0 if pricing.priced() else self._chunk_cap(),

@@ -54,9 +54,11 @@ DEEP_CONTEXT = 1024
 # be filled a layer at a time; and since a chunk's layers are sized when it starts, a stream that
 # starts decoding mid-chunk (its steps then held to max_decode_slowdown x its decode) waits for at
 # most one such layer beside its decode. Smaller layers mean more chunks, each paying a pass over
-# the weights and a re-read of its context: at 0.15 a lone 8k-token prompt is predicted ~7% over
-# one unchunked pass on 2 AMD cores (0.5: ~4%, with 100 ms token gaps beside an in-flight layer).
+# the weights and a re-read of its context: a lone 8k-token prompt took 1.16x its unchunked time at
+# 0.15 and 1.03x at 0.5 (2 AMD cores), so a prompt alone on the engine gets LONE_LAYER_SHARE and
+# takes the risk of a stream arriving mid-chunk; with other requests about, LAYER_SHARE.
 LAYER_SHARE = 0.15
+LONE_LAYER_SHARE = 0.5
 
 
 def auto_step_target_s(model: StepCostModel) -> float | None:
@@ -85,6 +87,7 @@ class StepPricing:
     model: StepCostModel
     target_s: float | None  # None: no bound
     num_layers: int  # the model's decoder layers (layered chunks); 0: no layered prefill
+    layer_share: float = LAYER_SHARE  # of the target, one layer of a layered chunk at most
     shape: StepShape = field(default_factory=StepShape)
     has_prompt: bool = False  # the step's main forward carries prompt tokens (its dense pass is in `shape`)
     base_target_s: float | None = field(init=False)  # the target before any first-token bound
@@ -164,12 +167,12 @@ class StepPricing:
 
     def layered_chunk_tokens(self, limit: int, context: int) -> int:
         """The chunk a layered prefill runs after `context`: the most tokens (at most `limit`) one of
-        whose layers costs at most LAYER_SHARE of the target (so a step can always fit one). At
+        whose layers costs at most layer_share of the target (so a step can always fit one). At
         least 1."""
         if not self.priced() or self.num_layers <= 0:
             return max(1, limit)
         assert self.target_s is not None
-        layer_budget = LAYER_SHARE * self.target_s
+        layer_budget = self.layer_share * self.target_s
         low, high = 1, max(1, limit)
         if self._slice_cost(high, context, 1) <= layer_budget:
             return high

@@ -37,6 +37,10 @@ class WaitingQueue:
             for members in tenants.values():
                 yield from members
 
+    def best_priority(self) -> int | None:
+        """The best (lowest) priority among the waiting requests; None when none waits."""
+        return min((key[0] for key in self._groups), default=None)
+
     def _group_key(self, request: Request) -> _GroupKey:
         return (request.priority, request.slo.slo_class, self.ranking.deadline_offset(request))
 
