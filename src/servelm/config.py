@@ -263,7 +263,8 @@ class SchedulerConfig:
     # held to max_num_batched_tokens alone).
     max_step_ms: float | None = None
     # While requests decode, a step that also carries prompt work is held to this many times the
-    # predicted time of their decodes alone (step_pricing.decode_bound_s), so a stream's token gap
+    # predicted time of their decodes alone (step_pricing.decode_bound_s; only the decodes whose
+    # priority is as good as the best waiting or prefilling prompt's), so a stream's token gap
     # grows at most this much while long prompts prefill beside it, on any hardware: the prompts
     # get the rest of every step (layered prefill keeps small slices efficient). 0: no such bound
     # (the step-time target alone, up to ~10x a decode step on a CPU); max_step_ms 0 turns it off too.

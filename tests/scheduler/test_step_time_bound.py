@@ -252,3 +252,31 @@ def test_a_worse_priority_stream_does_not_hold_back_a_better_prompt() -> None:
     steps = [run_step(s)[2] for _ in range(5)]
     decodes_alone = truth_s(StepShape.decode(1, 10) + StepShape.decode(1, 10))
     assert max(steps) > 2.5 * decodes_alone and max(steps) <= 0.100 + 1e-9
+
+
+def test_a_chunk_sized_alone_starts_over_when_a_stream_decodes_beside_it() -> None:
+    """A prompt alone gets the largest layers; a short request arrives, prefills and decodes: its
+    steps are paced, the big layer does not fit, and the long prompt's chunk starts over at the
+    size these steps take instead of holding every token gap at one big layer. Nothing is lost but
+    that chunk's layers: the prompt completes."""
+    s = bounded(max_step_ms=100.0, max_decode_slowdown=2.5)
+    s.add_request(request("long", 6000, max_tokens=1))
+    long = s.get_request("long")
+    for _ in range(400):
+        run_step(s)
+        if long.num_computed_tokens >= 2048 and long.layered_tokens and long.layers_done:
+            break
+    assert long.layered_alone and long.layers_done < NUM_LAYERS
+    big_chunk = long.layered_tokens
+    s.add_request(request("short", 8, max_tokens=60))
+    while s.get_request("short").num_output_tokens == 0:
+        run_step(s)
+    gaps = []
+    for _ in range(20):
+        decode_alone = truth_s(StepShape.decode(1, s.get_request("short").num_computed_tokens))
+        so, _, seconds = run_step(s)
+        gaps.append((seconds, decode_alone))
+    assert long.layered_tokens != big_chunk or not long.layered_alone  # started over
+    assert all(seconds <= 2.5 * alone + 1e-9 for seconds, alone in gaps[1:]), gaps
+    while s.get_request("long") is not None:
+        run_step(s)

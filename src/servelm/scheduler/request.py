@@ -98,6 +98,7 @@ class Request:
     # blocks are allocated when it begins; its tokens count as computed after its last layer.
     layered_tokens: int = 0
     layers_done: int = 0
+    layered_alone: bool = False  # its chunk was sized for a prompt alone on the engine (the largest layers)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

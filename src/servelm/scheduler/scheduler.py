@@ -309,11 +309,12 @@ class Scheduler:
             return auto_step_target_s(self.step_cost)
         return max_step_ms / 1000.0 if max_step_ms > 0 else None
 
-    def _step_target_s(self, decoding: list[Request], prefilling: list[Request]) -> float | None:
+    def _step_target_s(self, decoding: list[Request], prefilling: list[Request]) -> tuple[float | None, bool]:
         """The step-time target with these requests decoding and these prompts mid-prefill (and the
         waiting ones): step_target_s or, tighter, the decodes' class TBT targets, or
         max_decode_slowdown x the decodes alone of those whose priority is as good as the best
-        prompt's: a batch stream's pace never holds back an interactive prompt (None: none applies)."""
+        prompt's: a batch stream's pace never holds back an interactive prompt (None: none applies);
+        and whether that pace bound is what binds."""
         base = self.step_target_s()
         target = step_time_target_s(1000.0 * base if base else 0.0, (r.slo.tbt_target_s for r in decoding))
         # max_step_ms 0 asks for unbounded steps: no pace bound either (a class's TBT target still binds).
@@ -323,7 +324,9 @@ class Scheduler:
         paced = [r for r in decoding if best_prompt is not None and r.priority <= best_prompt]
         decodes = sum((StepShape.decode(1, r.num_computed_tokens) for r in paced), StepShape())
         pace = decode_bound_s(self.step_cost, decodes, slowdown)
-        return min((t for t in (target, pace) if t is not None), default=None)
+        if pace is not None and (target is None or pace < target):
+            return pace, True
+        return target, False
 
     def _chunk_cap(self) -> int:
         """The cap on one prompt's chunk before the top-up (long_prefill_token_threshold), while time
@@ -338,8 +341,9 @@ class Scheduler:
         decoding = [r for r in self._running if not r.is_prefilling]
         prefilling = [r for r in self._running if r.is_prefilling]
         alone = len(self._running) + len(self._waiting) <= 1  # a lone prompt: the largest layers (step_pricing.py)
-        pricing = StepPricing(self.step_cost, self._step_target_s(decoding, prefilling), self._num_layers,
-                              LONE_LAYER_SHARE if alone else LAYER_SHARE)  # fmt: skip
+        target_s, paced = self._step_target_s(decoding, prefilling)
+        pricing = StepPricing(self.step_cost, target_s, self._num_layers, LONE_LAYER_SHARE if alone else LAYER_SHARE,
+                              paced=paced)  # fmt: skip
         plan = StepPlan(
             budget=config.max_num_batched_tokens,
             chunk_cap=0 if pricing.priced() else self._chunk_cap(),
@@ -508,7 +512,7 @@ class Scheduler:
 
     def _schedule_prefill_chunk(self, request: Request, plan: StepPlan, now: float) -> None:
         if request.layered_tokens:
-            self._schedule_layers(request, plan)
+            self._schedule_layers(request, plan, now)
             return
         num_uncomputed = request.num_tokens - request.num_computed_tokens
         chunk = self._plan_chunk(request, request.num_computed_tokens, plan)
@@ -535,15 +539,27 @@ class Scheduler:
     def _begin_layered(self, request: Request, chunk: ChunkPlan, plan: StepPlan) -> None:
         """A layered chunk begins (its blocks are allocated): its first layers run this step."""
         request.layered_tokens, request.layers_done = chunk.num_tokens, 0
+        request.layered_alone = plan.pricing is not None and plan.pricing.layer_share == LONE_LAYER_SHARE
         self._take_layers(request, chunk.num_layers, plan)
 
-    def _schedule_layers(self, request: Request, plan: StepPlan) -> None:
+    def _schedule_layers(self, request: Request, plan: StepPlan, now: float) -> None:
         """The next layers of `request`'s chunk in flight: as many as fit the time left (the step's
-        first prefill work: at least one); none leaves it waiting with its layers so far."""
+        first prefill work: at least one); none leaves it waiting with its layers so far.
+
+        A chunk sized while its prompt was alone (LONE_LAYER_SHARE: layers up to half the target)
+        whose layer no longer fits because streams now decode beside it at their pace bound starts
+        over at the size these steps take: its layers so far are lost (at most one chunk's work, only
+        when the engine stops being idle), where running on would hold every such stream's token gap
+        at one large layer for the rest of the chunk."""
         layers_left = self._num_layers - request.layers_done
         num_uncomputed = request.num_tokens - request.num_computed_tokens
         assert plan.pricing is not None  # schedule() prices every step it plans
         num_layers = plan.pricing.layers_within(request.layered_tokens, request.num_computed_tokens, layers_left)
+        if num_layers == 0 and request.layered_alone and plan.pricing.paced:
+            request.layered_tokens = request.layers_done = 0
+            request.layered_alone = False
+            self._schedule_prefill_chunk(request, plan, now)
+            return
         if num_layers == 0 and not plan.has_prefill:
             num_layers = 1
         finishes_prompt = num_layers == layers_left and request.layered_tokens == num_uncomputed
@@ -646,6 +662,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.num_sent_tokens = 0  # the runner drops its mirror; it is re-sent in full
         request.layered_tokens = request.layers_done = 0  # the runner drops its chunk in flight too
+        request.layered_alone = False
         self._drop_drafts(request)
         request.record(EventType.PREEMPTED, now)
         request.record(EventType.QUEUED, now)

@@ -88,6 +88,7 @@ class StepPricing:
     target_s: float | None  # None: no bound
     num_layers: int  # the model's decoder layers (layered chunks); 0: no layered prefill
     layer_share: float = LAYER_SHARE  # of the target, one layer of a layered chunk at most
+    paced: bool = False  # the target is the decodes' pace bound (max_decode_slowdown), tighter than the rest
     shape: StepShape = field(default_factory=StepShape)
     has_prompt: bool = False  # the step's main forward carries prompt tokens (its dense pass is in `shape`)
     base_target_s: float | None = field(init=False)  # the target before any first-token bound

@@ -176,6 +176,9 @@ class ModelRunner:
         # which sample and give prompt logprobs like the step's own rows.
         completed = self._run_layer_slices(so)
         step_ids = [rid for rid in so.num_scheduled_tokens if rid not in so.layer_slices]
+        if self.layered_chunks is not None and len(self.layered_chunks):
+            for rid in step_ids:  # a token chunk in place of a chunk in flight: the scheduler started over
+                self.layered_chunks.forget(rid)
         rows = SampleRows()
         hidden_parts: list[torch.Tensor] = []
         if step_ids:
