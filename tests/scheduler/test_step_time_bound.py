@@ -196,16 +196,23 @@ def test_prediction_errors_are_logged_by_kind() -> None:
     assert kinds == {"shallow", "deep", "decode"}
 
 
+def streams_then_a_long_prompt(max_decode_slowdown: float, stream_priority: int = 0) -> Scheduler:
+    """Streams "a" and "b" decoding (of `stream_priority`), then a 3,000-token prompt of priority 0
+    arrives; 100 ms target."""
+    s = bounded(max_step_ms=100.0, max_decode_slowdown=max_decode_slowdown)
+    for name in ("a", "b"):
+        s.add_request(request(name, 8, max_tokens=200, priority=stream_priority))
+    while any(s.get_request(name).num_output_tokens == 0 for name in ("a", "b")):
+        run_step(s)
+    s.add_request(request("long", 3000, max_tokens=1, priority=0))
+    return s
+
+
 def test_while_streams_decode_a_prefill_step_is_held_to_the_decode_slowdown() -> None:
     """Two streams decode while a long prompt arrives: every step holds their decodes and at most
     max_decode_slowdown x what those decodes alone take, however much of the target is left, and the
     long prompt still moves every step (by layers: a token chunk's pass would not fit)."""
-    s = bounded(max_step_ms=100.0, max_decode_slowdown=2.5)
-    for name in ("a", "b"):
-        s.add_request(request(name, 8, max_tokens=200))
-    while any(s.get_request(name).num_output_tokens == 0 for name in ("a", "b")):
-        run_step(s)
-    s.add_request(request("long", 3000, max_tokens=1))
+    s = streams_then_a_long_prompt(max_decode_slowdown=2.5)
     for _ in range(20):
         decodes_alone = truth_s(sum((StepShape.decode(1, s.get_request(n).num_computed_tokens) for n in "ab"),
                                     StepShape()))  # fmt: skip
@@ -214,12 +221,7 @@ def test_while_streams_decode_a_prefill_step_is_held_to_the_decode_slowdown() ->
         assert "long" in so.num_scheduled_tokens or "long" in so.layer_slices
         assert seconds <= 2.5 * decodes_alone + 1e-9, (seconds, decodes_alone)
     # Without the pace bound the same steps fill the 100 ms target.
-    unpaced = bounded(max_step_ms=100.0, max_decode_slowdown=0.0)
-    for name in ("a", "b"):
-        unpaced.add_request(request(name, 8, max_tokens=200))
-    while any(unpaced.get_request(name).num_output_tokens == 0 for name in ("a", "b")):
-        run_step(unpaced)
-    unpaced.add_request(request("long", 3000, max_tokens=1))
+    unpaced = streams_then_a_long_prompt(max_decode_slowdown=0.0)
     assert max(run_step(unpaced)[2] for _ in range(5)) > 0.05
 
 
@@ -243,12 +245,7 @@ def test_prompts_that_do_not_finish_whole_go_fewest_tokens_left_first() -> None:
 def test_a_worse_priority_stream_does_not_hold_back_a_better_prompt() -> None:
     """Batch streams (priority 1) decoding beside an interactive prompt (priority 0): their pace
     does not bound its steps (the target does); an interactive stream's would."""
-    s = bounded(max_step_ms=100.0, max_decode_slowdown=2.5)
-    for name in ("a", "b"):
-        s.add_request(request(name, 8, max_tokens=200, priority=1))
-    while any(s.get_request(name).num_output_tokens == 0 for name in ("a", "b")):
-        run_step(s)
-    s.add_request(request("long", 3000, max_tokens=1, priority=0))
+    s = streams_then_a_long_prompt(max_decode_slowdown=2.5, stream_priority=1)
     steps = [run_step(s)[2] for _ in range(5)]
     decodes_alone = truth_s(StepShape.decode(1, 10) + StepShape.decode(1, 10))
     assert max(steps) > 2.5 * decodes_alone and max(steps) <= 0.100 + 1e-9
