@@ -50,6 +50,7 @@ def _run_speculative(tiny_dir, workload, draft: dict):
     config = EngineConfig.from_flat(
         model=str(tiny_dir), num_blocks=40, block_size=16, max_num_batched_tokens=64, max_num_seqs=12,
         speculative_config={"method": "draft", "num_speculative_tokens": 4, "adaptive": False, **draft},
+        max_step_ms=0,  # the budget alone shapes steps: the preemption it is meant to cause does not depend on host speed
     )  # fmt: skip
     built = build_engine(config)
     core = built.core
