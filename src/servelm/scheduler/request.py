@@ -98,7 +98,9 @@ class Request:
     # blocks are allocated when it begins; its tokens count as computed after its last layer.
     layered_tokens: int = 0
     layers_done: int = 0
-    layered_alone: bool = False  # its chunk was sized for a prompt alone on the engine (the largest layers)
+    # Its chunk was sized for a prompt alone on the engine (the largest layers); set when a chunk
+    # begins, read only while one is in flight (layered_tokens > 0).
+    layered_alone: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

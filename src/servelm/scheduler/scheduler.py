@@ -4,9 +4,9 @@ Each step hands out a token budget (max_num_batched_tokens) and, where the step-
 price it, a time: every step is held to a step-time target (max_step_ms; by default 10x the
 calibrated fixed part of a prompt step, step_pricing.py), decodes or not, because a step is
 never interrupted and whatever arrives waits for it to end; while requests decode, also to
-max_decode_slowdown x what their decodes alone take, so their token gaps stay near a bare decode's. Requests are ranked by (effective
-priority, deadline), effective priority = priority - floor(age / aging_s), deadline = arrival +
-the class's TTFT target, with fair share between the tenants of a class (ranking.py):
+max_decode_slowdown x what their decodes alone take, so their token gaps stay near a bare
+decode's. Requests are ranked by (effective priority, deadline), effective priority =
+priority - floor(age / aging_s), deadline = arrival + the class's TTFT target, with fair share between the tenants of a class (ranking.py):
 
     1. DECODES: running requests whose prompt is computed, best rank first, each get
        min(num_tokens - num_computed_tokens, budget left), never cut by time. They go before any
@@ -16,8 +16,8 @@ the class's TTFT target, with fair share between the tenants of a class (ranking
        (effective priority, deadline, running before waiting). In a priced step, within one
        effective priority the prompts whose rest finishes whole in the time left go first and
        the others after them, the fewest tokens left first: a request arriving mid-prefill joins
-       the next step (decodes, short prompts, then the long prompt's next chunk). A long prompt's chunk is what keeps the step
-       within its target; where a token chunk that small would spend more than a tenth of its time
+       the next step (decodes, short prompts, then the long prompt's next chunk). A long prompt's
+       chunk is what keeps the step within its target; where a token chunk that small would spend more than a tenth of its time
        on what every chunk pays (the pass over the weights, re-reading its context), a large chunk
        runs a few layers a step instead (layered prefill: LayerSlice; its tokens count as computed
        after its last layer). The step's first prompt work moves by a block or a layer even over
@@ -321,7 +321,9 @@ class Scheduler:
         slowdown = self.config.max_decode_slowdown if self.config.max_step_ms != 0 else 0.0
         best_prompt = min((p for p in (self._waiting.best_priority(), *(r.priority for r in prefilling))
                            if p is not None), default=None)  # fmt: skip
-        paced = [r for r in decoding if best_prompt is not None and r.priority <= best_prompt]
+        if slowdown <= 0 or best_prompt is None:  # no pace to keep, or no prompt work to hold to it
+            return target, False
+        paced = [r for r in decoding if r.priority <= best_prompt]
         decodes = sum((StepShape.decode(1, r.num_computed_tokens) for r in paced), StepShape())
         pace = decode_bound_s(self.step_cost, decodes, slowdown)
         if pace is not None and (target is None or pace < target):
@@ -557,7 +559,6 @@ class Scheduler:
         num_layers = plan.pricing.layers_within(request.layered_tokens, request.num_computed_tokens, layers_left)
         if num_layers == 0 and request.layered_alone and plan.pricing.paced:
             request.layered_tokens = request.layers_done = 0
-            request.layered_alone = False
             self._schedule_prefill_chunk(request, plan, now)
             return
         if num_layers == 0 and not plan.has_prefill:
@@ -662,7 +663,6 @@ class Scheduler:
         request.num_preemptions += 1
         request.num_sent_tokens = 0  # the runner drops its mirror; it is re-sent in full
         request.layered_tokens = request.layers_done = 0  # the runner drops its chunk in flight too
-        request.layered_alone = False
         self._drop_drafts(request)
         request.record(EventType.PREEMPTED, now)
         request.record(EventType.QUEUED, now)
