@@ -6,7 +6,8 @@ calibrated fixed part of a prompt step, step_pricing.py), decodes or not, becaus
 never interrupted and whatever arrives waits for it to end; while requests decode, also to
 max_decode_slowdown x what their decodes alone take, so their token gaps stay near a bare
 decode's. Requests are ranked by (effective priority, deadline), effective priority =
-priority - floor(age / aging_s), deadline = arrival + the class's TTFT target, with fair share between the tenants of a class (ranking.py):
+priority - floor(age / aging_s), deadline = arrival + the class's TTFT target, with fair share
+between the tenants of a class (ranking.py):
 
     1. DECODES: running requests whose prompt is computed, best rank first, each get
        min(num_tokens - num_computed_tokens, budget left), never cut by time. They go before any
