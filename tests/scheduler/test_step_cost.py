@@ -7,8 +7,16 @@ import random
 
 import pytest
 
+from servelm.scheduler.chunk_choice import choose_chunk
 from servelm.scheduler.step_cost import REFIT_EVERY, StepCostModel, StepShape, chunk_pairs
-from servelm.scheduler.step_pricing import AUTO_TARGET_MAX_S, AUTO_TARGET_MIN_S, StepPricing, auto_step_target_s
+from servelm.scheduler.step_plan import ChunkPlan, StepPlan
+from servelm.scheduler.step_pricing import (
+    AUTO_TARGET_MAX_S,
+    AUTO_TARGET_MIN_S,
+    MAX_CHUNK_OVERHEAD,
+    StepPricing,
+    auto_step_target_s,
+)
 
 TRUTH = (0.002, 0.008, 0.001, 2e-7, 0.0005, 1e-6, 1e-5)
 
@@ -118,3 +126,15 @@ def test_unpriced_pricing_never_binds() -> None:
     for pricing in (StepPricing(calibrated(), None, 10), StepPricing(StepCostModel(), 0.1, 10)):
         assert not pricing.priced() and pricing.time_left_s() == float("inf")
         assert pricing.largest_chunk(500, 4000) == 500 and pricing.layers_within(500, 4000, 10) == 10
+
+
+def test_a_chunk_whose_layers_all_fit_stays_within_the_token_budget() -> None:
+    """A short chunk is mostly overhead, so step 2 weighs a layered chunk instead; when all of its
+    layers fit the time it runs as an ordinary chunk, and then the budget left bounds it (a layered
+    chunk runs in a forward of its own; an ordinary one shares the step's rows)."""
+    pricing = StepPricing(calibrated(), 1.0, num_layers=4)  # time for everything
+    plan = StepPlan(budget=2, partial_slots=1, long_slots=1, pricing=pricing)
+    assert pricing.chunk_overhead_share(2, 0) > MAX_CHUNK_OVERHEAD  # the layered path is weighed
+    chunk = choose_chunk(plan, rest=4, num_computed=0, mid_prefill=False, num_layers=4, max_chunk_tokens=32,
+                         block_size=4)  # fmt: skip
+    assert chunk == ChunkPlan(2)

@@ -39,7 +39,9 @@ def choose_chunk(plan: StepPlan, rest: int, num_computed: int, mid_prefill: bool
         if 0 < layers < num_layers:
             return ChunkPlan(chunk, layers)
         if layers == num_layers:
-            return ChunkPlan(chunk)  # all of its layers fit after all: an ordinary chunk
+            # All of its layers fit after all: an ordinary chunk, so one the token budget bounds
+            # (a layered chunk may outgrow what is left of it: it runs in a forward of its own).
+            return ChunkPlan(min(chunk, num_tokens))
     if in_time == 0 and not plan.has_prefill:
         in_time = min(num_tokens, block_size)
     return ChunkPlan(in_time) if in_time else None
