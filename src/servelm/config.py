@@ -473,6 +473,29 @@ class KVEventsConfig:
         return self.kv_events_port is not None
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "xgrammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs (servelm.structured): which grammar library holds outputs to a JSON Schema,
+    regex, choice or grammar. auto: guidance (servelm/structured/guidance.py says why)."""
+
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(("--structured-outputs-backend",), 'structured_outputs_backend', choices=list(STRUCTURED_OUTPUTS_BACKENDS), help='grammar library for response_format / structured_outputs / tool calls: auto (guidance: llguidance, no up-front compile), guidance or xgrammar'),
+    )  # fmt: skip
+
+    structured_outputs_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS,
+            f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+            f"got {self.structured_outputs_backend!r}",
+        )
+
+
 @dataclass(frozen=True)
 class CudaGraphConfig:
     """CUDA graphs for pure-decode steps (servelm.worker.cuda_graphs), single-rank engines.
@@ -619,6 +642,7 @@ FLAG_SLICES: tuple[tuple[str, Any], ...] = (
     ("CUDA graphs", CudaGraphConfig),
     ("scheduler", SchedulerConfig),
     ("speculative decoding", SpeculativeConfig),
+    ("structured outputs", StructuredOutputsConfig),
 )
 
 _RESOLVED_BY_BUILDER: dict[type, set[str]] = {SchedulerConfig: {"max_model_len"}}
@@ -648,6 +672,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = KVTransferConfig()
     parallel: ParallelConfig = ParallelConfig()
     cuda_graphs: CudaGraphConfig = CudaGraphConfig()
+    structured: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def scheduler_for(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler slice with the context window the engine builder resolved from
@@ -676,7 +701,7 @@ class EngineConfig:
             overrides["disk_path"] = overrides.pop("kv_disk_path")
         slices: dict[type, dict[str, Any]] = {
             ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}, KVEventsConfig: {}, KVTierConfig: {},
-            KVTransferConfig: {}, ParallelConfig: {}, CudaGraphConfig: {},
+            KVTransferConfig: {}, ParallelConfig: {}, CudaGraphConfig: {}, StructuredOutputsConfig: {},
         }  # fmt: skip
         settable = {c: {f.name for f in fields(c)} - _RESOLVED_BY_BUILDER.get(c, set()) for c in slices}
         for key, value in overrides.items():
@@ -695,4 +720,5 @@ class EngineConfig:
             kv_transfer=KVTransferConfig(**slices[KVTransferConfig]),
             parallel=ParallelConfig(**slices[ParallelConfig]),
             cuda_graphs=CudaGraphConfig(**slices[CudaGraphConfig]),
+            structured=StructuredOutputsConfig(**slices[StructuredOutputsConfig]),
         )

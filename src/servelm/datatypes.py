@@ -41,6 +41,7 @@ class EventType(str, enum.Enum):
     # (detail = tokens asked for) / ended (detail = tokens that arrived; the rest is computed).
     KV_PULL_STARTED = "kv_pull_started"
     KV_PULLED = "kv_pulled"
+    GRAMMAR_READY = "grammar_ready"  # structured outputs: its grammar compiled (it waited for that)
     FINISHED = "finished"
 
 

@@ -23,6 +23,8 @@ import msgspec
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform in float32 anyway
 MAX_REPETITION_PENALTY = 100.0  # logits x penalty must stay finite in float32
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 1 << 20  # a schema or grammar; the API bounds the whole body anyway
 
 
 class SamplingParamsError(ValueError):
@@ -31,6 +33,17 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class StructuredSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a request's output must match (servelm.structured enforces it, token by token).
+
+    kind "json": `text` is a JSON Schema (serialised; '{"type": "object"}' for any JSON object);
+    "regex": a regular expression; "choice": a JSON list of the strings allowed; "grammar": a
+    context-free grammar (Lark or GBNF)."""
+
+    kind: str
+    text: str
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -55,6 +68,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Speculative decoding for this request: None = the server's setting (its controller decides),
     # 0 = never, n > 0 = at most n draft tokens per step (the server's maximum still bounds it).
     num_speculative_tokens: int | None = None
+    # Constrained decoding: every token is one the spec allows (None: free text).
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -108,6 +123,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for param, ok, message in checks:
             if not ok:
                 raise SamplingParamsError(param, f"{message}, got {getattr(self, param)!r}")
+        spec = self.structured
+        if spec is not None:
+            if spec.kind not in STRUCTURED_KINDS:
+                raise SamplingParamsError("structured", f"structured kind must be one of {STRUCTURED_KINDS}, got {spec.kind!r}")
+            if not 0 < len(spec.text) <= MAX_STRUCTURED_CHARS:
+                raise SamplingParamsError("structured", f"structured text must have 1 to {MAX_STRUCTURED_CHARS} characters")
 
     @property
     def is_greedy(self) -> bool:

@@ -52,7 +52,7 @@ CASES = [
     ("/v1/completions", {**GOOD, "top_k": -5}, 400, "top_k", None, "top_k"),
     ("/v1/completions", {**GOOD, "min_p": 2}, 400, "min_p", None, "min_p"),
     ("/v1/completions", {**GOOD, "cache_salt": ""}, 400, "cache_salt", None, "non-empty"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", None, "not supported"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format", None, "needs json_schema"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format.type", None, "input should be"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None, "not supported"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice", None, "none"),

@@ -32,6 +32,7 @@ from servelm.datatypes import EngineRequest, ModelOutput, SchedulerOutput
 from servelm.engine.builder import build_engine
 from servelm.sampling_params import SamplingParams
 from servelm.spec.proposer import DraftRequest
+from servelm.structured.masks import GrammarMasks
 from servelm.worker.sampler import LogprobsTensors, Sampler
 from servelm.worker.sampling_metadata import SamplingMetadata
 
@@ -149,9 +150,9 @@ def test_one_host_copy_per_sampling_step_in_a_real_engine(tiny_dir, monkeypatch)
     steps: list[tuple[int, int, int]] = []  # (copies, rows that sampled, drafts verified) per step
     real_execute = core.runner.execute
 
-    def observed_execute(scheduler_output: SchedulerOutput) -> ModelOutput:
+    def observed_execute(scheduler_output: SchedulerOutput, grammar_masks: GrammarMasks | None = None) -> ModelOutput:
         before = len(copies)
-        output = real_execute(scheduler_output)
+        output = real_execute(scheduler_output, grammar_masks)
         num_drafts = sum(len(d) for d in scheduler_output.scheduled_draft_token_ids.values())
         sampled = sum(1 for ids in output.sampled_token_ids.values() if ids)
         steps.append((len(copies) - before, sampled, num_drafts))

@@ -39,6 +39,9 @@ from servelm.parallel.groups import GroupMember
 from servelm.scheduler.scheduler import Scheduler
 from servelm.scheduler.step_cost import StepShape
 from servelm.spec.proposer import Proposer, build_proposer
+from servelm.structured.backends import make_backend
+from servelm.structured.grammars import GrammarCompiler
+from servelm.structured.masks import MaskFiller
 from servelm.worker.block_table import BlockTable
 from servelm.worker.cuda_graphs import DecodeGraphMode, DecodeGraphRunner, decode_graph_mode, resolve_capture_sizes
 from servelm.worker.draft_model import DraftModel, load_draft_model
@@ -208,6 +211,16 @@ def _assemble(config: EngineConfig, rank_zero: RankZero, arch: ModelArchConfig, 
         raise
 
 
+def _grammar_compiler(config: EngineConfig, tokenizer: Any, vocab_size: int,
+                      eos_ids: tuple[int, ...]) -> GrammarCompiler | None:  # fmt: skip
+    """Structured outputs over the model's tokenizer (None without one: such requests are refused).
+    The backend itself is built by the first structured request (grammars.py says why)."""
+    if tokenizer is None:
+        return None
+    name = config.structured.structured_outputs_backend
+    return GrammarCompiler(lambda: make_backend(name, tokenizer, vocab_size, eos_ids))
+
+
 def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchConfig, tokenizer: Any, source: str,
                      proposer: Proposer | None, startup: StartupTimeline) -> BuiltEngine:  # fmt: skip
     model, kv_caches, num_blocks = rank_zero.model, rank_zero.kv_caches, rank_zero.num_blocks
@@ -254,9 +267,11 @@ def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchC
         warm_up(runner)
         calibration = calibrate(runner)
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
+    grammars = _grammar_compiler(config, tokenizer, arch.vocab_size, eos_ids)
     scheduler = Scheduler(
         config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative,
         kv_tiers=tiers, kv_transfer=config.kv_transfer, num_layers=_layered_prefill_layers(runner),
+        grammars=grammars,
     )  # fmt: skip
     _seed_step_cost(scheduler, calibration)
     residencies: list[HostResidency] = []
@@ -267,7 +282,8 @@ def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchC
             HostResidency(block_tensors([*kv_caches, *draft_kv]), KV_POOL_WARM_FACTOR * config.model.keep_warm_s),
         ]
     return BuiltEngine(
-        core=EngineCore(scheduler, runner, kv_manager, residencies),
+        core=EngineCore(scheduler, runner, kv_manager, residencies,
+                        mask_filler=MaskFiller(arch.vocab_size) if grammars is not None else None),  # fmt: skip
         tokenizer=tokenizer,
         arch=arch,
         max_model_len=max_model_len,

@@ -17,14 +17,16 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Sequence
+from concurrent import futures
 
 import torch
 
-from servelm.datatypes import EngineOutput, EngineRequest, KVMedium, SchedulerOutput
+from servelm.datatypes import EngineOutput, EngineRequest, KVMedium, ModelOutput, SchedulerOutput
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.kv.tiers import KVTiers
 from servelm.scheduler.scheduler import Scheduler
 from servelm.schemas.core_stats import CoreStats, TierStats
+from servelm.structured.masks import MaskFiller
 from servelm.worker.host_residency import HostResidency
 from servelm.worker.model_runner import ModelRunner
 from servelm.worker.multi_rank import RankFailedError
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 # Steps close() takes at most to carry out the last KV transfers (loads in flight end within
 # their deadlines; saves take one step).
 CLOSE_MAX_STEPS = 1000
+# Longest an idle step waits for a grammar compile (new requests and aborts are read between steps).
+GRAMMAR_WAIT_S = 0.02
 
 
 class EngineCore:
@@ -43,12 +47,14 @@ class EngineCore:
         runner: ModelRunner,
         kv_manager: KVCacheManager,
         residencies: Sequence[HostResidency] = (),
+        mask_filler: MaskFiller | None = None,  # structured outputs' token masks (None: none)
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv_manager = kv_manager  # read-only here: for stats and invariant checks
         # CPU: the weights and the KV pool, each kept warm at its own interval (worker/host_residency.py)
         self.residencies = list(residencies)
+        self.mask_filler = mask_filler
 
     def keep_warm(self) -> bool:
         """Between steps, idle or not: read the next slice of the pages due (ModelConfig.keep_warm_s:
@@ -83,13 +89,28 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.has_work and (compiling := self.scheduler.compiling_grammars()):
+            # Nothing to run but grammars to wait for: wait on them, not in a loop of empty steps
+            # (which would also take the GIL from the compile thread).
+            futures.wait(compiling, timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
         try:
-            model_output = self.runner.execute(scheduler_output)
+            model_output = self._execute(scheduler_output)
         except RankFailedError:
             raise  # the ranks of a multi-rank worker are out of step: nothing to retry (multi_rank.py)
         except Exception as exc:  # noqa: BLE001 - contained: logged and isolated in _isolate_failure
             return self._isolate_failure(scheduler_output, exc)
         return self.scheduler.update(scheduler_output, model_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        """The runner runs the step while the constrained requests' token masks are filled beside it
+        (structured/masks.py); the fill is over before update() advances their matchers."""
+        matchers = self.scheduler.sampling_grammars(scheduler_output) if self.mask_filler is not None else []
+        masks = self.mask_filler.start(matchers) if self.mask_filler is not None else None
+        try:
+            return self.runner.execute(scheduler_output, masks)
+        finally:
+            if masks is not None:
+                futures.wait([masks.rows])
 
     def _isolate_failure(self, failed_step: SchedulerOutput, exc: Exception) -> list[EngineOutput]:
         """A step raised. Alone, its request fails. With several, which one is to blame is not known:
@@ -106,7 +127,7 @@ class EngineCore:
         for request_id in self.scheduler.requeue_step(failed_step):
             while (alone := self.scheduler.schedule_alone(request_id)) is not None:
                 try:
-                    model_output = self.runner.execute(alone)
+                    model_output = self._execute(alone)
                 except Exception as alone_exc:
                     logger.error("request %s fails alone too: failing it", request_id, exc_info=alone_exc)
                     traceback.clear_frames(alone_exc.__traceback__)

@@ -11,6 +11,7 @@ counts those whose KV is in the cache. Each step schedules some of the differenc
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from servelm.datatypes import (
@@ -25,6 +26,7 @@ from servelm.datatypes import (
 )
 from servelm.kv.block_hash import extra_key_from_salt
 from servelm.sampling_params import SamplingParams
+from servelm.structured.grammars import CompiledGrammar, GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -101,6 +103,10 @@ class Request:
     # Its chunk was sized for a prompt alone on the engine (the largest layers); set when a chunk
     # begins, read only while one is in flight (layered_tokens > 0).
     layered_alone: bool = False
+    # Structured outputs: its grammar's compile while it waits (None: free text, or compiled),
+    # then its matcher, advanced by every token appended (the sampler masked the step by it).
+    grammar_compile: Future[CompiledGrammar] | None = None
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

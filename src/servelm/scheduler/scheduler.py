@@ -60,8 +60,10 @@ engine core's recovery), so the one to blame fails alone.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import Future
 
 from servelm.config import KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from servelm.datatypes import (
@@ -97,6 +99,9 @@ from servelm.scheduler.step_pricing import (
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.tier_loads import Admission, TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
+from servelm.structured.grammars import CompiledGrammar, GrammarCompiler, GrammarMatcher
+
+logger = logging.getLogger(__name__)
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -114,6 +119,7 @@ class Scheduler:
         kv_tiers: KVTiers | None = None,  # KV beyond the pool (host / disk); None: the pool alone
         kv_transfer: KVTransferConfig | None = None,  # disaggregation (needs kv_tiers); None: no role
         num_layers: int = 0,  # the model's decoder layers, for layered prefill (0: token chunks only)
+        grammars: GrammarCompiler | None = None,  # structured outputs; None: a request asking for them is refused
     ) -> None:
         if scheduler_config.max_model_len is None:
             raise ValueError(
@@ -145,6 +151,8 @@ class Scheduler:
         self.step_log = StepLog()  # what the executed steps were, for metrics
         self._drafts = DraftScheduling(speculative, self.max_model_len) if speculative is not None else None
         self._tier_loads = TierLoads(kv_tiers, kv_cache_manager, kv_transfer) if kv_tiers is not None else None
+        self._grammars = grammars
+        self._compiling: list[Request] = []  # waiting for their grammar (not admitted before it is ready)
 
     # -- queries -------------------------------------------------------------------
 
@@ -210,9 +218,15 @@ class Scheduler:
                 f"prompt of {num_prompt} tokens: need 1 to {self.max_model_len - 1} "
                 f"(max_model_len {self.max_model_len} leaves room for one output token)"
             )
+        spec = engine_request.sampling_params.structured
+        if spec is not None and self._grammars is None:
+            raise ValueError("structured outputs are not available on this engine (no grammar backend)")
         now = self._clock()
         request = Request.from_engine_request(engine_request, self._next_arrival_seq, now)
         self._next_arrival_seq += 1
+        if spec is not None and self._grammars is not None:
+            request.grammar_compile = self._grammars.submit(spec)  # compiles off the step loop
+            self._compiling.append(request)
         request.record(EventType.ARRIVED, now)
         request.record(EventType.QUEUED, now)
         self._requests[request_id] = request
@@ -341,6 +355,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self._clock()
         config = self.config
+        if self._compiling:
+            self._collect_grammars(now)
         decoding = [r for r in self._running if not r.is_prefilling]
         prefilling = [r for r in self._running if r.is_prefilling]
         alone = len(self._running) + len(self._waiting) <= 1  # a lone prompt: the largest layers (step_pricing.py)
@@ -366,6 +382,45 @@ class Scheduler:
             self._top_up_prefills(plan)
         self._requeue(plan)
         return self._output(plan)
+
+    def _collect_grammars(self, now: float) -> None:
+        """The requests whose grammar compile ended: each gets its matcher (it may be admitted from
+        now on), or fails with the compile's error (the API checks specs first: this is the backstop)."""
+        compiling = []
+        for request in self._compiling:
+            future = request.grammar_compile
+            if request.request_id not in self._requests or future is None:
+                continue  # aborted while it compiled
+            if not future.done():
+                compiling.append(request)
+                continue
+            request.grammar_compile = None
+            error = future.exception()
+            if error is None:
+                request.grammar = future.result().matcher()
+                request.record(EventType.GRAMMAR_READY, now)
+                continue
+            self._take_off_lists([request])
+            self._finish(request, RequestStatus.FINISHED_ERROR, now)
+            output = self._make_output(request, [], None)
+            output.error = f"structured output: {error}"
+            self._pending_outputs.append(output)
+        self._compiling = compiling
+
+    def compiling_grammars(self) -> list[Future[CompiledGrammar]]:
+        """The compiles requests wait for (an idle engine waits on them instead of spinning)."""
+        return [r.grammar_compile for r in self._compiling if r.grammar_compile is not None]
+
+    def sampling_grammars(self, scheduler_output: SchedulerOutput) -> list[tuple[str, GrammarMatcher]]:
+        """The matchers of the constrained requests that sample a token in this step: their masks
+        are filled while it runs (EngineCore)."""
+        matchers = []
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(request_id)
+            if request is not None and request.grammar is not None:
+                if request.num_computed_tokens + num_tokens >= request.num_tokens:
+                    matchers.append((request_id, request.grammar))
+        return matchers
 
     def _output(self, plan: StepPlan) -> SchedulerOutput:
         self._want_drafts_after_prompts(plan)
@@ -693,6 +748,8 @@ class Scheduler:
         return self.config.aging_s > 0 and now - request.arrival_time >= self.config.aging_s
 
     def _try_admit(self, request: Request, plan: StepPlan, now: float) -> bool:
+        if request.grammar_compile is not None:
+            return False  # its grammar is still compiling: others go meanwhile
         hit = self._lookup(request)
         if self._tier_loads is not None:
             admission = self._tier_loads.try_start(request, hit, self.step_cost, now)
@@ -866,7 +923,15 @@ class Scheduler:
             accepted.append(token_id)
             if request.num_output_tokens == 1:
                 request.record(EventType.FIRST_TOKEN, now)
+            grammar = request.grammar
+            if grammar is not None and not grammar.accept(token_id):
+                # The sampler held the token to the grammar's mask: this is a bug, said loudly.
+                logger.error("request %s: token %d refused by its grammar after masking", request.request_id, token_id)
+                self._finish(request, RequestStatus.FINISHED_ERROR, now)
+                break
             stop = check_stop(request, self.eos_token_ids, self.max_model_len)
+            if stop is None and grammar is not None and grammar.is_terminated():
+                stop = (RequestStatus.FINISHED_STOPPED, None)  # the grammar is complete: nothing may follow
             if stop is not None:
                 request.stop_reason = stop[1]
                 self._finish(request, stop[0], now)

@@ -83,6 +83,7 @@ from servelm.server.model_files_api import ModelFiles, peer_served_name
 from servelm.server.prompt_limits import PromptLimits
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import check_model, json_response
+from servelm.server.structured_request import StructuredCheck
 from servelm.server.tenant_limits import TenantLimitsMiddleware
 from servelm.server.tokenize_api import detokenize, tokenize
 from servelm.tenancy.config import TenantsConfigError, load_tenants
@@ -187,6 +188,8 @@ async def _start_context(
         num_core_waiting=lambda: client.stats.num_waiting,
         engine_down=supervisor.down,
     )
+    structured = StructuredCheck(engine_config.structured.structured_outputs_backend, engine.tokenizer.tokenizer)
+    structured.prepare()  # its tables built in the background while the server is idle
     logger.info(
         "serving %s (%s): context %d tokens, %d KV blocks", name, ready.source, ready.max_model_len, ready.num_blocks
     )
@@ -200,6 +203,7 @@ async def _start_context(
         model_files=ModelFiles.of_source(ready.source),
         prompt_limits=PromptLimits.for_tokenizer(engine.tokenizer.tokenizer, ready.max_model_len),
         supervisor=supervisor,
+        structured=structured,
     )
 
 

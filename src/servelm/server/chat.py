@@ -36,6 +36,7 @@ from servelm.server.serving import (
 
 async def create_chat_completion(ctx: ServerContext, http_request: Request, body: ChatCompletionRequest) -> Response:
     request_id, timeline, params = begin_request(ctx, http_request, "chatcmpl", body)
+    await ctx.structured.check(params.structured, body.structured_param)
     kv_transfer = kv_transfer_for(ctx.kv_transfer, body.kv_transfer_params, body.n)
     messages = body.chat_messages()
     ctx.prompt_limits.check_messages([m["content"] for m in messages])  # before the template renders them

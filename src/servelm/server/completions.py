@@ -41,6 +41,7 @@ from servelm.server.serving import (
 
 async def create_completion(ctx: ServerContext, http_request: Request, body: CompletionRequest) -> Response:
     request_id, timeline, params = begin_request(ctx, http_request, "cmpl", body)
+    await ctx.structured.check(params.structured, body.structured_param)
     prompts = _prompt_list(body.prompt)
     kv_transfer = kv_transfer_for(ctx.kv_transfer, body.kv_transfer_params, len(prompts) * body.n)
     # Sizes first, before anything is tokenized (prompt_limits.py); a request that can never fit

@@ -12,6 +12,7 @@ from servelm.server.admission import Admission
 from servelm.server.kv_transfer_api import KVTransferInfo
 from servelm.server.model_files_api import ModelFiles
 from servelm.server.prompt_limits import PromptLimits
+from servelm.server.structured_request import StructuredCheck
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 
@@ -26,6 +27,7 @@ class ServerContext:
     model_files: ModelFiles  # what a new replica pulls with --model peer://this-server
     prompt_limits: PromptLimits  # prompts refused by their size, before tokenizing
     supervisor: EngineSupervisor  # restarts a dead engine core; says why the engine is down
+    structured: StructuredCheck  # a structured output's spec compiles, or the request is a 400
 
     @property
     def tokenizer(self) -> PromptTokenizer:

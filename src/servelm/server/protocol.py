@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from servelm.openai_api.chat_messages import template_message
 from servelm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from servelm.server.errors import bad_request
+from servelm.server.structured_request import ResponseFormat, StructuredOutputs, structured_spec
 
 MAX_N = 128  # choices per request; each one is an engine request
 MAX_TOP_LOGPROBS = 20
@@ -108,6 +109,14 @@ class _GenerationRequest(_Strict):
     # level). The router asks for them to continue a stream on another replica (router/relay.py).
     return_token_ids: bool = False
     servelm: ServelmOptions | None = None
+    # What the output must match (structured_request.py): OpenAI's field, or vLLM's.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @property
+    def structured_param(self) -> str:
+        """The field a structured-output error names."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @property
     def include_usage(self) -> bool:
@@ -157,6 +166,7 @@ class _GenerationRequest(_Strict):
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 num_speculative_tokens=self._num_speculative_tokens,
+                structured=structured_spec(self.response_format, self.structured_outputs),
                 **{k: v for k, v in given.items() if v is not None},
             )
         except SamplingParamsError as exc:
@@ -251,11 +261,6 @@ def check_contents(messages: list[ChatMessage]) -> None:
             )
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -264,7 +269,6 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     # Accepted so clients that always send them work; only their no-op values are served.
-    response_format: ResponseFormat | None = None  # "text" only: no guided decoding here
     tools: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None  # only empty: no tool calling here
     tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -281,12 +285,6 @@ class ChatCompletionRequest(_GenerationRequest):
     def check(self) -> None:
         self.check_common()
         check_contents(self.messages)
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(
-                f"response_format {self.response_format.type!r} is not supported by this server (no guided "
-                'decoding); use "text"',
-                param="response_format",
-            )
         if self.tools:
             raise bad_request("tools are not supported by this server (no tool calling)", param="tools")
         if isinstance(self.tool_choice, dict):

@@ -24,6 +24,7 @@ from servelm.datatypes import ModelOutput, PositionLogprobs, SchedulerOutput
 from servelm.models.llama import LlamaForCausalLM
 from servelm.parallel.context_backend import ContextParallelBackend, ContextParallelMetadata
 from servelm.spec.proposer import DraftRequest, Proposer
+from servelm.structured.masks import GrammarMasks
 from servelm.worker.block_table import BlockTable
 from servelm.worker.cuda_graphs import DecodeGraphRunner
 from servelm.worker.host_transfer import to_device
@@ -129,15 +130,16 @@ class ModelRunner:
             self.layered_chunks = LayeredChunks(model, self.attention_backend, kv_caches, self.block_table, block_size,
                                                 device)  # fmt: skip
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
-        """Run one step; the output carries how long that took (the runner is the one that knows)."""
+    def execute(self, scheduler_output: SchedulerOutput, grammar_masks: GrammarMasks | None = None) -> ModelOutput:
+        """Run one step; the output carries how long that took (the runner is the one that knows).
+        `grammar_masks`: the constrained requests' token bitmasks, being filled while this runs."""
         started = time.perf_counter()
         if self.followers is not None:
-            return self._execute_with_followers(scheduler_output, started)
+            return self._execute_with_followers(scheduler_output, started, grammar_masks)
         offloader = self.kv_offloader
         if offloader is not None:  # saves copy blocks out before this step's forward may overwrite them
             offloader.apply(scheduler_output.kv_transfers)
-        output = self._execute(scheduler_output)
+        output = self._execute(scheduler_output, grammar_masks)
         if offloader is not None:
             # Nothing to compute (requests wait for their KV): wait a little for a load instead of spinning.
             wait_s = 0.0 if scheduler_output.has_work else EMPTY_STEP_LOAD_WAIT_S
@@ -147,14 +149,15 @@ class ModelRunner:
         output.execute_seconds = time.perf_counter() - started
         return output
 
-    def _execute_with_followers(self, scheduler_output: SchedulerOutput, started: float) -> ModelOutput:
+    def _execute_with_followers(self, scheduler_output: SchedulerOutput, started: float,
+                                grammar_masks: GrammarMasks | None) -> ModelOutput:  # fmt: skip
         """Rank 0 of a multi-rank worker: the step goes to every rank, then runs here. Any failure
         leaves the ranks out of step for good (multi_rank.py): it is fatal, not a request's."""
         followers = self.followers
         assert followers is not None
         followers.send(scheduler_output)
         try:
-            output = self._execute(scheduler_output)
+            output = self._execute(scheduler_output, grammar_masks)
         except Exception as exc:
             followers.failed(f"a step failed on rank 0: {exc!r}")
             raise RankFailedError(f"a step failed on rank 0 of a multi-rank worker: {exc!r}") from exc
@@ -166,7 +169,7 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.close()
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+    def _execute(self, scheduler_output: SchedulerOutput, grammar_masks: GrammarMasks | None = None) -> ModelOutput:
         self._update_mirrors(scheduler_output)
         if not scheduler_output.has_work:
             return ModelOutput(sampled_token_ids={})
@@ -202,7 +205,7 @@ class ModelRunner:
             offset += num_rows
         if rows.samples:
             all_hidden = hidden_parts[0] if len(hidden_parts) == 1 else torch.cat(hidden_parts)
-            self._sample(rows, all_hidden, output)
+            self._sample(rows, all_hidden, output, grammar_masks)
             if self.proposer is not None:
                 self._propose(rows.samples, output, so.num_drafts_wanted)
         elif self.device.type == "cuda":
@@ -314,7 +317,8 @@ class ModelRunner:
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _sample(self, sample_rows: SampleRows, hidden: torch.Tensor, output: ModelOutput) -> None:
+    def _sample(self, sample_rows: SampleRows, hidden: torch.Tensor, output: ModelOutput,
+                grammar_masks: GrammarMasks | None = None) -> None:  # fmt: skip
         """One sampler row per verified position (see spec_verify.py); without drafts, one per request.
         The host waits for the device once, for the sampled ids and logprobs together (to_host)."""
         rows = to_device(sample_rows.rows, torch.long, self.device)
@@ -329,6 +333,8 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
             banned_token_ids=[self._banned_ids(s, len(h)) for s, h in zip(row_states, histories)],
+            # The mask fill ran beside the forward; this is the first wait for it.
+            allowed_bitmask=grammar_masks.for_rows([s.request_id for s in row_states]) if grammar_masks else None,
         )
         host = self.sampler(logits, metadata).to_host(metadata.num_logprobs)
         sampled, position_logprobs = host.token_ids, host.logprobs
@@ -354,6 +360,8 @@ class ModelRunner:
         for verification in samples:
             state = verification.state
             params = state.sampling_params
+            if params.structured is not None:
+                continue  # drafts are not checked against a grammar (yet): a constrained request takes none
             emitted = output.sampled_token_ids[state.request_id]
             limit = min(self.max_draft_tokens, wanted.get(state.request_id, self.max_draft_tokens))
             if params.num_speculative_tokens is not None:
@@ -372,8 +380,8 @@ class ModelRunner:
         """Under min_tokens a request may not stop: its EOS and stop ids are masked out. A draft
         position counts the drafts before it as output (`num_output_tokens`)."""
         params = state.sampling_params
-        if num_output_tokens >= params.min_tokens:
-            return []
+        if num_output_tokens >= params.min_tokens or params.structured is not None:
+            return []  # (a grammar decides where a constrained output may end)
         banned = list(params.stop_token_ids)
         if not params.ignore_eos:
             banned.extend(self.eos_token_ids)

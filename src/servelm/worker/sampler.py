@@ -3,7 +3,7 @@
 Order of processing (vLLM's):
 
     raw logits ─┬─▶ log_softmax ──▶ logprobs (of the RAW logits, vLLM's "raw_logprobs")
-                └─▶ banned ids → -inf ─▶ repetition penalty ─▶ frequency/presence penalties
+                └─▶ grammar mask, banned ids → -inf ─▶ repetition penalty ─▶ frequency/presence penalties
                       ├─▶ greedy rows: argmax
                       └─▶ / temperature ─▶ min_p ─▶ top-k ─▶ top-p ─▶ exponential race
 
@@ -128,7 +128,8 @@ class Sampler:
             _compute_logprobs(logits, metadata.max_num_logprobs) if metadata.max_num_logprobs is not None else None
         )
 
-        if metadata.all_greedy and metadata.no_penalties and metadata.banned_rows is None:
+        if (metadata.all_greedy and metadata.no_penalties and metadata.banned_rows is None
+                and metadata.allowed_bitmask is None):  # fmt: skip
             sampled = logits.argmax(dim=-1)
         else:
             penalised = self.apply_penalties(logits, metadata)
@@ -146,9 +147,12 @@ class Sampler:
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Banned ids, repetition, frequency and presence penalties, on a float32 copy. [B, V]"""
+        """Grammar masks, banned ids, repetition, frequency and presence penalties, on a float32
+        copy. [B, V]"""
         x = logits.to(torch.float32, copy=True)
         batch, vocab = x.shape
+        if metadata.allowed_bitmask is not None:
+            x.masked_fill_(~unpack_bitmask(metadata.allowed_bitmask, vocab), float("-inf"))
         if metadata.banned_rows is not None:
             neg_inf = x.new_full((), float("-inf"))  # filled on the device: no host copy
             x.index_put_((metadata.banned_rows, metadata.banned_token_ids), neg_inf)
@@ -198,6 +202,16 @@ class Sampler:
         if metadata.top_k is not None or metadata.top_p is not None:
             x = _apply_top_k_top_p(x, metadata.top_k, metadata.top_p)
         return x
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [B, W] bitmask (bit i of word w: token 32 w + i) → bool [B, vocab_size] allowed; tokens
+    past the mask's 32 W are not allowed."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).to(torch.bool).flatten(1)  # [B, 32 W]
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    return torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
 
 
 def _check_shape(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

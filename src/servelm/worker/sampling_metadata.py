@@ -52,6 +52,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     num_logprobs: list[int | None]  # per row, SamplingParams.logprobs
     max_num_logprobs: int | None  # None: no row wants logprobs, skip log_softmax
+    # Structured outputs: int32 [B, ceil(V / 32)], bit t % 32 of word t // 32 allowing token t
+    # (servelm.structured.masks; all ones on a free row). None when no row is constrained.
+    allowed_bitmask: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -67,6 +70,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         banned_token_ids: list[list[int]] | None = None,
+        allowed_bitmask: torch.Tensor | None = None,
     ) -> SamplingMetadata:
         """Lay out `params` (one per row) as tensors on `device`.
 
@@ -74,6 +78,7 @@ class SamplingMetadata:
         engine passes EOS/stop ids while a request is under min_tokens). A generator
         must be used only by its own request, and live on the CPU (the runner's do: the
         sampler draws every seeded row on the host, then copies once) or on `device`.
+        `allowed_bitmask`: the grammar masks of the step (a host tensor, one row per row).
         """
         num_rows = len(params)
         for name, seq in (
@@ -153,6 +158,7 @@ class SamplingMetadata:
             generators={i: g for i in random_rows if (g := generators[i]) is not None},
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,
+            allowed_bitmask=allowed_bitmask.to(device, non_blocking=True) if allowed_bitmask is not None else None,
         )
 
 
