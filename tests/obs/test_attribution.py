@@ -105,6 +105,6 @@ def test_timeline_picks_the_choice_that_produced_the_first_token():
 
 
 def test_header_value_lists_milliseconds():
-    b = TTFTBreakdown(0.001, 0.002, 0.0, 0.0, 0.003, 0.0, 0.0005, 0.0065, 0.0065, 0.0002, 0.0001)
+    b = TTFTBreakdown(0.001, 0.0, 0.002, 0.0, 0.0, 0.003, 0.0, 0.0005, 0.0065, 0.0065, 0.0002, 0.0001)
     parts = dict(p.split("=") for p in b.header_value().split(";"))
     assert parts["ingress"] == "1.000" and parts["output"] == "0.500" and parts["ttft"] == "6.500"

@@ -38,7 +38,7 @@ def test_request_and_core_metrics():
     metrics.observe_finished(FinishedRequest(slo=BATCH, finish_reason="length", num_prompt_tokens=7,
                                              num_generation_tokens=5, events=events, e2e_s=3.2))  # fmt: skip
     metrics.observe_token_gap(BATCH, 0.02)
-    metrics.observe_ttft(INTERACTIVE, TTFTBreakdown(0.001, 0.002, 0.0, 0.0, 0.003, 0.0, 0.001, 0.007, 0.007, 0.0005, 0.0001))
+    metrics.observe_ttft(INTERACTIVE, TTFTBreakdown(0.001, 0.0, 0.002, 0.0, 0.0, 0.003, 0.0, 0.001, 0.007, 0.007, 0.0005, 0.0001))
     s = _samples(metrics)
     batch = (("model_name", "tiny"), ("slo_class", "batch"), ("tenant", "default"))
     assert s[("servelm:request_queue_time_seconds_sum", batch)] == 0.5

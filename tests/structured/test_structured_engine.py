@@ -111,3 +111,22 @@ def test_the_xgrammar_backend_holds_outputs_too() -> None:
         assert re.fullmatch(r"\d{3}-\d{4}", outputs[1].outputs[0].text)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_speculation_keeps_constrained_greedy_output_and_verifies_drafts(llm: LLM) -> None:
+    """Drafts are cut at the first token the grammar refuses and each verified position is masked
+    by the grammar after the drafts before it: greedy output is the same as without speculation."""
+    schema = {"type": "array", "items": ORDER["$defs"]["item"], "minItems": 4, "maxItems": 4}
+    params = [SamplingParams(temperature=0.0, max_tokens=120, structured=json_spec(s)) for s in (schema, PERSON)]
+    prompts = ["List four order lines as JSON.", "A customer as JSON:"]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    spec = LLM(max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4})  # fmt: skip
+    try:
+        speculated = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+        stats = spec.engine.core.stats()
+    finally:
+        spec.shutdown()
+    assert speculated == plain
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0, stats

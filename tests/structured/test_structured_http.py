@@ -91,3 +91,22 @@ def test_a_spec_that_cannot_be_enforced_is_a_400_naming_the_field(server: str, b
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+def test_metrics_and_the_ttft_breakdown_show_the_grammar(server: str) -> None:
+    schema = {"type": "object", "properties": {"metric_probe": {"type": "integer"}}, "required": ["metric_probe"],
+              "additionalProperties": False}  # fmt: skip
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "probe", "schema": schema}},
+            "servelm": {"timeline": True}}  # fmt: skip
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()
+    breakdown = reply["servelm"]["timeline"]["ttft_breakdown_ms"]
+    assert breakdown["grammar"] >= 0.0 and "grammar_ready" in {e["type"] for e in reply["servelm"]["timeline"]["choices"][0]["events"]}
+    metrics = httpx.get(f"{server}/metrics", timeout=30).text
+
+    def value(name: str) -> float:
+        [line] = [line for line in metrics.splitlines() if line.startswith(f"servelm:{name}{{")]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("structured_output_requests_total") >= 1 and value("grammar_compiles_total") >= 1
+    assert value("grammar_compile_seconds_total") > 0 and value("grammar_mask_seconds_count") >= 1

@@ -9,6 +9,7 @@
          preemption  → kv_cache     (waiting after a preemption, recomputing lost work)
          kv_load     → kv_cache     (loading a prefix's KV from host memory or disk before the first step)
          kv_transfer → disaggregation (pulling the prompt's KV from a prefill worker: its prefill and the hop)
+         grammar     → grammar      (structured outputs: the core compiling a request's grammar before it is queued)
          queue       → load         when the load grew (LOAD_GROWTH: arrival rate, the typical prompt,
                                     or output tokens per request), else
                        kv_cache     when the KV cache was the limit (preemptions rose, usage near full), else
@@ -50,7 +51,7 @@ from typing import Any
 
 from servelm.diagnose.signals import COMPONENTS, Signals
 
-CAUSES = ("scheduler", "kv_cache", "output", "network", "frontend", "load", "disaggregation", "none")
+CAUSES = ("scheduler", "kv_cache", "output", "network", "frontend", "load", "disaggregation", "grammar", "none")
 STEP_GROWTH = 1.5  # engine steps this much longer (mean): the gaps between tokens are the steps
 OUTPUT_BACKLOG = 10.0  # outputs queued in the API (max over the window) that count as a pile-up, if 2x the baseline
 LOAD_GROWTH = 1.5  # rate or request size up by this factor: the same queueing is simply more work
@@ -72,6 +73,8 @@ KNOBS = {
     "load": "capacity: more replicas behind `servelm router`, or shed load earlier (--max-waiting-requests)",
     "disaggregation": "the prefill pool or the KV transfer: more prefill workers, a higher "
     "--disagg-min-uncached-tokens on the router (fewer prompts sent to prefill workers), a faster link",
+    "grammar": "structured outputs' grammar compiles: reuse schemas (compiled ones are cached), keep them small, "
+    "or --structured-outputs-backend guidance (no up-front compile)",
 }
 
 EVIDENCE = {
@@ -86,11 +89,12 @@ EVIDENCE = {
              "uncached_prompt_tokens_per_request",
              "generation_tokens_per_request", "prompt_tokens_per_s", "waiting_mean"),
     "disaggregation": ("ttft.kv_transfer", "ttft.queue", "ttft_p90_s"),
+    "grammar": ("ttft.grammar", "ttft.queue", "ttft_p90_s"),
     "none": ("ttft_p50_s", "ttft_p90_s"),
 }  # fmt: skip
 FIXED_CAUSE = {
     "ingress": "frontend", "output": "output", "network": "network", "preemption": "kv_cache", "kv_load": "kv_cache",
-    "kv_transfer": "disaggregation",
+    "kv_transfer": "disaggregation", "grammar": "grammar",
 }  # fmt: skip
 
 

@@ -163,6 +163,7 @@ class EngineCore:
         prefix = kv.stats
         spec = self.scheduler.spec_counters
         tiers = self.scheduler.kv_tiers
+        grammars = self.scheduler.grammars
         return CoreStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -179,11 +180,18 @@ class EngineCore:
             spec_accepted_per_position=list(spec.accepted_per_position) if spec else [],
             tiers=tier_stats(tiers) if tiers is not None else TierStats(),
             step_target_s=self.scheduler.step_target_s() or 0.0,
+            structured_requests=self.scheduler.num_structured_requests,
+            grammar_compiles=grammars.num_compiled if grammars is not None else 0,
+            grammar_compile_seconds=grammars.compile_seconds if grammars is not None else 0.0,
         )
 
     def take_step_records(self) -> list[tuple[int, float]]:
         """(scheduled tokens, runner seconds) of the steps since the last call (Scheduler.step_log)."""
         return self.scheduler.step_log.take_records()
+
+    def take_mask_fills(self) -> list[float]:
+        """Seconds of each structured-output token-mask fill since the last call (masks.py)."""
+        return self.mask_filler.take_fill_times() if self.mask_filler is not None else []
 
     def take_step_predictions(self) -> list[tuple[str, float, float]]:
         """(kind, predicted, measured seconds) of the steps since the last call (Scheduler.step_log)."""

@@ -140,6 +140,7 @@ def _serve(
             stats = core.stats()
             stats.recent_steps = core.take_step_records()
             stats.recent_predictions = core.take_step_predictions()
+            stats.recent_mask_fills = core.take_mask_fills()
             batch = OutputBatch(outputs=step_outputs, stats=stats, timestamp=time.time())
             outputs.send(from_core_encoder.encode(batch))
         # After the outputs went out: a slice (~2 ms) delays the next step, not this one.

@@ -1,11 +1,12 @@
 """Where one request's time to first token went.
 
-    received ──ingress──▶ sent_to_core ──queue + kv_load──▶ first scheduled ──prefill + preemption──▶ first_token ──output──▶ end
+    received ──ingress──▶ sent_to_core ──grammar + queue + kv_load──▶ first scheduled ──prefill + preemption──▶ first_token ──output──▶ end
       (API)   parse,          (API)     IPC in +     (core)        chunks; lost time while      (core)    core→API, detokenize,  (API)
               template,                 waiting                    preempted, and the chunks             SSE write
               tokenize                  queue                      that redo work done before it
 
-`kv_load` is the part of the wait before the first schedule spent loading the prompt's prefix
+`grammar` is the part of the wait before the first schedule the core spent compiling the request's
+structured-output grammar (ARRIVED → GRAMMAR_READY: it is not queued before that). `kv_load` is the part of the wait before the first schedule spent loading the prompt's prefix
 from a KV tier (host memory, disk: KV_LOAD_STARTED → KV_LOADED); `kv_transfer` the part spent
 pulling the prompt's KV from a prefill worker (disaggregation: KV_PULL_STARTED → KV_PULLED; the
 pull streams blocks as the prefill computes them, so it holds the remote prefill and the transfer
@@ -30,9 +31,10 @@ from servelm.schemas.ttft import TTFT_COMPONENTS
 
 @dataclass(frozen=True)
 class TTFTBreakdown:
-    """Seconds. ingress + queue + kv_load + kv_transfer + prefill + preemption + output == ttft."""
+    """Seconds. ingress + grammar + queue + kv_load + kv_transfer + prefill + preemption + output == ttft."""
 
     ingress: float  # HTTP received → sent to the core: validation, chat template, tokenization
+    grammar: float  # sent → its structured-output grammar compiled in the core (0 for free text)
     queue: float  # sent → first scheduled, less kv_load: IPC into the core and the waiting queue
     kv_load: float  # before the first schedule: its prefix's KV loading from a tier beyond the pool
     kv_transfer: float  # before the first schedule: its prompt's KV pulled from a prefill worker
@@ -75,9 +77,12 @@ def attribute_ttft(
     waited = first_scheduled - sent_to_core
     kv_load = min(kv_load_before(events, first_scheduled), max(waited, 0.0))
     kv_transfer = min(kv_load_before(events, first_scheduled, PULL_EVENTS), max(waited - kv_load, 0.0))
+    grammar_ready = next((e.timestamp for e in events if e.type is EventType.GRAMMAR_READY), None)
+    grammar = min(max(grammar_ready - sent_to_core, 0.0), max(waited - kv_load - kv_transfer, 0.0)) if grammar_ready else 0.0
     return TTFTBreakdown(
         ingress=sent_to_core - received,
-        queue=waited - kv_load - kv_transfer,
+        grammar=grammar,
+        queue=waited - kv_load - kv_transfer - grammar,
         kv_load=kv_load,
         kv_transfer=kv_transfer,
         prefill=compute - preemption,

@@ -44,6 +44,7 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
 _PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.65, 0.75, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.25, 1.35, 1.5, 1.75, 2.0,
                              3.0, 5.0)
 _LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)  # a step's masks: ~50 µs per row
 # 0 is its own bucket: a stream that keeps up never has an output waiting.
 _BACKLOG_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 50000.0)
 
@@ -189,6 +190,10 @@ class ServerMetrics:
             "Engine step time measured / predicted by the scheduler's step-cost model (1: exact), by kind of step: "
             "decode (no prompt work), shallow or deep (a prompt chunk after 1,024+ tokens of its prompt).",
             ["model_name", "kind"], buckets=_PREDICTION_RATIO_BUCKETS, registry=self.registry)  # fmt: skip
+        self.grammar_mask_seconds = Histogram(
+            PREFIX + "grammar_mask_seconds", "Structured outputs: time to fill one step's token masks (all its "
+            "constrained requests), on a thread beside the forward (structured/masks.py).", ["model_name"],
+            buckets=_MASK_BUCKETS, registry=self.registry).labels(model_name)  # fmt: skip
         self.loop_lag = Histogram(PREFIX + "api_event_loop_lag_seconds",
                                   "How late the API event loop ran a timer that was due (obs.loop_lag): how long every "
                                   "ready callback (SSE writes, request parsing, engine outputs) waited behind others.",
@@ -200,6 +205,8 @@ class ServerMetrics:
             self.step_seconds.observe(seconds)
         for kind, predicted_s, measured_s in stats.recent_predictions:
             self.step_prediction_ratio.labels(self.model_name, kind).observe(measured_s / predicted_s)
+        for seconds in stats.recent_mask_fills:
+            self.grammar_mask_seconds.observe(seconds)
 
     def observe_engine_restart(self) -> None:
         self.engine_restarts.inc()
@@ -347,6 +354,12 @@ class _CoreCollector(Collector):
             ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.", stats.spec_num_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
              stats.spec_num_accepted_tokens),
+            ("structured_output_requests", "Requests that asked for structured outputs (a schema, regex, choice "
+             "or grammar).", stats.structured_requests),
+            ("grammar_compiles", "Structured-output grammars compiled in the engine (compiled ones are cached "
+             "by spec: a repeat is not counted).", stats.grammar_compiles),
+            ("grammar_compile_seconds", "Seconds the engine spent compiling structured-output grammars, off "
+             "the step loop.", stats.grammar_compile_seconds),
         )  # fmt: skip
         for name, doc, value in counters:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])

@@ -99,7 +99,7 @@ from servelm.scheduler.step_pricing import (
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.tier_loads import Admission, TierLoads
 from servelm.scheduler.waiting_queue import WaitingQueue
-from servelm.structured.grammars import CompiledGrammar, GrammarCompiler, GrammarMatcher
+from servelm.structured.grammars import CompiledGrammar, GrammarCompiler, SamplingGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,7 @@ class Scheduler:
         self._tier_loads = TierLoads(kv_tiers, kv_cache_manager, kv_transfer) if kv_tiers is not None else None
         self._grammars = grammars
         self._compiling: list[Request] = []  # waiting for their grammar (not admitted before it is ready)
+        self.num_structured_requests = 0  # cumulative: requests that asked for structured outputs
 
     # -- queries -------------------------------------------------------------------
 
@@ -226,6 +227,7 @@ class Scheduler:
         self._next_arrival_seq += 1
         if spec is not None and self._grammars is not None:
             request.grammar_compile = self._grammars.submit(spec)  # compiles off the step loop
+            self.num_structured_requests += 1
             self._compiling.append(request)
         request.record(EventType.ARRIVED, now)
         request.record(EventType.QUEUED, now)
@@ -407,19 +409,24 @@ class Scheduler:
             self._pending_outputs.append(output)
         self._compiling = compiling
 
+    @property
+    def grammars(self) -> GrammarCompiler | None:
+        return self._grammars
+
     def compiling_grammars(self) -> list[Future[CompiledGrammar]]:
         """The compiles requests wait for (an idle engine waits on them instead of spinning)."""
         return [r.grammar_compile for r in self._compiling if r.grammar_compile is not None]
 
-    def sampling_grammars(self, scheduler_output: SchedulerOutput) -> list[tuple[str, GrammarMatcher]]:
-        """The matchers of the constrained requests that sample a token in this step: their masks
-        are filled while it runs (EngineCore)."""
+    def sampling_grammars(self, scheduler_output: SchedulerOutput) -> list[SamplingGrammar]:
+        """The constrained requests that sample in this step, with the drafts they verify: their
+        masks are filled while it runs (EngineCore)."""
         matchers = []
+        drafts = scheduler_output.scheduled_draft_token_ids
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(request_id)
             if request is not None and request.grammar is not None:
                 if request.num_computed_tokens + num_tokens >= request.num_tokens:
-                    matchers.append((request_id, request.grammar))
+                    matchers.append(SamplingGrammar(request_id, request.grammar, list(drafts.get(request_id, []))))
         return matchers
 
     def _output(self, plan: StepPlan) -> SchedulerOutput:
@@ -893,7 +900,10 @@ class Scheduler:
         if caught_up:  # the step's last logits gave new token(s); mid-prompt samples are ignored
             new_token_ids = self._append_sampled(request, sampled, now)
             if not request.status.is_finished:
-                request.draft_token_ids = model_output.draft_token_ids.get(request_id, [])
+                drafts = model_output.draft_token_ids.get(request_id, [])
+                if request.grammar is not None and drafts:  # cut at the first token its grammar refuses
+                    drafts = drafts[: request.grammar.num_acceptable(drafts)]
+                request.draft_token_ids = drafts
         if not new_token_ids and not request.status.is_finished:
             return None
         logprobs = model_output.logprobs.get(request_id)

@@ -48,3 +48,9 @@ class CoreStats(msgspec.Struct, kw_only=True):
     # "decode" (no prompt work), "shallow" or "deep" (a chunk after 1,024+ tokens of its prompt).
     recent_predictions: list[tuple[str, float, float]] = []
     step_target_s: float = 0.0  # the step-time target before any class tightens it (0: none)
+    # Structured outputs, cumulative: requests that asked for them, grammars compiled (cache misses)
+    # and the seconds those compiles took; and the token-mask fills of the steps since the last batch.
+    structured_requests: int = 0
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    recent_mask_fills: list[float] = []

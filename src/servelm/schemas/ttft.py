@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterable
 
 # In the order a request meets them; they sum to the server's TTFT (obs/attribution.py says each).
-TTFT_COMPONENTS = ("ingress", "queue", "kv_load", "kv_transfer", "prefill", "preemption", "output")
+TTFT_COMPONENTS = ("ingress", "grammar", "queue", "kv_load", "kv_transfer", "prefill", "preemption", "output")
 # Client-measured TTFT less the server's: the request's trip in and the first chunk's out.
 NETWORK = "network"
 

@@ -9,9 +9,11 @@ No torch here: the scheduler imports this (masks.py holds the tensors).
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from servelm.sampling_params import StructuredSpec
@@ -34,6 +36,22 @@ class GrammarMatcher(Protocol):
 
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing more: the request is done."""
+
+    def num_acceptable(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar would accept from here (it does not advance):
+        speculative drafts are cut at the first it refuses."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (the masks of draft positions are filled ahead)."""
+
+
+@dataclass(frozen=True)
+class SamplingGrammar:
+    """A constrained request that samples in a step: its matcher and the drafts it verifies."""
+
+    request_id: str
+    matcher: GrammarMatcher
+    drafts: list[int]
 
 
 class CompiledGrammar(Protocol):
@@ -62,6 +80,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self.num_compiled = 0  # distinct specs compiled (cache misses)
+        self.compile_seconds = 0.0  # their compiles' time, summed (written by the compile thread)
 
     def submit(self, spec: StructuredSpec) -> Future[CompiledGrammar]:
         with self._lock:
@@ -86,7 +105,12 @@ class GrammarCompiler:
         return self._backend
 
     def _compile(self, spec: StructuredSpec) -> CompiledGrammar:
-        return self._backend_built().compile(spec)
+        backend = self._backend_built()
+        started = time.perf_counter()
+        try:
+            return backend.compile(spec)
+        finally:
+            self.compile_seconds += time.perf_counter() - started
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -43,6 +43,13 @@ class GuidanceMatcher:
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())
 
+    def num_acceptable(self, token_ids: list[int]) -> int:
+        return int(self._matcher.validate_tokens(token_ids)) if token_ids else 0
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
 
 class GuidanceGrammar:
     """A matcher at the grammar's start; each request's is a copy (cheap: no rebuild)."""

@@ -30,6 +30,19 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
+    def num_acceptable(self, token_ids: list[int]) -> int:
+        accepted = 0
+        for token_id in token_ids:  # xgrammar has no look-ahead check: accept, count, roll back
+            if not self._matcher.accept_token(token_id):
+                break
+            accepted += 1
+        self.rollback(accepted)
+        return accepted
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
 
 class XGrammarGrammar:
     def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:

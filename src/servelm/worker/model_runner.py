@@ -360,8 +360,6 @@ class ModelRunner:
         for verification in samples:
             state = verification.state
             params = state.sampling_params
-            if params.structured is not None:
-                continue  # drafts are not checked against a grammar (yet): a constrained request takes none
             emitted = output.sampled_token_ids[state.request_id]
             limit = min(self.max_draft_tokens, wanted.get(state.request_id, self.max_draft_tokens))
             if params.num_speculative_tokens is not None:
