@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from servelm.config import FLAG_SLICES, EngineConfig
+from servelm.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--tokenizer-threads", type=int, default=2, help="threads that tokenize prompts off the event loop"
     )
+    serve.add_argument(
+        "--tool-call-parser", choices=[*TOOL_CALL_PARSERS, "none"], default="hermes",
+        help="how tool calls are read from a tool_choice \"auto\" reply (vLLM's names; default hermes, the format "
+        "a model whose chat template has no tools is shown them in); none: replies stay text",
+    )  # fmt: skip
+    serve.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="accepted for vLLM's command lines: tool_choice \"auto\" is on unless --tool-call-parser none",
+    )  # fmt: skip
     serve.add_argument(
         "--max-engine-restarts", type=int, default=3,
         help="restart a dead engine core at most this often within --engine-restart-window-s (backoff 1 s, "

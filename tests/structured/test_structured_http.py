@@ -110,3 +110,100 @@ def test_metrics_and_the_ttft_breakdown_show_the_grammar(server: str) -> None:
 
     assert value("structured_output_requests_total") >= 1 and value("grammar_compiles_total") >= 1
     assert value("grammar_compile_seconds_total") > 0 and value("grammar_mask_seconds_count") >= 1
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+NO_PARAMS = {"type": "function", "function": {"name": "list_files"}}
+ARRAY_OF_OBJECTS = {"type": "function", "function": {"name": "add_events", "parameters": {
+    "type": "object", "properties": {"count": {"type": "integer", "minimum": 1, "maximum": 3}, "events": {
+        "type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "object", "properties": {
+            "title": {"type": "string", "maxLength": 12}, "day": {"enum": ["mon", "tue"]}},
+            "required": ["title", "day"], "additionalProperties": False}}},
+    "required": ["count", "events"], "additionalProperties": False}}}  # fmt: skip
+TOOLS = [WEATHER, NO_PARAMS, ARRAY_OF_OBJECTS]
+
+
+def tool_reply(server: str, body: dict, stream: bool) -> tuple[list[tuple[str, str]], str | None, str]:
+    """(name, arguments) of each call, the content and the finish_reason, streamed or not."""
+    client = client_of(server)
+    request = {"model": "SmolLM2-135M-Instruct", "temperature": 0.0, "max_tokens": 120, **body}
+    if "structured_outputs" in request:  # vLLM's field: the openai client sends it as an extra
+        request["extra_body"] = {"structured_outputs": request.pop("structured_outputs")}
+    if not stream:
+        choice = client.chat.completions.create(**request).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return calls, choice.message.content, choice.finish_reason
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for call in choice.delta.tool_calls or []:
+                if call.function.name:  # the call's first delta: its id and name before any arguments
+                    assert call.id and call.index not in names and call.index not in arguments
+                    names[call.index] = call.function.name
+                arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments or "")
+    return [(names[i], arguments[i]) for i in sorted(names)], content or None, finish
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", [WEATHER, NO_PARAMS, ARRAY_OF_OBJECTS], ids=["strings", "no-parameters", "array-of-objects"])
+def test_a_named_tool_call_streams_the_arguments_it_returns(server: str, tool: dict) -> None:
+    body = {"messages": [{"role": "user", "content": "Use the tool."}], "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": tool["function"]["name"]}}}  # fmt: skip
+    calls, content, finish = tool_reply(server, body, stream=False)
+    assert [name for name, _ in calls] == [tool["function"]["name"]] and content is None and finish == "tool_calls"
+    jsonschema.validate(json.loads(calls[0][1]), tool["function"].get("parameters", {"type": "object"}))
+    assert tool_reply(server, body, stream=True) == (calls, content, finish)  # byte for byte
+
+
+@pytest.mark.slow
+def test_required_parallel_calls_and_auto_calls_read_back_alike_streamed_or_not(server: str) -> None:
+    required = {"messages": [{"role": "user", "content": "Weather in Paris and in Rome?"}], "tools": TOOLS,
+                "tool_choice": "required"}  # fmt: skip
+    calls, content, finish = tool_reply(server, required, stream=False)
+    assert calls and finish == "tool_calls" and content is None
+    for name, arguments in calls:
+        [tool] = [t for t in TOOLS if t["function"]["name"] == name]
+        jsonschema.validate(json.loads(arguments), tool["function"].get("parameters", {"type": "object"}))
+    assert tool_reply(server, required, stream=True) == (calls, content, finish)
+    # auto: the reply is read with the hermes parser; a regex makes this small model write two calls.
+    two_calls = ('Checking\\.\n<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "(Paris|Rome)", "unit": "c"\\}\\}\n'
+                 '</tool_call>\n<tool_call>\n\\{"name": "list_files", "arguments": \\{\\}\\}\n</tool_call>')  # fmt: skip
+    auto = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": "auto",
+            "structured_outputs": {"regex": two_calls}}  # fmt: skip
+    calls, content, finish = tool_reply(server, auto, stream=False)
+    assert [name for name, _ in calls] == ["get_weather", "list_files"] and calls[1][1] == "{}"
+    assert content == "Checking.\n" and finish == "tool_calls"
+    assert tool_reply(server, auto, stream=True) == (calls, content, finish)
+
+
+def test_tool_history_renders_and_bad_tools_are_400s_naming_the_field(server: str) -> None:
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]  # fmt: skip
+    request = {"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "tools": TOOLS}
+    with_history = httpx.post(f"{server}/v1/chat/completions", json={**request, "messages": history}, timeout=60)
+    assert with_history.status_code == 200, with_history.text
+    without = httpx.post(f"{server}/v1/chat/completions", json={**request, "messages": history[:1]}, timeout=60).json()
+    assert with_history.json()["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"] + 20  # calls and result in the prompt
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}
+    cases = [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+        ({"tools": [bad_schema]}, "tools.0.function.parameters", "not a valid JSON Schema"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name", "must match"),
+        ({"tool_choice": "required", "tools": None}, "tool_choice", "requires tools"),
+    ]
+    for extra, param, says in cases:
+        body = {**request, "messages": history[:1], **extra}
+        response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and says in error["message"], error

@@ -124,10 +124,12 @@ class AsyncLLM:
         encoded = iter(await self.tokenizer.encode_many(texts)) if texts else iter(())
         return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
-    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation through the model's chat template; PromptError when it refuses."""
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+        """Token ids of a conversation (with function `tools`, if any) through the model's chat
+        template; PromptError when it refuses."""
         try:
-            return await self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return await self.tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
         except Exception as exc:
             raise PromptError(f"The chat template could not render these messages: {exc}") from exc
 

@@ -23,15 +23,22 @@ def content_text(content: str | Sequence[str] | None) -> str:
     return "\n".join(content)
 
 
-def template_message(role: str, content: str | Sequence[str] | None, name: str | None = None) -> dict[str, str]:
-    """One message for the chat template; `content` is the text or the texts of its parts."""
-    entry = {"role": role, "content": content_text(content)}
+def template_message(role: str, content: str | Sequence[str] | None, name: str | None = None,
+                     tool_calls: list[dict[str, Any]] | None = None, tool_call_id: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """One message for the chat template; `content` is the text or the texts of its parts;
+    `tool_calls` an assistant's calls ({"id", "type", "function": {"name", "arguments"}}) and
+    `tool_call_id` a tool result's (tokenization/tool_prompt.py renders both)."""
+    entry: dict[str, Any] = {"role": role, "content": content_text(content)}
     if name is not None:
         entry["name"] = name
+    if tool_calls:
+        entry["tool_calls"] = tool_calls
+    if tool_call_id is not None:
+        entry["tool_call_id"] = tool_call_id
     return entry
 
 
-def template_messages_from_json(messages: Any) -> list[dict[str, str]]:
+def template_messages_from_json(messages: Any) -> list[dict[str, Any]]:
     """A request body's raw `messages` list as template messages; what is not understood is skipped
     (a role defaults to "user", non-text parts contribute no text)."""
     if not isinstance(messages, list):
@@ -45,6 +52,10 @@ def template_messages_from_json(messages: Any) -> list[dict[str, str]]:
             content = [str(part.get("text", "")) for part in content if isinstance(part, dict)]
         elif not isinstance(content, str):
             content = None
-        name = message.get("name")
-        entries.append(template_message(str(message.get("role", "user")), content, str(name) if name is not None else None))
+        name, calls, call_id = message.get("name"), message.get("tool_calls"), message.get("tool_call_id")
+        entries.append(template_message(
+            str(message.get("role", "user")), content, str(name) if name is not None else None,
+            [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else None,
+            str(call_id) if call_id is not None else None,
+        ))  # fmt: skip
     return entries

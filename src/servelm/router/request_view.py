@@ -31,7 +31,9 @@ async def prompt_token_ids(tokenizer: PromptTokenizer, path: str, body: dict[str
         messages = template_messages_from_json(body.get("messages"))
         if not messages or sum(len(m["content"]) for m in messages) > MAX_ROUTED_PROMPT_CHARS:
             return []
-        return await tokenizer.apply_chat_template(messages, bool(body.get("add_generation_prompt", True)))
+        tools = body.get("tools")  # rendered into the prompt as the replica renders them (tool_prompt.py)
+        tools = [t for t in tools if isinstance(t, dict)] if isinstance(tools, list) else None
+        return await tokenizer.apply_chat_template(messages, bool(body.get("add_generation_prompt", True)), tools)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: route on its first prompt (they usually share the prefix)

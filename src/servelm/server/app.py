@@ -111,6 +111,7 @@ class ServerOptions:
     log_requests: bool = False
     shutdown_timeout_s: int = 30
     tokenizer_threads: int = 2
+    tool_call_parser: str = "hermes"  # tool_choice "auto": how calls are read from the text ("none": never)
     tenants: Path | None = None  # the tenants file (servelm.tenancy.config)
     ssl_keyfile: str | None = None  # HTTPS: uvicorn's, as vLLM passes them
     ssl_certfile: str | None = None
@@ -204,6 +205,7 @@ async def _start_context(
         prompt_limits=PromptLimits.for_tokenizer(engine.tokenizer.tokenizer, ready.max_model_len),
         supervisor=supervisor,
         structured=structured,
+        tool_call_parser=None if options.tool_call_parser == "none" else options.tool_call_parser,
     )
 
 

@@ -32,6 +32,8 @@ from servelm.server.serving import (
     tenant_priority,
     usage,
 )  # fmt: skip
+from servelm.server.tool_parsers import StreamEvent, ToolCall, ToolCallStream
+from servelm.server.tools import ToolMode
 
 
 async def create_chat_completion(ctx: ServerContext, http_request: Request, body: ChatCompletionRequest) -> Response:
@@ -41,7 +43,7 @@ async def create_chat_completion(ctx: ServerContext, http_request: Request, body
     messages = body.chat_messages()
     ctx.prompt_limits.check_messages([m["content"] for m in messages])  # before the template renders them
     ctx.admission.admit(body.n)
-    prompt = await render_chat(ctx, messages, body.add_generation_prompt)
+    prompt = await render_chat(ctx, messages, body.add_generation_prompt, body.template_tools)
     check_prompts(ctx, [prompt], params, "messages", completion_param=body.max_tokens_param)
     timeline.stamp(ApiStamp.TOKENIZED)
     priority, slo = tenant_priority(http_request, body.priority, body.kv_retention)
@@ -50,7 +52,8 @@ async def create_chat_completion(ctx: ServerContext, http_request: Request, body
     )
     gen = ctx.engine.generate(request, observer=ctx.metrics)
     reserve_tokens(http_request, gen, ctx.max_model_len)
-    return await respond(http_request, gen, _ChatView(ctx, body, gen), body.stream)
+    view = _ChatView(ctx, body, gen, body.tool_mode(ctx.tool_call_parser))
+    return await respond(http_request, gen, view, body.stream)
 
 
 @dataclass
@@ -58,7 +61,9 @@ class _ChatView:
     ctx: ServerContext
     body: ChatCompletionRequest
     gen: GenerationStream
+    tools: ToolMode  # how the reply is read: content, or tool calls (tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
+    _tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)  # per choice, while streaming
 
     def _header(self, obj: str) -> dict[str, Any]:
         return {"id": self.gen.request_id, "object": obj, "created": self.created, "model": self.ctx.model_name,
@@ -90,12 +95,19 @@ class _ChatView:
         choices = []
         for choice in self.gen.choices:
             state = choice.state
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(texts[choice.index])}
+            finish_reason = state.finish_reason if state else None
+            if self.tools.kind != "none":
+                content, calls = self.tools.read(message["content"])
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choices.append(
                 {
                     "index": choice.index,
-                    "message": {"role": "assistant", "content": "".join(texts[choice.index])},
+                    "message": message,
                     "logprobs": self._logprobs(tokens[choice.index], entries[choice.index]),
-                    "finish_reason": state.finish_reason if state else None,
+                    "finish_reason": finish_reason,
                     "stop_reason": state.stop_reason if state else None,
                 }
             )
@@ -138,18 +150,61 @@ class _ChatView:
             self.gen.close()
 
     def _stream_entry(self, delta: ChoiceDelta, started: set[int]) -> dict[str, Any] | None:
-        message: dict[str, str] = {}
+        message: dict[str, Any] = {}
         if delta.choice.index not in started:
             started.add(delta.choice.index)
             message["role"] = "assistant"  # the first chunk of each choice names the role
-        if delta.text or "role" in message:
+        finish_reason = delta.finish_reason
+        if self.tools.kind != "none":
+            text, calls, finish_reason = self._tool_deltas(delta)
+            if text or "role" in message:
+                message["content"] = text
+            if calls:
+                message["tool_calls"] = calls
+        elif delta.text or "role" in message:
             message["content"] = delta.text
         logprobs = self._logprobs(delta.token_ids, delta.logprobs or [])
         with_ids = self.body.return_token_ids  # then a delta whose text is held back still carries its ids
-        if not message and logprobs is None and delta.finish_reason is None and not (with_ids and delta.token_ids):
+        if not message and logprobs is None and finish_reason is None and not (with_ids and delta.token_ids):
             return None
         entry = {"index": delta.choice.index, "delta": message, "logprobs": logprobs,
-                 "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
+                 "finish_reason": finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
         if with_ids:
             entry["token_ids"] = delta.token_ids
         return entry
+
+    def _tool_deltas(self, delta: ChoiceDelta) -> tuple[str, list[dict[str, Any]], str | None]:
+        """A delta of a tool-reading reply: (content text, OpenAI tool_calls deltas, finish_reason).
+        A named function streams its arguments as generated; the other modes emit each call whole
+        once its text is complete (tool_parsers.py: the pieces add up to the non-streamed ones)."""
+        index = delta.choice.index
+        if self.tools.kind == "named":
+            calls = []
+            if index not in self._tool_streams:  # its first delta: the call's id and name
+                self._tool_streams[index] = ToolCallStream("named")
+                call = ToolCall(self.tools.function or "", "")
+                calls.append({"index": 0, **call.as_openai()})
+            if delta.text:
+                calls.append({"index": 0, "function": {"arguments": delta.text}})
+            return "", calls, "tool_calls" if delta.finish_reason == "stop" else delta.finish_reason
+        stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools.parser or "hermes"))
+        if self.tools.kind == "required":  # read at the end: the JSON array whole
+            whole = stream.buffer(delta.text)
+            events = [StreamEvent(call=c) for c in self.tools.read(whole)[1]] if delta.finish_reason else []
+            stream.count(len(events))
+        elif self.tools.parser is None:
+            events = [StreamEvent(content=delta.text)]
+        else:
+            events = stream.feed(delta.text) + (stream.finish() if delta.finish_reason else [])
+        text = "".join(e.content for e in events)
+        calls, first = [], stream.num_calls - sum(1 for e in events if e.call is not None)
+        for event in events:
+            if event.call is not None:
+                calls.append({"index": first, **{**event.call.as_openai(), "function": {"name": event.call.name,
+                                                                                         "arguments": ""}}})  # fmt: skip
+                calls.append({"index": first, "function": {"arguments": event.call.arguments}})
+                first += 1
+        finish_reason = delta.finish_reason
+        if finish_reason == "stop" and stream.num_calls:
+            finish_reason = "tool_calls"
+        return text, calls, finish_reason

@@ -28,6 +28,7 @@ class ServerContext:
     prompt_limits: PromptLimits  # prompts refused by their size, before tokenizing
     supervisor: EngineSupervisor  # restarts a dead engine core; says why the engine is down
     structured: StructuredCheck  # a structured output's spec compiles, or the request is a 400
+    tool_call_parser: str | None = "hermes"  # reads tool calls from a tool_choice "auto" output (None: never)
 
     @property
     def tokenizer(self) -> PromptTokenizer:

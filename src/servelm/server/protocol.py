@@ -18,12 +18,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servelm.openai_api.chat_messages import template_message
-from servelm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
+from servelm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError, StructuredSpec
 from servelm.server.errors import bad_request
 from servelm.server.structured_request import ResponseFormat, StructuredOutputs, structured_spec
+from servelm.server.tools import (
+    MAX_TOOLS,
+    ToolCallBody,
+    ToolChoice,
+    ToolDefinition,
+    ToolMode,
+    check_tools,
+    tool_mode,
+    tool_spec,
+    tools_for_template,
+)
 
 MAX_N = 128  # choices per request; each one is an engine request
 MAX_TOP_LOGPROBS = 20
@@ -232,28 +244,27 @@ class ChatMessage(_Strict):
     # None only for an assistant message (check_contents); a list of at least one text part.
     content: str | Annotated[list[TextPart], Field(min_length=1, fail_fast=True)] | None = None
     name: Identifier | None = None
-    # What a tool-calling client's history carries. There is no tool calling here: a tool result's
-    # id is accepted (its content is text like any other), an assistant's calls only when empty (as
-    # vLLM returns them); `refusal` and `annotations` are what an earlier response message had.
+    # A tool-calling client's history: an assistant's calls, a tool result's call id (tools.py);
+    # `refusal` and `annotations` are what an earlier response message had.
     tool_call_id: Identifier | None = None
-    tool_calls: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
+    tool_calls: Annotated[list[ToolCallBody], FAIL_FAST] | None = None
     refusal: str | None = None
     annotations: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
 
-    def template_entry(self) -> dict[str, str]:
+    def template_entry(self) -> dict[str, Any]:
         """The message as the chat template expects it (the router builds the same from raw JSON)."""
         content = self.content if not isinstance(self.content, list) else [part.text for part in self.content]
-        return template_message(self.role, content, self.name)
+        calls = [call.model_dump() for call in self.tool_calls] if self.tool_calls else None
+        return template_message(self.role, content, self.name, calls, self.tool_call_id)
 
 
 def check_contents(messages: list[ChatMessage]) -> None:
-    """OpenAI's rule: only an assistant message may omit its content (one that made tool calls);
-    and no message may carry tool calls here."""
+    """OpenAI's rule: only an assistant message may omit its content (one that made tool calls),
+    and only an assistant message carries tool calls."""
     for index, message in enumerate(messages):
-        if message.tool_calls:
+        if message.tool_calls and message.role != "assistant":
             raise bad_request(
-                f"messages[{index}]: tool calls are not supported by this server (it has no tool calling)",
-                param=f"messages.{index}.tool_calls",
+                f"messages[{index}]: only an assistant message carries tool_calls", param=f"messages.{index}.tool_calls"
             )
         if message.content is None and message.role != "assistant":
             raise bad_request(
@@ -268,10 +279,11 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
-    # Accepted so clients that always send them work; only their no-op values are served.
-    tools: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None  # only empty: no tool calling here
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    # Function tools (tools.py); parallel_tool_calls: None is true, as OpenAI's default.
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Accepted so clients that always send them work; only their no-op values are served.
     functions: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None  # OpenAI's older tools: only empty
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     # OpenAI's parameters that change nothing a server like this one generates: accepted, and
@@ -285,10 +297,12 @@ class ChatCompletionRequest(_GenerationRequest):
     def check(self) -> None:
         self.check_common()
         check_contents(self.messages)
-        if self.tools:
-            raise bad_request("tools are not supported by this server (no tool calling)", param="tools")
-        if isinstance(self.tool_choice, dict):
-            raise bad_request('tool_choice may only be "none" or "auto": no tool calling here', param="tool_choice")
+        check_tools(self.tools, self.tool_choice)
+        if self._tool_spec() is not None and (self.response_format is not None or self.structured_outputs is not None):
+            raise bad_request(
+                "a required or named tool_choice holds the output to the tool's arguments: drop response_format "
+                "and structured_outputs", param="tool_choice",
+            )  # fmt: skip
         if self.functions:
             raise bad_request("functions are not supported by this server (no tool calling)", param="functions")
         if isinstance(self.function_call, dict):
@@ -310,11 +324,30 @@ class ChatCompletionRequest(_GenerationRequest):
     def to_sampling_params(self) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(
+        params = self.sampling_params(
             max_tokens=limit, logprobs=logprobs, prompt_logprobs=None, max_tokens_param=self.max_tokens_param
         )
+        spec = self._tool_spec()
+        return msgspec.structs.replace(params, structured=spec) if spec is not None else params
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def tool_mode(self, parser: str | None) -> ToolMode:
+        """How the output is read (tools.py); `parser`: the server's --tool-call-parser for auto."""
+        return tool_mode(self.tools, self.tool_choice, parser)
+
+    def _tool_spec(self) -> StructuredSpec | None:
+        return tool_spec(self.tool_mode(None), self.tools, self.parallel_tool_calls is not False)
+
+    @property
+    def structured_param(self) -> str:
+        if self._tool_spec() is not None:
+            return "tools"
+        return super().structured_param
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return tools_for_template(self.tools)
+
+    def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them."""
         return [message.template_entry() for message in self.messages]
 

@@ -163,11 +163,12 @@ def check_token_ids(ctx: ServerContext, token_ids: list[int], param: str) -> Non
         raise bad_request(str(exc), param=param) from exc
 
 
-async def render_chat(ctx: ServerContext, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    """Token ids of `messages` through the model's chat template; a conversation the template
-    rejects (roles out of order, ...) is the client's error."""
+async def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+    """Token ids of `messages` (and function `tools`) through the model's chat template; a
+    conversation the template rejects (roles out of order, ...) is the client's error."""
     try:
-        return await ctx.engine.render_chat(messages, add_generation_prompt)
+        return await ctx.engine.render_chat(messages, add_generation_prompt, tools)
     except PromptError as exc:
         raise bad_request(str(exc), param="messages") from exc
 

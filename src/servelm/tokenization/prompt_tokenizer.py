@@ -27,6 +27,7 @@ from typing import Any
 
 from servelm.tokenization.chat_roles import developer_as_system
 from servelm.tokenization.token_bytes import TokenBytes
+from servelm.tokenization.tool_prompt import with_tools
 
 INLINE_MAX_CHARS = 2048
 _PROBE_TEXT = "Hello, world! Ünïcödé ✓ 12345 \n\t  spaces  <|im_end|> 日本語"
@@ -116,10 +117,13 @@ class PromptTokenizer:
             return [self._encode(t, add_special_tokens) for t in texts]
         return await self._run(lambda: [self._encode(t, add_special_tokens) for t in texts])
 
-    async def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        if sum(len(m["content"]) for m in messages) <= INLINE_MAX_CHARS:
-            return self._render_chat(messages, add_generation_prompt)
-        return await self._run(self._render_chat, messages, add_generation_prompt)
+    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                                  tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+        """The prompt's ids; `tools` (OpenAI's function tools) and tool-call history rendered as
+        tool_prompt.py says."""
+        if sum(len(m["content"] or "") for m in messages) <= INLINE_MAX_CHARS and not tools:
+            return self._render_chat(messages, add_generation_prompt, tools)
+        return await self._run(self._render_chat, messages, add_generation_prompt, tools)
 
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return await self._run(lambda: self.decoder.decode(token_ids, skip_special_tokens=skip_special_tokens))
@@ -130,11 +134,14 @@ class PromptTokenizer:
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.encoder.encode(text, add_special_tokens=add_special_tokens)
 
-    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
+        messages, template_tools = with_tools(messages, tools, self.tokenizer.chat_template)
         messages = developer_as_system(messages, self.tokenizer.chat_template)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, tools=template_tools, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)  # fmt: skip
         # The template writes any BOS itself: encoding must not add another.
         return self.encoder.encode(text, add_special_tokens=False)
 
