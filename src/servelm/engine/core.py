@@ -107,7 +107,8 @@ class EngineCore:
         matchers = self.scheduler.sampling_grammars(scheduler_output) if self.mask_filler is not None else []
         masks = self.mask_filler.start(matchers) if self.mask_filler is not None else None
         try:
-            return self.runner.execute(scheduler_output, masks)
+            # (no masks: the runner's one-argument call, as every step was before structured outputs)
+            return self.runner.execute(scheduler_output, masks) if masks is not None else self.runner.execute(scheduler_output)
         finally:
             if masks is not None:
                 futures.wait([masks.rows])

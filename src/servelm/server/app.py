@@ -189,8 +189,9 @@ async def _start_context(
         num_core_waiting=lambda: client.stats.num_waiting,
         engine_down=supervisor.down,
     )
+    # Its backend is built by the first structured request (~1-2 s, once): built at start-up it
+    # would cost every replica ~100 MB and a core-second whether or not it ever sees one.
     structured = StructuredCheck(engine_config.structured.structured_outputs_backend, engine.tokenizer.tokenizer)
-    structured.prepare()  # its tables built in the background while the server is idle
     logger.info(
         "serving %s (%s): context %d tokens, %d KV blocks", name, ready.source, ready.max_model_len, ready.num_blocks
     )
