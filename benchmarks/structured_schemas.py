@@ -31,7 +31,7 @@ CORPUS: list[tuple[str, str, dict[str, Any]]] = [
                                                                "duration_min": {"enum": [15, 30, 45, 60]}})),
     ("set_alarm", "Set an alarm for tomorrow morning.", obj({"time": TIME, "label": {"type": ["string", "null"], "maxLength": 20},
                                                               "repeat": {"type": "array", "items": {"enum": ["mon", "tue", "wed", "thu", "fri", "sat", "sun"]},
-                                                                         "maxItems": 7, "uniqueItems": True}})),
+                                                                         "maxItems": 7}})),
     ("weather", "Get the weather in Paris.", obj({"city": SHORT, "unit": {"enum": ["celsius", "fahrenheit"]}})),
     ("search", "Search the docs for 'paged attention'.", obj({"query": STR, "top_k": {"type": "integer", "minimum": 1, "maximum": 20}})),
     ("edit_file", "Replace a line in utils.py.", obj({"path": PATH, "old": STR, "new": STR,

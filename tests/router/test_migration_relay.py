@@ -237,6 +237,12 @@ def test_continuation_requests():
     assert not migratable("/v1/completions", {**completion, "echo": True})
     assert not migratable("/v1/completions", {**completion, "stream": False})
     assert migratable("/v1/completions", {**completion, "prompt": [1, 2, 3]})
+    # A continuation would restart a grammar at the boundary: constrained streams are not moved.
+    assert not migratable("/v1/completions", {**completion, "response_format": {"type": "json_object"}})
+    assert not migratable("/v1/completions", {**completion, "structured_outputs": {"regex": "a+"}})
+    assert not migratable("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]})
+    assert migratable("/v1/chat/completions", {**chat, "tools": [{"type": "function"}], "tool_choice": "none"})
+    assert migratable("/v1/chat/completions", {**chat, "response_format": {"type": "text"}})
 
 
 def test_events_are_cut_whole_however_the_bytes_arrive():

@@ -16,8 +16,10 @@ reproducible given the same failure, not equal to an undisturbed run.
 
 Not migrated (they fail as before when their replica dies mid-stream): non-streamed requests (no byte
 goes out before the whole answer, so the proxy's retry already re-runs them whole), n > 1 and batched
-prompts (several interleaved choices), echo (the prompt's text is part of the stream), and requests
-that carry their own kv_transfer_params.
+prompts (several interleaved choices), echo (the prompt's text is part of the stream), requests
+that carry their own kv_transfer_params, and constrained ones (a response_format other than text,
+structured_outputs, tools the model may call): a continuation would restart their grammar at the
+boundary, or lose the tool-call reading, so they fail as before rather than break their constraint.
 """
 
 from __future__ import annotations
@@ -54,9 +56,19 @@ def migratable(path: str, body: Mapping[str, Any]) -> bool:
     """A stream of one choice that the router can continue elsewhere (the module doc says why not others)."""
     if body.get("stream") is not True or body.get("n") not in (None, 1) or body.get("kv_transfer_params"):
         return False
+    if is_constrained(body):
+        return False
     if is_chat(path):
         return True
     return _single_prompt(body.get("prompt")) and not body.get("echo") and body.get("best_of") in (None, 1)
+
+
+def is_constrained(body: Mapping[str, Any]) -> bool:
+    """Structured outputs or callable tools (the module doc says why these are not migrated)."""
+    response_format = body.get("response_format")
+    if isinstance(response_format, Mapping) and response_format.get("type") not in (None, "text"):
+        return True
+    return bool(body.get("structured_outputs")) or (bool(body.get("tools")) and body.get("tool_choice") != "none")
 
 
 def output_limit(path: str, body: Mapping[str, Any]) -> int | None:
