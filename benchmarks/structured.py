@@ -34,7 +34,6 @@ from servelm.default_model import default_model_path
 from servelm.engine.llm import LLM
 from servelm.sampling_params import SamplingParams, StructuredSpec
 from servelm.server.launcher import launch_server
-from servelm.structured import masks as masks_module
 from servelm.structured.backends import make_backend
 from servelm.tokenization.loading import load_tokenizer
 
@@ -111,38 +110,28 @@ def decode_steps(llm: LLM, batch: int, constrained: bool, max_tokens: int) -> li
 
 
 def speed(llm: LLM, batches: list[int], rounds: int, max_tokens: int) -> dict[str, Any]:
-    fills: list[float] = []
-    real_fill = masks_module.MaskFiller._fill
-
-    def timed_fill(self: Any, matchers: Any) -> Any:
-        bitmask = real_fill(self, matchers)
-        fills.append(self.last_fill_s)
-        return bitmask
-
-    masks_module.MaskFiller._fill = timed_fill  # type: ignore[method-assign]
+    core = llm.engine.core
     results: dict[str, Any] = {}
-    try:
-        decode_steps(llm, 4, True, 8)  # the backend built, the grammar compiled
-        for batch in batches:
-            free: list[float] = []
-            constrained: list[float] = []
-            fills.clear()
-            for _ in range(rounds):  # interleaved: a noisy host hits both alike
-                free += decode_steps(llm, batch, False, max_tokens)
-                constrained += decode_steps(llm, batch, True, max_tokens)
-            results[str(batch)] = {
-                "free_step_p50_ms": 1e3 * statistics.median(free),
-                "constrained_step_p50_ms": 1e3 * statistics.median(constrained),
-                "ratio_p50": statistics.median(constrained) / statistics.median(free),
-                "free_step_mean_ms": 1e3 * statistics.fmean(free),
-                "constrained_step_mean_ms": 1e3 * statistics.fmean(constrained),
-                "ratio_mean": statistics.fmean(constrained) / statistics.fmean(free),
-                "mask_fill_p50_ms": 1e3 * percentile(fills, 0.5),
-                "mask_fill_p99_ms": 1e3 * percentile(fills, 0.99),
-                "mask_fill_per_row_p50_ms": 1e3 * percentile(fills, 0.5) / batch,
-            }
-    finally:
-        masks_module.MaskFiller._fill = real_fill  # type: ignore[method-assign]
+    decode_steps(llm, 4, True, 8)  # the backend built, the grammar compiled
+    for batch in batches:
+        free: list[float] = []
+        constrained: list[float] = []
+        core.take_mask_fills()
+        for _ in range(rounds):  # interleaved: a noisy host hits both alike
+            free += decode_steps(llm, batch, False, max_tokens)
+            constrained += decode_steps(llm, batch, True, max_tokens)
+        fills = core.take_mask_fills()
+        results[str(batch)] = {
+            "free_step_p50_ms": 1e3 * statistics.median(free),
+            "constrained_step_p50_ms": 1e3 * statistics.median(constrained),
+            "ratio_p50": statistics.median(constrained) / statistics.median(free),
+            "free_step_mean_ms": 1e3 * statistics.fmean(free),
+            "constrained_step_mean_ms": 1e3 * statistics.fmean(constrained),
+            "ratio_mean": statistics.fmean(constrained) / statistics.fmean(free),
+            "mask_fill_p50_ms": 1e3 * percentile(fills, 0.5),
+            "mask_fill_p99_ms": 1e3 * percentile(fills, 0.99),
+            "mask_fill_per_row_p50_ms": 1e3 * percentile(fills, 0.5) / batch,
+        }
     return results
 
 
