@@ -99,8 +99,9 @@ def decode_steps(llm: LLM, batch: int, constrained: bool, max_tokens: int) -> li
 
     core.step = timed_step  # type: ignore[method-assign]
     try:
-        # An array of integers never ends before max_tokens: both runs decode the same number of steps.
-        spec = json_spec({"type": "array", "items": {"type": "integer"}}) if constrained else None
+        # At least 100 integers: the array cannot close (and the request end) within max_tokens, so
+        # both runs decode the same number of steps.
+        spec = json_spec({"type": "array", "items": {"type": "integer"}, "minItems": 100}) if constrained else None
         params = SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True, structured=spec)
         outputs = llm.generate([f"Numbers, list {i}:" for i in range(batch)], params)
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs), "a request ended early"
