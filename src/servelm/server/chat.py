@@ -64,6 +64,7 @@ class _ChatView:
     tools: ToolMode  # how the reply is read: content, or tool calls (tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
     _tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)  # per choice, while streaming
+    _named_started: set[int] = field(default_factory=set)  # choices whose named call's id and name went out
 
     def _header(self, obj: str) -> dict[str, Any]:
         return {"id": self.gen.request_id, "object": obj, "created": self.created, "model": self.ctx.model_name,
@@ -180,8 +181,8 @@ class _ChatView:
         index = delta.choice.index
         if self.tools.kind == "named":
             calls = []
-            if index not in self._tool_streams:  # its first delta: the call's id and name
-                self._tool_streams[index] = ToolCallStream("named")
+            if index not in self._named_started:  # its first delta: the call's id and name
+                self._named_started.add(index)
                 call = ToolCall(self.tools.function or "", "")
                 calls.append({"index": 0, **call.as_openai()})
             if delta.text:

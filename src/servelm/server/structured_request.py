@@ -31,18 +31,20 @@ COMPILE_TIMEOUT_S = 10.0
 MAX_CHOICES = 4096
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
+    """A request body part that forbids unknown fields and coercion (protocol.py's rule)."""
+
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictBody):
     name: Annotated[str, Field(max_length=256)]
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -73,7 +75,7 @@ def closed_objects(schema: Any) -> Any:
     return closed
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictBody):
     """vLLM's `structured_outputs` request field."""
 
     json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
@@ -119,10 +121,6 @@ class StructuredCheck:
     def __init__(self, backend_name: str, tokenizer: Any) -> None:
         vocab_size = len(tokenizer)
         self._compiler = GrammarCompiler(lambda: make_backend(backend_name, tokenizer, vocab_size))
-
-    def prepare(self) -> None:
-        """Build the backend's tables now (about a second), not in the first such request's time."""
-        self._compiler.prepare()
 
     async def check(self, spec: StructuredSpec | None, param: str) -> None:
         if spec is None:

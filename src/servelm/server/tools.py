@@ -18,48 +18,44 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from servelm.sampling_params import StructuredSpec
 from servelm.server.errors import bad_request
-from servelm.server.structured_request import closed_objects
+from servelm.server.structured_request import StrictBody, closed_objects
 from servelm.server.tool_parsers import ToolCall, arguments_text, parse_tool_calls
 
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")  # OpenAI's rule for a function's name
 MAX_TOOLS = 128
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictBody):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object; None: no arguments
     strict: bool | None = None
 
 
-class ToolDefinition(_Strict):
+class ToolDefinition(StrictBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictBody):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictBody):
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionCallBody(_Strict):
+class FunctionCallBody(StrictBody):
     name: Annotated[str, Field(max_length=256)]
     arguments: str  # JSON text, as the assistant message returned it
 
 
-class ToolCallBody(_Strict):
+class ToolCallBody(StrictBody):
     """A call in an assistant message of the history."""
 
     id: Annotated[str, Field(max_length=256)]

@@ -95,10 +95,6 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
-    def prepare(self) -> None:
-        """Build the backend now, on the compile thread (returns at once)."""
-        self._executor.submit(self._backend_built)
-
     def _backend_built(self) -> GrammarBackend:
         if self._backend is None:  # only the compile thread touches it
             self._backend = self._make_backend()
