@@ -104,8 +104,9 @@ def test_ttft_split_means_and_the_network_remainder():
     voice = summarize(records, SLOS, 1.0).classes["voice"]
     assert voice.num_with_breakdown == 2
     assert voice.ttft_breakdown_s == pytest.approx(
-        # kv_load, kv_transfer: the splits name neither (a server without KV tiers, or an older one): 0 s
-        {"ingress": 0.01, "queue": 0.15, "kv_load": 0.0, "kv_transfer": 0.0, "prefill": 0.05, "preemption": 0.0, "output": 0.02,
+        # kv_load, kv_transfer, grammar: the splits name none of them (a server without KV tiers or
+        # structured outputs, or an older one): 0 s
+        {"ingress": 0.01, "queue": 0.15, "grammar": 0.0, "kv_load": 0.0, "kv_transfer": 0.0, "prefill": 0.05, "preemption": 0.0, "output": 0.02,
          "network": 0.02}
     )
 

@@ -33,7 +33,7 @@ def engines(tiny_dir):
     assert address is not None and address.startswith("tcp://127.0.0.1:")
     consumer = build_engine(
         EngineConfig.from_flat(
-            model=str(tiny_dir), num_blocks=48, block_size=16, max_num_batched_tokens=64, max_num_seqs=8,
+            model=str(tiny_dir), num_blocks=48, block_size=16, max_num_batched_tokens=64, max_num_seqs=8, max_step_ms=0,
             kv_role="decode", kv_transfer_wait_s=2.0, kv_transfer_peers=(address,),
         )
     )  # fmt: skip

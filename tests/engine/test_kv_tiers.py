@@ -199,7 +199,7 @@ def test_a_preempted_request_swaps_back_in_instead_of_recomputing(tiny_dir, refe
     max_tokens = [rng.randint(40, 90) for _ in prompts]
     config = EngineConfig.from_flat(
         model=str(tiny_dir), num_blocks=20, block_size=BLOCK_SIZE, max_num_seqs=6, max_num_batched_tokens=96,
-        kv_offloading_size=0.01,
+        kv_offloading_size=0.01, max_step_ms=0,  # the budget alone: preemption whatever the host's speed
     )  # fmt: skip
     core = build_engine(config).core
     requests = [

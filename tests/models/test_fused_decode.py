@@ -45,7 +45,8 @@ def tiny_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _engine(path: Path, **overrides: object) -> EngineCore:
     """An engine core over the tiny GGUF (which has no tokenizer: the default model's stands in)."""
-    settings: dict[str, object] = {"num_blocks": 96, "block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+    settings: dict[str, object] = {"num_blocks": 96, "block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+                                  "max_step_ms": 0}  # the budget alone: preemption whatever the host speed
     config = EngineConfig.from_flat(model=str(path), **(settings | overrides))
     reader = open_gguf(path)
     arch = ModelArchConfig.from_hf_config(gguf_hf_config(reader))

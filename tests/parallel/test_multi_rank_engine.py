@@ -39,7 +39,8 @@ def workload(reference_model) -> ReferenceWorkload:
 def multi_rank_engine(model: str | None, tp: int, cp: int, **settings):
     config = EngineConfig.from_flat(
         model=model, tensor_parallel_size=tp, context_parallel_size=cp, threads_per_rank=1,
-        distributed_timeout_s=30.0, **settings,
+        distributed_timeout_s=30.0, max_step_ms=0,  # the budget alone: preemption whatever the host's speed
+        **settings,
     )  # fmt: skip
     return build_engine(config)
 

@@ -43,6 +43,7 @@ def test_greedy_output_is_the_reference_whatever_is_accepted(tiny_dir, reference
     # 40 blocks × 16: long prompts cannot coexist → preemption; a 64-token budget chunks prompts.
     config = EngineConfig.from_flat(
         model=str(tiny_dir), num_blocks=40, block_size=16, max_num_batched_tokens=64, max_num_seqs=12,
+        max_step_ms=0,  # the budget alone shapes steps: the preemption it needs does not depend on host speed
         speculative_config=SPEC,
     )  # fmt: skip
     built = build_engine(config, proposer=proposer)

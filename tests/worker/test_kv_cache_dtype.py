@@ -92,7 +92,8 @@ def _run(tiny_dir, kv_cache_dtype: str, **overrides) -> tuple[EngineRun, object]
     # 40 blocks x 16 = 640 slots for 300-token prompts: preemption; a budget of 64 tokens: chunks.
     config = EngineConfig.from_flat(
         model=str(tiny_dir), num_blocks=40, block_size=16, max_num_batched_tokens=64, max_num_seqs=8,
-        enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype, **overrides,
+        enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype, max_step_ms=0,  # preemption whatever the host's speed
+        **overrides,
     )  # fmt: skip
     built = build_engine(config)
     requests, arrivals = _requests(built.arch.vocab_size)
