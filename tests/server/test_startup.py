@@ -48,8 +48,10 @@ def _wait_ready(client: httpx.Client, timeout_s: float) -> list[str]:
         if not messages or messages[-1] != message:
             messages.append(message)
         assert client.get("/live").status_code == 200, "alive all the while it starts"
-        health = client.get("/health")
-        assert health.status_code == 503 and health.json()["error"]["message"] == message, "not ready, as /ready"
+        health = client.get("/health")  # a moment later: start-up may have moved to its next phase
+        if health.status_code != 200:
+            assert health.status_code == 503 and health.json()["error"]["message"].startswith("starting: "), \
+                "not ready, as /ready"  # fmt: skip
         assert time.monotonic() < deadline, f"not ready after {timeout_s} s: {messages}"
         time.sleep(0.1)
     return messages
