@@ -70,6 +70,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_speculative_tokens: int | None = None
     # Constrained decoding: every token is one the spec allows (None: free text).
     structured: StructuredSpec | None = None
+    # The prompt's last n tokens are output that `structured` has already matched (the router's
+    # continuation of a migrated stream): the grammar consumes them before the first sample.
+    structured_resume_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +121,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 "num_speculative_tokens",
                 self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,
                 "num_speculative_tokens must be in [0, 16]",
+            ),
+            (
+                "structured_resume_tokens",
+                self.structured_resume_tokens == 0 or (self.structured_resume_tokens > 0 and self.structured is not None),
+                "structured_resume_tokens must be >= 0, and needs a structured-output constraint",
             ),
         ]
         for param, ok, message in checks:

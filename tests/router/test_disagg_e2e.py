@@ -155,6 +155,25 @@ def test_a_prompt_the_decode_worker_holds_stays_whole(pd_fleet: PDFleet) -> None
     assert again == first
 
 
+def test_a_constrained_request_keeps_its_schema_through_the_split(pd_fleet: PDFleet) -> None:
+    """The decode worker holds the constraint: it samples every token, the first included, under the
+    grammar (the prefill worker's one token is never shown), so the split output is the plain one."""
+    schema = {"type": "object", "properties": {"verdict": {"enum": ["heavy", "light"]}, "sorted": {"type": "boolean"}},
+              "required": ["verdict", "sorted"], "additionalProperties": False}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": document(40)}], "max_completion_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "report", "schema": schema, "strict": True}}}  # fmt: skip
+    answers = []
+    for url in (pd_fleet.router, pd_fleet.reference.base_url):
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice  # the grammar ended it
+        answers.append((choice["message"]["content"], response.headers.get("x-servelm-disagg")))
+    (split, decision), (plain, _) = answers
+    assert decision == "disaggregated"
+    assert split == plain and set(json.loads(split)) == {"verdict", "sorted"}
+
+
 def test_a_dead_prefill_worker_costs_no_request(pd_fleet: PDFleet) -> None:
     """Runs last: it leaves the fleet without its prefill worker."""
     errors_before = metric(pd_fleet.router, "servelm:router_prefill_calls_total", 'outcome="error"')

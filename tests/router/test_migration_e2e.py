@@ -117,6 +117,24 @@ def test_a_reset_connection_mid_chat_stream_continues_elsewhere(fleet: ProxiedFl
     fleet.wait_healthy()
 
 
+def test_a_constrained_chat_stream_keeps_its_schema_across_the_move(fleet: ProxiedFleet) -> None:
+    """The continuation resumes the grammar after the tokens already sent: restarted, it would have
+    to open a new object mid-array (and the tiny model's text would differ from the undisturbed run)."""
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
+                                                         "minItems": 30, "maxItems": 30}},
+              "required": ["items"], "additionalProperties": False}  # fmt: skip
+    body = chat_body(response_format={"type": "json_schema", "json_schema": {"name": "list", "schema": schema}})
+    want = stream(fleet, "/v1/chat/completions", body)
+    before = fleet.metric("servelm:router_migrations_total", 'cause="connection"')
+    got = stream(fleet, "/v1/chat/completions", body, fault_after=25, fault=lambda url: fleet.proxies[fleet.index_of(url)].cut())
+    assert fleet.metric("servelm:router_migrations_total", 'cause="connection"') == before + 1
+    assert got.done and want.done
+    assert [c["finish_reason"] for c in got.choices if c["finish_reason"]] == ["stop"]  # the grammar ended it
+    assert got.text() == want.text() and len(json.loads(got.text())["items"]) == 30
+    assert got.usage == {**want.usage, "prompt_tokens_details": got.usage["prompt_tokens_details"]}
+    fleet.wait_healthy()
+
+
 def test_a_stalled_stream_moves_after_the_stall_timeout(fleet: ProxiedFleet) -> None:
     body = completion_body(logprobs=1)
     want = stream(fleet, "/v1/completions", body)

@@ -237,9 +237,16 @@ def test_continuation_requests():
     assert not migratable("/v1/completions", {**completion, "echo": True})
     assert not migratable("/v1/completions", {**completion, "stream": False})
     assert migratable("/v1/completions", {**completion, "prompt": [1, 2, 3]})
-    # A continuation would restart a grammar at the boundary: constrained streams are not moved.
-    assert not migratable("/v1/completions", {**completion, "response_format": {"type": "json_object"}})
-    assert not migratable("/v1/completions", {**completion, "structured_outputs": {"regex": "a+"}})
+    # A constrained stream moves with its constraint, resumed after what was sent; tools do not move.
+    constrained = {**chat, "response_format": {"type": "json_object"}, "servelm": {"timeline": True}}
+    assert migratable("/v1/chat/completions", constrained)
+    body = continuation_body("/v1/chat/completions", constrained, [1, 2], [3, 4, 5], 20)
+    assert body["response_format"] == {"type": "json_object"}
+    assert body["servelm"] == {"timeline": True, "structured_resume_tokens": 3}
+    regex = continuation_body("/v1/completions", {**completion, "structured_outputs": {"regex": "a+"}}, [1], [2], 5)
+    assert regex["structured_outputs"] == {"regex": "a+"} and regex["servelm"] == {"structured_resume_tokens": 1}
+    assert continuation_body("/v1/completions", {**completion, "servelm": {"timeline": True}}, [1], [2], 5)["servelm"] == \
+        {"timeline": True}  # fmt: skip
     assert not migratable("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]})
     assert migratable("/v1/chat/completions", {**chat, "tools": [{"type": "function"}], "tool_choice": "none"})
     assert migratable("/v1/chat/completions", {**chat, "response_format": {"type": "text"}})

@@ -16,6 +16,8 @@ from servelm.scheduler.step_pricing import (
     MAX_CHUNK_OVERHEAD,
     StepPricing,
     auto_step_target_s,
+    configured_step_target_s,
+    paced_step_target_s,
 )
 
 TRUTH = (0.002, 0.008, 0.001, 2e-7, 0.0005, 1e-6, 1e-5)
@@ -103,6 +105,21 @@ def test_the_default_target_is_clamped() -> None:
     assert auto_step_target_s(calibrated()) == pytest.approx(10 * (TRUTH[0] + TRUTH[1]), rel=1e-3)
     assert auto_step_target_s(calibrated(tuple(c * 100 for c in TRUTH))) == AUTO_TARGET_MAX_S
     assert auto_step_target_s(calibrated(tuple(c / 100 for c in TRUTH))) == AUTO_TARGET_MIN_S
+
+
+def test_the_step_target_is_the_tightest_of_the_setting_the_classes_and_the_pace() -> None:
+    model = calibrated()
+    assert configured_step_target_s(model, 250.0) == 0.25 and configured_step_target_s(model, 0.0) is None
+    assert configured_step_target_s(model, None) == auto_step_target_s(model)
+    assert paced_step_target_s(model, 0.25, [None], None, 2.0) == (0.25, False)  # no prompt work: no pace
+    assert paced_step_target_s(model, 0.25, [0.05], None, 2.0) == (pytest.approx(0.05 * 0.8), False)  # a class's TBT
+    decodes = StepShape.decode(4, 512)
+    pace = 2.0 * seconds(decodes)
+    assert pace < 0.25
+    target, paced = paced_step_target_s(model, 0.25, [None] * 4, decodes, 2.0)
+    assert paced and target == pytest.approx(pace, rel=1e-3)
+    assert paced_step_target_s(model, pace / 2, [None] * 4, decodes, 2.0) == (pace / 2, False)  # the setting is tighter
+    assert paced_step_target_s(model, 0.25, [None], decodes, 0.0) == (0.25, False)  # slowdown 0: no pace bound
 
 
 def test_pricing_answers_the_largest_chunk_and_the_layers_that_fit() -> None:

@@ -7,6 +7,7 @@ import json
 import re
 
 import jsonschema
+import msgspec
 import pytest
 
 from servelm.engine.llm import LLM, RequestFailedError
@@ -87,6 +88,28 @@ def test_a_constrained_neighbour_changes_no_free_request(llm: LLM) -> None:
              for p, s in zip(prompts, [free, constrained, free, constrained])]  # fmt: skip
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, [free, constrained, free, constrained])]
     assert batched == alone
+
+
+def test_a_continuation_resumes_the_grammar_after_the_tokens_it_is_given(llm: LLM) -> None:
+    """A migrated stream's continuation: the prompt ends with the output sent so far and
+    structured_resume_tokens says how much of it is output; the grammar goes on from there, so the
+    greedy continuation is the rest of the undisturbed output. Output the grammar never allowed fails."""
+    prompt = llm.encode("Describe a customer as JSON.")
+    whole = SamplingParams(temperature=0.0, max_tokens=80, structured=json_spec(PERSON))
+    [output] = llm.generate([prompt], [whole])
+    first = output.outputs[0].token_ids
+    assert output.outputs[0].finish_reason == "stop" and len(first) > 12
+    cut = 9  # mid-object: a grammar started over here would have to open a new object
+    resumed = SamplingParams(temperature=0.0, max_tokens=80 - cut, structured=json_spec(PERSON),
+                             structured_resume_tokens=cut)  # fmt: skip
+    [rest] = llm.generate([prompt + first[:cut]], [resumed])
+    assert first[:cut] + rest.outputs[0].token_ids == first
+    jsonschema.validate(json.loads(output.outputs[0].text), PERSON)
+    off_grammar = llm.encode(" not json")[-2:]
+    with pytest.raises(RequestFailedError, match="does not match the constraint"):
+        llm.generate([prompt + off_grammar], [msgspec.structs.replace(resumed, structured_resume_tokens=2)])
+    with pytest.raises(ValueError, match="needs a structured-output constraint"):
+        SamplingParams(max_tokens=4, structured_resume_tokens=2)
 
 
 def test_a_spec_that_does_not_compile_fails_its_request_with_the_reason(llm: LLM) -> None:

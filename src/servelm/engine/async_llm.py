@@ -148,6 +148,11 @@ class AsyncLLM:
                     code="context_length_exceeded",
                     by_completion=len(prompt) < self.max_model_len,
                 )
+            if params.structured_resume_tokens >= len(prompt):
+                raise PromptError(
+                    f"structured_resume_tokens ({params.structured_resume_tokens}) must be fewer than the prompt's "
+                    f"{len(prompt)} tokens"
+                )
             # After the length check, so a huge prompt is rejected without a scan on the event loop.
             if check_ids:
                 self.check_token_ids(prompt)

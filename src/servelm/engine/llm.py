@@ -167,6 +167,8 @@ class LLM:
             raise ValueError(
                 f"prompt {index} has {len(token_ids)} tokens; the context window is {self.engine.max_model_len}"
             )
+        if params.structured_resume_tokens >= len(token_ids):
+            raise ValueError(f"prompt {index}: structured_resume_tokens must be fewer than its {len(token_ids)} tokens")
         vocab_size = self.engine.arch.vocab_size
         for name, ids in (("token id", token_ids), ("stop_token_ids entry", params.stop_token_ids)):
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)

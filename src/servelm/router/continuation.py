@@ -8,7 +8,10 @@ The continuation computes P + G as its prompt (a prefill, like a preempted reque
 and samples on from there: a greedy request's next tokens are the ones the lost replica would have
 produced. What carries over exactly: temperature, top_p/top_k/min_p, stop strings and ids,
 ignore_eos, skip_special_tokens, logprobs, repetition_penalty (it counts prompt and output tokens
-alike), priority, cache_salt, speculative, kv_retention; min_tokens less what was generated. What
+alike), priority, cache_salt, speculative, kv_retention; min_tokens less what was generated; a
+structured-output constraint (response_format, structured_outputs) with
+`servelm.structured_resume_tokens` = |G|, so the new replica's grammar consumes G before it samples
+and the constraint goes on from the boundary (scheduler/grammar_waits.py). What
 cannot: presence/frequency penalties count only output tokens, so G's tokens stop counting; a seed
 restarts its random stream at the boundary (the engine seeds a generator per request and draws once
 per token, with no way to skip draws), so it is replaced by seed + |G|: a seeded request stays
@@ -17,9 +20,8 @@ reproducible given the same failure, not equal to an undisturbed run.
 Not migrated (they fail as before when their replica dies mid-stream): non-streamed requests (no byte
 goes out before the whole answer, so the proxy's retry already re-runs them whole), n > 1 and batched
 prompts (several interleaved choices), echo (the prompt's text is part of the stream), requests
-that carry their own kv_transfer_params, and constrained ones (a response_format other than text,
-structured_outputs, tools the model may call): a continuation would restart their grammar at the
-boundary, or lose the tool-call reading, so they fail as before rather than break their constraint.
+that carry their own kv_transfer_params, and chat requests with tools the model may call (the
+continuation is a completion: the replica's reading of tool calls from the text would be lost).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ INT64_MAX = (1 << 63) - 1
 _CARRIED = (
     "model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-    "skip_special_tokens", "priority", "user", "cache_salt", "speculative", "kv_retention", "servelm",
+    "skip_special_tokens", "priority", "user", "cache_salt", "speculative", "kv_retention", "response_format",
+    "structured_outputs",
 )  # fmt: skip
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # CompletionRequest's default (an explicit null means the same)
 
@@ -56,19 +59,24 @@ def migratable(path: str, body: Mapping[str, Any]) -> bool:
     """A stream of one choice that the router can continue elsewhere (the module doc says why not others)."""
     if body.get("stream") is not True or body.get("n") not in (None, 1) or body.get("kv_transfer_params"):
         return False
-    if is_constrained(body):
+    if calls_tools(body):
         return False
     if is_chat(path):
         return True
     return _single_prompt(body.get("prompt")) and not body.get("echo") and body.get("best_of") in (None, 1)
 
 
+def calls_tools(body: Mapping[str, Any]) -> bool:
+    """Tools the model may call (the module doc says why these are not migrated)."""
+    return bool(body.get("tools")) and body.get("tool_choice") != "none"
+
+
 def is_constrained(body: Mapping[str, Any]) -> bool:
-    """Structured outputs or callable tools (the module doc says why these are not migrated)."""
+    """A structured-output constraint: its continuation resumes the grammar after the sent tokens."""
     response_format = body.get("response_format")
     if isinstance(response_format, Mapping) and response_format.get("type") not in (None, "text"):
         return True
-    return bool(body.get("structured_outputs")) or (bool(body.get("tools")) and body.get("tool_choice") != "none")
+    return bool(body.get("structured_outputs"))
 
 
 def output_limit(path: str, body: Mapping[str, Any]) -> int | None:
@@ -112,6 +120,12 @@ def continuation_body(
         logprobs = (body.get("top_logprobs") or 0) if logprobs else None
     if logprobs is not None:
         continued["logprobs"] = logprobs
+    if is_constrained(body):
+        servelm = body.get("servelm")
+        continued["servelm"] = {**(servelm if isinstance(servelm, Mapping) else {}),
+                                "structured_resume_tokens": len(sent_ids)}  # fmt: skip
+    elif isinstance(body.get("servelm"), Mapping):
+        continued["servelm"] = body["servelm"]
     options = body.get("stream_options")
     if isinstance(options, Mapping) and options.get("include_usage"):
         continued["stream_options"] = {"include_usage": True}

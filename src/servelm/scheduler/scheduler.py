@@ -83,18 +83,19 @@ from servelm.kv.kv_cache_manager import ComputedBlocks, KVCacheManager
 from servelm.kv.tiers import KVTiers
 from servelm.scheduler.chunk_choice import choose_chunk
 from servelm.scheduler.drafts import DraftScheduling, SpecCounters
+from servelm.scheduler.grammar_waits import GrammarWaits, sampling_grammars
 from servelm.scheduler.ranking import FairShare, Ranking, prefill_order
 from servelm.scheduler.request import Request, RequestStatus
-from servelm.scheduler.step_cost import StepCostModel, StepShape, step_time_target_s
+from servelm.scheduler.step_cost import StepCostModel, StepShape
 from servelm.scheduler.step_log import StepLog
 from servelm.scheduler.step_plan import ChunkPlan, StepPlan
 from servelm.scheduler.step_pricing import (
     LAYER_SHARE,
     LONE_LAYER_SHARE,
     StepPricing,
-    auto_step_target_s,
-    decode_bound_s,
+    configured_step_target_s,
     executed_shape,
+    paced_step_target_s,
 )
 from servelm.scheduler.stop import check_stop
 from servelm.scheduler.tier_loads import Admission, TierLoads
@@ -151,9 +152,7 @@ class Scheduler:
         self.step_log = StepLog()  # what the executed steps were, for metrics
         self._drafts = DraftScheduling(speculative, self.max_model_len) if speculative is not None else None
         self._tier_loads = TierLoads(kv_tiers, kv_cache_manager, kv_transfer) if kv_tiers is not None else None
-        self._grammars = grammars
-        self._compiling: list[Request] = []  # waiting for their grammar (not admitted before it is ready)
-        self.num_structured_requests = 0  # cumulative: requests that asked for structured outputs
+        self._grammar_waits = GrammarWaits(grammars) if grammars is not None else None
 
     # -- queries -------------------------------------------------------------------
 
@@ -219,16 +218,16 @@ class Scheduler:
                 f"prompt of {num_prompt} tokens: need 1 to {self.max_model_len - 1} "
                 f"(max_model_len {self.max_model_len} leaves room for one output token)"
             )
-        spec = engine_request.sampling_params.structured
-        if spec is not None and self._grammars is None:
+        structured = engine_request.sampling_params.structured is not None
+        if structured and self._grammar_waits is None:
             raise ValueError("structured outputs are not available on this engine (no grammar backend)")
+        if engine_request.sampling_params.structured_resume_tokens >= num_prompt:
+            raise ValueError("structured_resume_tokens must be fewer than the prompt's tokens")
         now = self._clock()
         request = Request.from_engine_request(engine_request, self._next_arrival_seq, now)
         self._next_arrival_seq += 1
-        if spec is not None and self._grammars is not None:
-            request.grammar_compile = self._grammars.submit(spec)  # compiles off the step loop
-            self.num_structured_requests += 1
-            self._compiling.append(request)
+        if structured and self._grammar_waits is not None:
+            self._grammar_waits.submit(request)  # compiles off the step loop; admitted once ready
         request.record(EventType.ARRIVED, now)
         request.record(EventType.QUEUED, now)
         self._requests[request_id] = request
@@ -257,11 +256,7 @@ class Scheduler:
         now = self._clock()
         failed = self._take_back_step(scheduler_output)
         outputs, self._pending_outputs = self._pending_outputs, []
-        for request in failed:
-            self._finish(request, RequestStatus.FINISHED_ERROR, now)
-            output = self._make_output(request, [], None)
-            output.error = error
-            outputs.append(output)
+        outputs.extend(self._finish_with_error(request, error, now) for request in failed)
         return outputs
 
     def requeue_step(self, scheduler_output: SchedulerOutput) -> list[str]:
@@ -319,33 +314,24 @@ class Scheduler:
     # -- schedule -------------------------------------------------------------------
 
     def step_target_s(self) -> float | None:
-        """The step-time target before any decode's class tightens it: max_step_ms, or when unset
-        the default the calibrated cost model gives (step_pricing.auto_step_target_s); None: none."""
-        max_step_ms = self.config.max_step_ms
-        if max_step_ms is None:
-            return auto_step_target_s(self.step_cost)
-        return max_step_ms / 1000.0 if max_step_ms > 0 else None
+        """The step-time target before any decode's class tightens it (step_pricing.py); None: none."""
+        return configured_step_target_s(self.step_cost, self.config.max_step_ms)
 
     def _step_target_s(self, decoding: list[Request], prefilling: list[Request]) -> tuple[float | None, bool]:
         """The step-time target with these requests decoding and these prompts mid-prefill (and the
-        waiting ones): step_target_s or, tighter, the decodes' class TBT targets, or
-        max_decode_slowdown x the decodes alone of those whose priority is as good as the best
-        prompt's: a batch stream's pace never holds back an interactive prompt (None: none applies);
-        and whether that pace bound is what binds."""
-        base = self.step_target_s()
-        target = step_time_target_s(1000.0 * base if base else 0.0, (r.slo.tbt_target_s for r in decoding))
+        waiting ones), and whether the pace bound binds (step_pricing.paced_step_target_s). The pace
+        is kept for the decodes whose priority is as good as the best prompt's: a batch stream's
+        pace never holds back an interactive prompt."""
         # max_step_ms 0 asks for unbounded steps: no pace bound either (a class's TBT target still binds).
         slowdown = self.config.max_decode_slowdown if self.config.max_step_ms != 0 else 0.0
         best_prompt = min((p for p in (self._waiting.best_priority(), *(r.priority for r in prefilling))
                            if p is not None), default=None)  # fmt: skip
-        if slowdown <= 0 or best_prompt is None:  # no pace to keep, or no prompt work to hold to it
-            return target, False
-        paced = [r for r in decoding if r.priority <= best_prompt]
-        decodes = sum((StepShape.decode(1, r.num_computed_tokens) for r in paced), StepShape())
-        pace = decode_bound_s(self.step_cost, decodes, slowdown)
-        if pace is not None and (target is None or pace < target):
-            return pace, True
-        return target, False
+        paced = None
+        if slowdown > 0 and best_prompt is not None:
+            paced = sum((StepShape.decode(1, r.num_computed_tokens) for r in decoding if r.priority <= best_prompt),
+                        StepShape())  # fmt: skip
+        tbt_targets = (r.slo.tbt_target_s for r in decoding)
+        return paced_step_target_s(self.step_cost, self.step_target_s(), tbt_targets, paced, slowdown)
 
     def _chunk_cap(self) -> int:
         """The cap on one prompt's chunk before the top-up (long_prefill_token_threshold), while time
@@ -357,8 +343,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self._clock()
         config = self.config
-        if self._compiling:
-            self._collect_grammars(now)
+        if self._grammar_waits:
+            for failure in self._grammar_waits.collect(now, is_live=self._requests.__contains__):
+                self._take_off_lists([failure.request])
+                self._pending_outputs.append(self._finish_with_error(failure.request, failure.error, now))
         decoding = [r for r in self._running if not r.is_prefilling]
         prefilling = [r for r in self._running if r.is_prefilling]
         alone = len(self._running) + len(self._waiting) <= 1  # a lone prompt: the largest layers (step_pricing.py)
@@ -385,49 +373,21 @@ class Scheduler:
         self._requeue(plan)
         return self._output(plan)
 
-    def _collect_grammars(self, now: float) -> None:
-        """The requests whose grammar compile ended: each gets its matcher (it may be admitted from
-        now on), or fails with the compile's error (the API checks specs first: this is the backstop)."""
-        compiling = []
-        for request in self._compiling:
-            future = request.grammar_compile
-            if request.request_id not in self._requests or future is None:
-                continue  # aborted while it compiled
-            if not future.done():
-                compiling.append(request)
-                continue
-            request.grammar_compile = None
-            error = future.exception()
-            if error is None:
-                request.grammar = future.result().matcher()
-                request.record(EventType.GRAMMAR_READY, now)
-                continue
-            self._take_off_lists([request])
-            self._finish(request, RequestStatus.FINISHED_ERROR, now)
-            output = self._make_output(request, [], None)
-            output.error = f"structured output: {error}"
-            self._pending_outputs.append(output)
-        self._compiling = compiling
-
     @property
     def grammars(self) -> GrammarCompiler | None:
-        return self._grammars
+        return self._grammar_waits.compiler if self._grammar_waits is not None else None
+
+    @property
+    def num_structured_requests(self) -> int:
+        return self._grammar_waits.num_structured_requests if self._grammar_waits is not None else 0
 
     def compiling_grammars(self) -> list[Future[CompiledGrammar]]:
         """The compiles requests wait for (an idle engine waits on them instead of spinning)."""
-        return [r.grammar_compile for r in self._compiling if r.grammar_compile is not None]
+        return self._grammar_waits.compiles() if self._grammar_waits is not None else []
 
     def sampling_grammars(self, scheduler_output: SchedulerOutput) -> list[SamplingGrammar]:
-        """The constrained requests that sample in this step, with the drafts they verify: their
-        masks are filled while it runs (EngineCore)."""
-        matchers = []
-        drafts = scheduler_output.scheduled_draft_token_ids
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self._requests.get(request_id)
-            if request is not None and request.grammar is not None:
-                if request.num_computed_tokens + num_tokens >= request.num_tokens:
-                    matchers.append(SamplingGrammar(request_id, request.grammar, list(drafts.get(request_id, []))))
-        return matchers
+        """The constrained requests that sample in this step: their masks are filled while it runs."""
+        return sampling_grammars(self._requests, scheduler_output) if self._grammar_waits is not None else []
 
     def _output(self, plan: StepPlan) -> SchedulerOutput:
         self._want_drafts_after_prompts(plan)
@@ -959,6 +919,13 @@ class Scheduler:
         if request.num_sent_tokens > 0:  # the runner mirrors it
             self._finished_ids.add(request.request_id)
         del self._requests[request.request_id]
+
+    def _finish_with_error(self, request: Request, error: str, now: float) -> EngineOutput:
+        """Finish a request that cannot go on; its last output carries `error` for the client."""
+        self._finish(request, RequestStatus.FINISHED_ERROR, now)
+        output = self._make_output(request, [], None)
+        output.error = error
+        return output
 
     def _make_output(
         self, request: Request, new_token_ids: list[int], logprobs: list[PositionLogprobs] | None

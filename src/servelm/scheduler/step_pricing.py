@@ -24,12 +24,12 @@ every question answers as if the step had room (the token budget alone binds).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from servelm.datatypes import SchedulerOutput
 from servelm.scheduler.request import Request
-from servelm.scheduler.step_cost import TBT_STEP_SHARE, StepCostModel, StepShape
+from servelm.scheduler.step_cost import TBT_STEP_SHARE, StepCostModel, StepShape, step_time_target_s
 
 # The default target (max_step_ms unset): this many times the fixed part of a prompt step on this
 # engine, as calibrated at start-up, so that a step's fixed part costs at most 1/AUTO_TARGET_FACTOR
@@ -77,6 +77,26 @@ def decode_bound_s(model: StepCostModel, decodes: StepShape, slowdown: float) ->
         return None
     predicted = model.predict(decodes)
     return None if predicted is None else slowdown * predicted
+
+
+def configured_step_target_s(model: StepCostModel, max_step_ms: float | None) -> float | None:
+    """The step-time target before any decode's class tightens it: max_step_ms, or when unset the
+    default the calibrated cost model gives (auto_step_target_s); None: no target (0, or uncalibrated)."""
+    if max_step_ms is None:
+        return auto_step_target_s(model)
+    return max_step_ms / 1000.0 if max_step_ms > 0 else None
+
+
+def paced_step_target_s(model: StepCostModel, base_s: float | None, tbt_targets_s: Iterable[float | None],
+                        paced_decodes: StepShape | None, slowdown: float) -> tuple[float | None, bool]:  # fmt: skip
+    """The step's time target: `base_s` or, tighter, the decoding requests' class TBT targets, or
+    `slowdown` x the time of `paced_decodes` alone (the decodes a prompt's work must not slow
+    more than that; None: no prompt work to hold to a pace). Also whether that pace is what binds."""
+    target = step_time_target_s(1000.0 * base_s if base_s else 0.0, tbt_targets_s)
+    pace = decode_bound_s(model, paced_decodes, slowdown) if paced_decodes is not None else None
+    if pace is not None and (target is None or pace < target):
+        return pace, True
+    return target, False
 
 
 @dataclass

@@ -70,6 +70,9 @@ class ServelmOptions(_Strict):
     """Our own request options, under `"servelm": {...}` (the openai client: `extra_body=`)."""
 
     timeline: bool = False  # return the request's timeline and TTFT split in the response
+    # The prompt's last n tokens are output already held to this request's response_format or
+    # structured_outputs: the router sets it when it continues a migrated stream on another replica.
+    structured_resume_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
 
 
 class KVTransferParamsBody(_Strict):
@@ -179,6 +182,7 @@ class _GenerationRequest(_Strict):
                 skip_special_tokens=self.skip_special_tokens,
                 num_speculative_tokens=self._num_speculative_tokens,
                 structured=structured_spec(self.response_format, self.structured_outputs),
+                structured_resume_tokens=self.servelm.structured_resume_tokens if self.servelm is not None else 0,
                 **{k: v for k, v in given.items() if v is not None},
             )
         except SamplingParamsError as exc:
