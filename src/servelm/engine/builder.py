@@ -187,7 +187,9 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
                 max_model_len,
             )
             max_model_len = num_blocks * block_size
-        graph_mode = decode_graph_mode(config.cuda_graphs, device, attention_backend_of(model))
+        # The MoE layer reads its per-expert token counts on the host each step: not capturable (yet).
+        graph_mode = (DecodeGraphMode.OFF if model.arch.moe is not None
+                      else decode_graph_mode(config.cuda_graphs, device, attention_backend_of(model)))  # fmt: skip
         # The decode graphs' padding rows write to one more block, id num_blocks: the scheduler's pool
         # (num_blocks) never hands it out.
         kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device,
@@ -317,6 +319,9 @@ def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline) -> 
         _injected_startup_faults()
         checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)  # lazy: rank 0 reads its shard
     arch, tokenizer, source = checkpoint.arch, checkpoint.tokenizer, checkpoint.source
+    if arch.moe is not None:  # known only once the config is read: check_supported sees flags alone
+        raise ValueError(f"{arch.architecture}: mixtures of experts run on one rank for now (their experts are not "
+                         "sharded yet: expert parallelism comes next); drop -tp/-cp")  # fmt: skip
     layout = layout_of(config)
     logical_block_size = config.cache.block_size * layout.context_parallel_size
     # Every rank allocates the same number of blocks: as many as the budget holds on the rank with the

@@ -33,6 +33,7 @@ from servelm.kernels.decode_layers import (
     prepare_layers,
 )
 from servelm.models.linear_methods import MAX_BLOCK_ROWS, BlockLinearMethod
+from servelm.models.moe import SparseMoE
 
 if TYPE_CHECKING:
     from servelm.models.llama import Linear, LlamaForCausalLM
@@ -58,8 +59,10 @@ class FusedDecodeLayers:
         self.model, self.kernel, self.matrices = model, kernel, matrices
         attention = model.decoder_layers[0].self_attn
         arch = model.arch
+        mlp = model.decoder_layers[0].mlp
+        assert not isinstance(mlp, SparseMoE)  # `of` refuses mixtures of experts
         self.geometry = LayerGeometry(arch.hidden_size, attention.num_heads, attention.num_kv_heads,
-                                      attention.head_dim, model.decoder_layers[0].mlp.intermediate_size,
+                                      attention.head_dim, mlp.intermediate_size,
                                       arch.rms_norm_eps)  # fmt: skip
         self.scale = attention.scale
         self._prepared: dict[tuple[int, ...], PreparedLayers] = {}  # by the pools' data pointers
@@ -68,8 +71,8 @@ class FusedDecodeLayers:
     def of(cls, model: LlamaForCausalLM) -> FusedDecodeLayers | None:
         """The fused path for `model`, or None where it cannot apply: kernels off or not built, not float32
         on CPU, tensor-parallel, another attention backend, or any linear layer not GGUF blocks."""
-        if envs.kernels_mode() is not envs.KernelsMode.AUTO:
-            return None
+        if envs.kernels_mode() is not envs.KernelsMode.AUTO or model.arch.moe is not None or model.arch.qk_norm:
+            return None  # the fused layers are the plain Llama block's
         kernel = cpu_kernels.load()
         norm = model.norm.weight
         if kernel is None or norm.device.type != "cpu" or norm.dtype != torch.float32 or model.shard.tp.is_parallel:
@@ -79,7 +82,9 @@ class FusedDecodeLayers:
             if not isinstance(layer.self_attn.backend, TorchAttentionBackend):
                 return None
             qkv, o = _block_matrix(layer.self_attn.qkv_proj), _block_matrix(layer.self_attn.o_proj)
-            gate_up, down = _block_matrix(layer.mlp.gate_up_proj), _block_matrix(layer.mlp.down_proj)
+            mlp = layer.mlp
+            assert not isinstance(mlp, SparseMoE)  # refused above otherwise
+            gate_up, down = _block_matrix(mlp.gate_up_proj), _block_matrix(mlp.down_proj)
             if qkv is None or o is None or gate_up is None or down is None:
                 return None
             matrices.append((qkv, o, gate_up, down))

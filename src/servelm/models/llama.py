@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2 with q/k/v bias) for a flattened batch.
+"""The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms) and
+its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: models/moe.py) for a flattened batch.
 
 Every forward takes the tokens of many requests end to end, `[num_tokens]`, with one
 position per token; which token belongs to which request, and where its K/V live,
@@ -22,6 +23,7 @@ every rank). One rank issues no collective: each helper is the identity there.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +38,7 @@ from servelm.models.arch import ModelArchConfig
 from servelm.models.fused_decode import FusedDecodeLayers
 from servelm.models.fused_ops import TORCH_OPS, NormRotaryOps, Rotate, torch_rms_norm, torch_silu_mul
 from servelm.models.linear_methods import DENSE, LinearMethod, LinearMethodChooser, all_dense
+from servelm.models.moe import SparseMoE
 from servelm.models.rotary import RotaryEmbedding
 from servelm.models.sharding import ModelShard, whole
 from servelm.models.weights import CheckpointWeights, Weight, dense_tensor
@@ -151,6 +154,10 @@ class LlamaAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, arch.rope_theta, arch.rope_scaling)
         self.backend = backend
         self.scale = self.head_dim**-0.5
+        # Qwen3: each q and k head RMS-normed over its head_dim before the rotation.
+        self.prefix = prefix
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(
         self,
@@ -164,7 +171,10 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) * D]: q | k | v
         qk_size = self.q_size + self.kv_size
         # q and k sit side by side, so one rotation covers both heads' worth: [T, H + KVH, D].
-        qk = rotate(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        qk = rotate(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, H, D]
@@ -173,10 +183,16 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArchConfig, prefix: str, linear_method: LinearMethodChooser,
-                 shard: ModelShard) -> None:  # fmt: skip
+                 shard: ModelShard, intermediate_size: int | None = None) -> None:  # fmt: skip
+        """`intermediate_size`: a width of its own (a MoE layer's shared expert, never sharded);
+        None: the model's, this rank's columns of it."""
         super().__init__()
-        self.intermediate_size = len(shard.mlp)  # this rank's columns
-        columns = whole(shard.mlp, arch.intermediate_size)
+        if intermediate_size is not None:
+            self.intermediate_size, columns = intermediate_size, None
+            shard = dataclasses.replace(shard, tp=SINGLE_RANK)
+        else:
+            self.intermediate_size = len(shard.mlp)  # this rank's columns
+            columns = whole(shard.mlp, arch.intermediate_size)
         gate_up_parts = (f"{prefix}.gate_proj", f"{prefix}.up_proj")
         self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, False, gate_up_parts,
                                    linear_method(gate_up_parts, None), rows=(columns, columns))  # fmt: skip
@@ -189,16 +205,27 @@ class LlamaMLP(nn.Module):
     ) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))  # gate_up: [T, 2I] = gate | up
 
+    def load(self, weights: CheckpointWeights) -> None:
+        self.gate_up_proj.load(weights)
+        self.down_proj.load(weights)
+
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, prefix: str,
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, index: int,
                  linear_method: LinearMethodChooser, shard: ModelShard) -> None:  # fmt: skip
         super().__init__()
-        self.prefix = prefix  # "model.layers.{i}": where its tensors sit in the checkpoint
+        prefix = f"model.layers.{index}"
+        self.prefix = prefix  # where its tensors sit in the checkpoint
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = LlamaAttention(arch, backend, f"{prefix}.self_attn", linear_method, shard)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, f"{prefix}.mlp", linear_method, shard)
+        self.mlp: LlamaMLP | SparseMoE
+        if arch.moe is not None and index in arch.moe.sparse_layers:
+            shared = arch.moe.shared_expert_intermediate_size
+            shared_expert = LlamaMLP(arch, f"{prefix}.mlp.shared_expert", linear_method, shard, shared) if shared else None
+            self.mlp = SparseMoE(arch, prefix, shared_expert)
+        else:
+            self.mlp = LlamaMLP(arch, f"{prefix}.mlp", linear_method, shard)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: LayerKVCache | None, metadata: AttentionMetadata,
@@ -230,10 +257,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.shard = ModelShard.of(arch, tp)  # what this rank holds (everything alone)
         self.embed_tokens = VocabParallelEmbedding(arch.hidden_size, self.shard)
-        layers = [
-            LlamaDecoderLayer(arch, backend, f"model.layers.{i}", linear_method, self.shard)
-            for i in range(arch.num_hidden_layers)
-        ]
+        layers = [LlamaDecoderLayer(arch, backend, i, linear_method, self.shard) for i in range(arch.num_hidden_layers)]
         self.layers = nn.ModuleList(layers)
         # The same modules, typed (a tuple is not registered again as a submodule).
         self.decoder_layers: tuple[LlamaDecoderLayer, ...] = tuple(layers)
@@ -317,6 +341,10 @@ class LlamaForCausalLM(nn.Module):
                 layer.input_layernorm.weight.copy_(dense_tensor(weights[f"{layer.prefix}.input_layernorm.weight"]))
                 post_norm = weights[f"{layer.prefix}.post_attention_layernorm.weight"]
                 layer.post_attention_layernorm.weight.copy_(dense_tensor(post_norm))
-                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                               layer.mlp.down_proj):  # fmt: skip
-                    linear.load(weights)
+                attention = layer.self_attn
+                attention.qkv_proj.load(weights)
+                attention.o_proj.load(weights)
+                if attention.q_norm is not None and attention.k_norm is not None:
+                    attention.q_norm.weight.copy_(dense_tensor(weights[f"{attention.prefix}.q_norm.weight"]))
+                    attention.k_norm.weight.copy_(dense_tensor(weights[f"{attention.prefix}.k_norm.weight"]))
+                layer.mlp.load(weights)

@@ -25,7 +25,10 @@ from servelm.models.weights import CheckpointWeights
 
 _EXPECTED = "a Hugging Face model directory with config.json or a .gguf file"
 # HF `model_type` for each architecture we can run, for the config we export.
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+}  # fmt: skip
 
 
 @dataclass
@@ -106,6 +109,8 @@ def hf_config_dict(arch: ModelArchConfig) -> dict[str, Any]:
         "eos_token_id": _eos_value(arch),
         "torch_dtype": "float32",
     }
+    if arch.moe is not None:
+        config.update(arch.moe.hf_fields(arch.num_hidden_layers))
     if arch.rope_scaling is not None:
         scaling = dataclasses.asdict(arch.rope_scaling)
         if scaling["rope_type"] == "linear":  # the llama3-only fields would confuse readers of a linear config

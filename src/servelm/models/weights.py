@@ -18,6 +18,7 @@ import torch
 
 from servelm.models.arch import ModelArchConfig
 from servelm.models.gguf_blocks import BLOCK, BlockType, BlockWeight
+from servelm.models.moe_weights import moe_weight_shapes
 
 # How many problems one error message lists before summarising the rest.
 _MAX_REPORTED = 5
@@ -191,7 +192,13 @@ def expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.self_attn.k_proj.bias"] = (kv_size,)
             shapes[f"{p}.self_attn.v_proj.bias"] = (kv_size,)
         shapes[f"{p}.self_attn.o_proj.weight"] = (hidden, q_size)
+        if arch.qk_norm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = (arch.head_dim,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (arch.head_dim,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
+        if arch.moe is not None and i in arch.moe.sparse_layers:
+            shapes.update(moe_weight_shapes(arch, p))
+            continue
         shapes[f"{p}.mlp.gate_proj.weight"] = (arch.intermediate_size, hidden)
         shapes[f"{p}.mlp.up_proj.weight"] = (arch.intermediate_size, hidden)
         shapes[f"{p}.mlp.down_proj.weight"] = (hidden, arch.intermediate_size)

@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 checkpoints on disk, for tests and benchmarks that need many fast forwards.
+"""Tiny random Llama-family checkpoints on disk (Llama, Qwen2, Qwen3, and the mixtures of experts
+Mixtral, Qwen2-MoE and Qwen3-MoE), for tests and benchmarks that need many fast forwards.
 
     write_tiny_checkpoint(dir)          -> a Hugging Face directory transformers and servelm both load
     write_tiny_gguf(path, dir, ...)     -> the same weights as llama.cpp would write them (no tokenizer)
@@ -30,7 +31,17 @@ from servelm.models.loader import hf_config_dict
 from servelm.models.weights import expected_weight_shapes
 from servelm.tokenization.loading import load_gguf_tokenizer
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+}  # fmt: skip
+# The mixtures of experts' own sizes (small, several experts per token); overrides replace them.
+_TINY_MOE: dict[str, dict[str, Any]] = {
+    "mixtral": {"intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"moe_intermediate_size": 48, "shared_expert_intermediate_size": 80, "num_experts": 8,
+                  "num_experts_per_tok": 3, "norm_topk_prob": False},
+    "qwen3_moe": {"moe_intermediate_size": 48, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True},
+}  # fmt: skip
 
 # Small enough for a forward in milliseconds on CPU; GQA (4 heads over 2 KV heads) on purpose.
 _TINY_CONFIG: dict[str, Any] = {
@@ -95,6 +106,7 @@ def write_tiny_checkpoint(
     config_class = getattr(transformers, ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
     values = {
         **_TINY_CONFIG,
+        **_TINY_MOE.get(arch, {}),
         "vocab_size": len(tokenizer),
         # Llama keeps a separate lm_head and Qwen2 ties it, so the two cover both layouts.
         "tie_word_embeddings": arch == "qwen2",

@@ -1,0 +1,95 @@
+"""Routed experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): `SparseMoE`.
+
+Per step, for the flattened batch x [T, hidden]:
+
+    router logits x @ Wr^T [T, E] ─▶ softmax (float32) ─▶ top-k experts per token (weights
+    renormalised to sum 1 where the family does) ─▶ the T·k (token, expert) pairs sorted by expert
+    ─▶ for each expert that got tokens: its rows of x gathered, one SwiGLU GEMM pair over them
+    ([n, hidden] @ [hidden, 2I] ─▶ silu·mul ─▶ @ [I, hidden]), scaled by the pair's weight
+    ─▶ summed back into each token's row (index_add)
+
+Experts that no token chose cost nothing: a step reads the weights of the experts it uses, so
+its cost follows the active parameters (a decode step of a few tokens touches at most T·k
+experts), not the total. One host sync a step reads the per-expert counts, so that the groups
+are slices of one sorted order rather than a mask per expert.
+
+The experts' weights are two stacked tensors ([E, 2I, hidden] gate|up and [E, hidden, I] down):
+each expert's slice is the same matrix the checkpoint stores as separate tensors per expert
+(`load` copies them in one at a time). A shared expert (Qwen2-MoE) is a dense MLP every token
+passes through, scaled by sigmoid(x @ Wg^T) and added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm.models.arch import ModelArchConfig, MoEConfig
+from servelm.models.moe_weights import expert_tensor_names, router_tensor_name
+from servelm.models.weights import CheckpointWeights, dense_tensor
+
+if TYPE_CHECKING:
+    from servelm.models.llama import LlamaMLP
+
+
+def route(router_logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in the logits' dtype, expert ids [T, k]) of each token's top-k experts:
+    softmax in float32 over all experts, the k largest, renormalised where the family does."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), experts
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, arch: ModelArchConfig, prefix: str, shared_expert: LlamaMLP | None) -> None:
+        super().__init__()
+        moe = arch.moe
+        assert moe is not None
+        self.moe = moe
+        self.prefix = prefix
+        width = moe.expert_intermediate_size
+        self.router = nn.Parameter(torch.empty(moe.num_experts, arch.hidden_size))
+        self.gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * width, arch.hidden_size))  # gate | up rows
+        self.down = nn.Parameter(torch.empty(moe.num_experts, arch.hidden_size, width))
+        self.shared_expert = shared_expert  # a dense MLP (Qwen2-MoE), None for the others
+        self.shared_gate = nn.Parameter(torch.empty(1, arch.hidden_size)) if shared_expert is not None else None
+
+    def forward(self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        weights, experts = route(F.linear(x, self.router), self.moe)  # [T, k] each
+        flat_experts = experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)  # the (token, slot) pairs grouped by expert
+        token_of_pair = order // self.moe.top_k
+        weight_of_pair = weights.reshape(-1)[order].unsqueeze(-1)
+        counts = torch.bincount(flat_experts, minlength=self.moe.num_experts).tolist()  # the one host sync
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of_pair[start : start + count]
+            hidden = silu_mul(F.linear(x[tokens], self.gate_up[expert]))  # [n, I]
+            out.index_add_(0, tokens, F.linear(hidden, self.down[expert]) * weight_of_pair[start : start + count])
+            start += count
+        if self.shared_expert is not None:
+            assert self.shared_gate is not None
+            out += torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared_expert(x, silu_mul)
+        return out
+
+    def load(self, weights: CheckpointWeights) -> None:
+        """The router and every expert's three tensors, one tensor read at a time, into the stacks."""
+        moe, width = self.moe, self.moe.expert_intermediate_size
+        self.router.copy_(dense_tensor(weights[router_tensor_name(moe, self.prefix)]))
+        for expert in range(moe.num_experts):
+            gate, up, down = expert_tensor_names(moe, self.prefix, expert)
+            self.gate_up[expert, :width].copy_(dense_tensor(weights[gate]))
+            self.gate_up[expert, width:].copy_(dense_tensor(weights[up]))
+            self.down[expert].copy_(dense_tensor(weights[down]))
+        if self.shared_expert is not None and self.shared_gate is not None:
+            self.shared_gate.copy_(dense_tensor(weights[f"{self.prefix}.mlp.shared_expert_gate.weight"]))
+            self.shared_expert.load(weights)
