@@ -258,8 +258,9 @@ class SchedulerConfig:
     # or not. A step is never interrupted, so this is also how long a request arriving mid-step
     # can wait before it is looked at (step_pricing.py). While requests with a class TBT target
     # decode, TBT_STEP_SHARE of the tightest such target binds instead when smaller. None: chosen
-    # at start-up as 10x the calibrated fixed part of a prompt step (step_pricing.auto_step_target_s:
-    # ~250 ms on 2 CPU cores and the default model, tens of ms on a GPU); 0: no bound (steps are
+    # at start-up from the calibrated costs chunking repeats (a step's fixed part, a chunk's pass
+    # over the weights), so a lone long prompt loses at most ~7% to them (step_pricing.auto_step_target_s:
+    # ~180 ms on 2 CPU cores and the default model, tens of ms on a GPU); 0: no bound (steps are
     # held to max_num_batched_tokens alone).
     max_step_ms: float | None = None
     # While requests decode, a step that also carries prompt work is held to this many times the

@@ -11,8 +11,10 @@ from servelm.scheduler.chunk_choice import choose_chunk
 from servelm.scheduler.step_cost import REFIT_EVERY, StepCostModel, StepShape, chunk_pairs
 from servelm.scheduler.step_plan import ChunkPlan, StepPlan
 from servelm.scheduler.step_pricing import (
+    AUTO_TARGET_FACTOR,
     AUTO_TARGET_MAX_S,
     AUTO_TARGET_MIN_S,
+    LONE_LAYER_SHARE,
     MAX_CHUNK_OVERHEAD,
     StepPricing,
     auto_step_target_s,
@@ -45,7 +47,7 @@ def test_no_answer_before_a_calibration_or_four_steps_of_different_sizes() -> No
     for _ in range(4):
         model.observe(StepShape.decode(1, 10), 0.01)  # one size: no slope
     assert model.coefficients() is None
-    assert auto_step_target_s(model) is None  # nothing calibrated: no default target
+    assert auto_step_target_s(model, 30) is None  # nothing calibrated: no default target
 
 
 def test_the_calibration_recovers_every_price() -> None:
@@ -101,16 +103,23 @@ def test_prompt_blocks_are_priced_by_their_tokens_and_pairs_at_depth_without_the
     assert StepCostModel().prompt_blocks_s(16, 0, 3) is None
 
 
-def test_the_default_target_is_clamped() -> None:
-    assert auto_step_target_s(calibrated()) == pytest.approx(10 * (TRUTH[0] + TRUTH[1]), rel=1e-3)
-    assert auto_step_target_s(calibrated(tuple(c * 100 for c in TRUTH))) == AUTO_TARGET_MAX_S
-    assert auto_step_target_s(calibrated(tuple(c / 100 for c in TRUTH))) == AUTO_TARGET_MIN_S
+def test_the_default_target_prices_what_chunking_repeats_and_is_clamped() -> None:
+    # Token chunks: every step starts a chunk, so it repeats its fixed part and a pass over the weights.
+    token_chunks = auto_step_target_s(calibrated(), 0)
+    assert token_chunks == pytest.approx(AUTO_TARGET_FACTOR * (TRUTH[0] + TRUTH[1]), rel=1e-3)
+    # Layered chunks: a chunk spans num_layers x LONE_LAYER_SHARE targets, so its pass is shared by
+    # that many steps' worth of work and the target is smaller (a request arriving waits less).
+    layered = auto_step_target_s(calibrated(), 30)
+    assert layered == pytest.approx(AUTO_TARGET_FACTOR * (TRUTH[0] + TRUTH[1] / (30 * LONE_LAYER_SHARE)), rel=1e-3)
+    assert layered is not None and token_chunks is not None and layered < token_chunks
+    assert auto_step_target_s(calibrated(tuple(c * 100 for c in TRUTH)), 0) == AUTO_TARGET_MAX_S
+    assert auto_step_target_s(calibrated(tuple(c / 100 for c in TRUTH)), 30) == AUTO_TARGET_MIN_S
 
 
 def test_the_step_target_is_the_tightest_of_the_setting_the_classes_and_the_pace() -> None:
     model = calibrated()
-    assert configured_step_target_s(model, 250.0) == 0.25 and configured_step_target_s(model, 0.0) is None
-    assert configured_step_target_s(model, None) == auto_step_target_s(model)
+    assert configured_step_target_s(model, 250.0, 30) == 0.25 and configured_step_target_s(model, 0.0, 30) is None
+    assert configured_step_target_s(model, None, 30) == auto_step_target_s(model, 30)
     assert paced_step_target_s(model, 0.25, [None], None, 2.0) == (0.25, False)  # no prompt work: no pace
     assert paced_step_target_s(model, 0.25, [0.05], None, 2.0) == (pytest.approx(0.05 * 0.8), False)  # a class's TBT
     decodes = StepShape.decode(4, 512)

@@ -371,12 +371,12 @@ def _seed_step_cost(scheduler: Scheduler, steps: list[TimedStep]) -> None:
         shapes.append((shape, step.seconds))
     scheduler.step_cost.calibrate(shapes)
     target_s = scheduler.step_target_s()
-    fixed_s = scheduler.step_cost.calibrated_fixed_s
+    parts = scheduler.step_cost.calibrated_parts_s
     logger.info(
-        "step-time target %s (a prompt step's fixed part: %s)",
+        "step-time target %s (every step: %s, a pass over the weights: %s)",
         "none" if target_s is None else f"{target_s * 1000:.0f} ms"
         + (" (auto)" if scheduler.config.max_step_ms is None else ""),
-        "unknown" if fixed_s is None else f"{fixed_s * 1000:.1f} ms",
+        *(("unknown", "unknown") if parts is None else (f"{parts[0] * 1000:.1f} ms", f"{parts[1] * 1000:.1f} ms")),
     )
 
 

@@ -315,7 +315,7 @@ class Scheduler:
 
     def step_target_s(self) -> float | None:
         """The step-time target before any decode's class tightens it (step_pricing.py); None: none."""
-        return configured_step_target_s(self.step_cost, self.config.max_step_ms)
+        return configured_step_target_s(self.step_cost, self.config.max_step_ms, self._num_layers)
 
     def _step_target_s(self, decoding: list[Request], prefilling: list[Request]) -> tuple[float | None, bool]:
         """The step-time target with these requests decoding and these prompts mid-prefill (and the

@@ -119,7 +119,7 @@ class StepCostModel:
     _coefficients: tuple[float, ...] | None = None
     _num_unfitted: int = 0  # steps observed since the last fit
     _stale: bool = False  # a fit is due: REFIT_EVERY steps since the last, or a new calibration
-    _calibrated_fixed_s: float | None = None
+    _calibrated_fixed: tuple[float, float] | None = None  # the calibration's (fixed, dense pass) seconds
 
     def __post_init__(self) -> None:
         self._steps = deque(maxlen=self.window)
@@ -129,7 +129,7 @@ class StepCostModel:
         self._prior = [(shape.features(), seconds) for shape, seconds in steps if seconds > 0]
         self._stale = True
         prior_fit = _nonnegative_least_squares([(x, y, 1.0) for x, y in self._prior]) if self._prior else None
-        self._calibrated_fixed_s = None if prior_fit is None else prior_fit[0] + prior_fit[1]
+        self._calibrated_fixed = None if prior_fit is None else (prior_fit[0], prior_fit[1])
 
     @property
     def calibrated(self) -> bool:
@@ -138,9 +138,15 @@ class StepCostModel:
     @property
     def calibrated_fixed_s(self) -> float | None:
         """The fixed part of a prompt step (fixed + one dense pass) as the calibration alone measured
-        it: what the default step-time target derives from, so the target stays put while the fit
-        follows the machine. None without a calibration."""
-        return self._calibrated_fixed_s
+        it. None without a calibration."""
+        return None if self._calibrated_fixed is None else sum(self._calibrated_fixed)
+
+    @property
+    def calibrated_parts_s(self) -> tuple[float, float] | None:
+        """(what every step pays, what a dense pass over the weights adds) as the calibration alone
+        measured them: what the default step-time target derives from, so the target stays put while
+        the fit follows the machine. None without a calibration."""
+        return self._calibrated_fixed
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """One executed step: what it computed and how long the runner took."""

@@ -31,11 +31,17 @@ from servelm.datatypes import SchedulerOutput
 from servelm.scheduler.request import Request
 from servelm.scheduler.step_cost import TBT_STEP_SHARE, StepCostModel, StepShape, step_time_target_s
 
-# The default target (max_step_ms unset): this many times the fixed part of a prompt step on this
-# engine, as calibrated at start-up, so that a step's fixed part costs at most 1/AUTO_TARGET_FACTOR
-# of its time (what chunking a lone long prompt may lose to it). ~250 ms on 2 CPU cores and the
-# default model; tens of milliseconds on a GPU. Clamped to [AUTO_TARGET_MIN_S, AUTO_TARGET_MAX_S].
-AUTO_TARGET_FACTOR = 10.0
+# The default target (max_step_ms unset) bounds what chunking a lone long prompt may lose: a step
+# repeats what every step pays (Python, launching, sampling) and a chunk repeats a pass over the
+# weights (with layered prefill a chunk spans many steps: one of its layers may take
+# LONE_LAYER_SHARE of the target, so it runs num_layers x LONE_LAYER_SHARE targets' worth). The
+# target is AUTO_TARGET_FACTOR times those repeated costs per target's worth of work, so they take
+# at most 1/AUTO_TARGET_FACTOR of the prompt's time (~7%: room for what the model does not see,
+# inside the 10% a lone prompt may lose). ~180 ms on 2 CPU cores and the default model, tens of
+# milliseconds on a GPU. Clamped to [AUTO_TARGET_MIN_S, AUTO_TARGET_MAX_S]. Pricing the pass per
+# step instead, as if every step started a chunk, gave 440 ms on an AMX Xeon host, where a 16-token
+# request sent beside an 8k-token prompt then waited 0.54 s for its first token.
+AUTO_TARGET_FACTOR = 15.0
 AUTO_TARGET_MIN_S = 0.02
 AUTO_TARGET_MAX_S = 1.0
 # A step that completes a prompt delivers its first token at its end: it ends within this share of
@@ -61,12 +67,17 @@ LAYER_SHARE = 0.15
 LONE_LAYER_SHARE = 0.5
 
 
-def auto_step_target_s(model: StepCostModel) -> float | None:
-    """The default step-time target for an engine whose cost model is calibrated; None before."""
-    fixed = model.calibrated_fixed_s
-    if fixed is None:
+def auto_step_target_s(model: StepCostModel, num_layers: int) -> float | None:
+    """The default step-time target for an engine whose cost model is calibrated (None before);
+    `num_layers`: the model's layers where prefill may be layered, 0 where every chunk is a token
+    chunk (one pass over the weights a step)."""
+    parts = model.calibrated_parts_s
+    if parts is None:
         return None
-    return min(AUTO_TARGET_MAX_S, max(AUTO_TARGET_MIN_S, AUTO_TARGET_FACTOR * fixed))
+    every_step, dense_pass = parts
+    chunks_per_target = 1.0 / (num_layers * LONE_LAYER_SHARE) if num_layers else 1.0
+    repeated = every_step + chunks_per_target * dense_pass
+    return min(AUTO_TARGET_MAX_S, max(AUTO_TARGET_MIN_S, AUTO_TARGET_FACTOR * repeated))
 
 
 def decode_bound_s(model: StepCostModel, decodes: StepShape, slowdown: float) -> float | None:
@@ -79,11 +90,11 @@ def decode_bound_s(model: StepCostModel, decodes: StepShape, slowdown: float) ->
     return None if predicted is None else slowdown * predicted
 
 
-def configured_step_target_s(model: StepCostModel, max_step_ms: float | None) -> float | None:
+def configured_step_target_s(model: StepCostModel, max_step_ms: float | None, num_layers: int) -> float | None:
     """The step-time target before any decode's class tightens it: max_step_ms, or when unset the
     default the calibrated cost model gives (auto_step_target_s); None: no target (0, or uncalibrated)."""
     if max_step_ms is None:
-        return auto_step_target_s(model)
+        return auto_step_target_s(model, num_layers)
     return max_step_ms / 1000.0 if max_step_ms > 0 else None
 
 
