@@ -148,6 +148,18 @@ def test_pricing_answers_the_largest_chunk_and_the_layers_that_fit() -> None:
     assert pricing.chunk_overhead_share(8, 4000) > 0.5 > pricing.chunk_overhead_share(1024, 0)
 
 
+def test_a_lone_prompts_layered_chunk_fills_its_steps_with_whole_layers() -> None:
+    """At a layer share of 1/k, k layers of the chunk fit a step that holds nothing else: the
+    share is of the time a step has for work, not of the target (which left a lone prompt's steps
+    one layer and half empty: twice the steps, twice what every step pays)."""
+    model = calibrated()
+    for target_s in (0.05, 0.15, 0.4):
+        pricing = StepPricing(model, target_s, num_layers=30, layer_share=LONE_LAYER_SHARE)
+        tokens = pricing.layered_chunk_tokens(8192, 2000)
+        assert pricing.layers_within(tokens, 2000, 30) == 2, target_s
+        assert pricing.layers_within(tokens + 1, 2000, 30) < 2 or tokens == 8192
+
+
 def test_unpriced_pricing_never_binds() -> None:
     for pricing in (StepPricing(calibrated(), None, 10), StepPricing(StepCostModel(), 0.1, 10)):
         assert not pricing.priced() and pricing.time_left_s() == float("inf")

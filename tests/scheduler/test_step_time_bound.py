@@ -14,7 +14,7 @@ from servelm.kv import KVCacheManager
 from servelm.scheduler.request import RequestStatus
 from servelm.scheduler.scheduler import Scheduler
 from servelm.scheduler.step_cost import StepShape
-from servelm.scheduler.step_pricing import AUTO_TARGET_FACTOR, FIRST_TOKEN_SHARE
+from servelm.scheduler.step_pricing import AUTO_TARGET_FACTOR, FIRST_TOKEN_SHARE, LONE_LAYER_SHARE
 
 # Seconds per unit of (fixed, dense pass, decode token, decode context, prompt token, pair, chunk context).
 TRUTH = (0.002, 0.008, 0.001, 0.0, 0.0005, 1e-6, 1e-5)
@@ -61,9 +61,14 @@ def run_step(s: Scheduler):
     return so, outputs, seconds
 
 
-def test_the_default_target_is_ten_times_the_calibrated_fixed_part_of_a_prompt_step() -> None:
+def test_the_default_target_prices_what_chunking_repeats_on_this_engine() -> None:
+    # Layered prefill: a chunk's pass over the weights is shared by the NUM_LAYERS x LONE_LAYER_SHARE
+    # targets' worth of steps it spans; token chunks only: every step pays one.
     s = bounded(max_step_ms=None)
-    assert s.step_target_s() == pytest.approx(AUTO_TARGET_FACTOR * (TRUTH[0] + TRUTH[1]), rel=1e-3)
+    repeated = TRUTH[0] + TRUTH[1] / (NUM_LAYERS * LONE_LAYER_SHARE)
+    assert s.step_target_s() == pytest.approx(AUTO_TARGET_FACTOR * repeated, rel=1e-3)
+    token_chunks = bounded(max_step_ms=None, layered_prefill=False)
+    assert token_chunks.step_target_s() == pytest.approx(AUTO_TARGET_FACTOR * (TRUTH[0] + TRUTH[1]), rel=1e-3)
     assert bounded(max_step_ms=0.0).step_target_s() is None
     assert bounded(max_step_ms=250.0).step_target_s() == pytest.approx(0.25)
     uncalibrated = make_scheduler(max_step_ms=None)

@@ -199,12 +199,15 @@ class StepPricing:
 
     def layered_chunk_tokens(self, limit: int, context: int) -> int:
         """The chunk a layered prefill runs after `context`: the most tokens (at most `limit`) one of
-        whose layers costs at most layer_share of the target (so a step can always fit one). At
+        whose layers costs at most layer_share of the target's time for work (the target less what
+        every step pays), so a step can always fit one and, at a share of 1/k, fits k whole: a share
+        of the target itself left a lone prompt's steps (share 0.5) one layer and half empty. At
         least 1."""
         if not self.priced() or self.num_layers <= 0:
             return max(1, limit)
         assert self.target_s is not None
-        layer_budget = self.layer_share * self.target_s
+        every_step = self.model.predict(StepShape()) or 0.0
+        layer_budget = self.layer_share * max(0.0, self.target_s - every_step)
         low, high = 1, max(1, limit)
         if self._slice_cost(high, context, 1) <= layer_budget:
             return high
