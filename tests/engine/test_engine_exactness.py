@@ -13,10 +13,10 @@ import random
 import pytest
 
 from servelm.config import EngineConfig
-from servelm.datatypes import DEFAULT_SLO, EngineRequest, FinishReason, LayerSlice, RequestSlo, SchedulerOutput
+from servelm.datatypes import DEFAULT_SLO, EngineRequest, FinishReason, RequestSlo
 from servelm.engine.builder import build_engine
 from servelm.sampling_params import SamplingParams
-from servelm.scheduler.scheduler import Scheduler
+from servelm.testing.engine_run import record_layer_slices
 from servelm.testing.reference_decode import greedy_decode
 
 
@@ -150,20 +150,6 @@ def test_prefix_cache_skips_work_not_results(tiny_dir):
     assert stats.prefix_hits == 64
 
 
-def _record_layer_slices(scheduler: Scheduler) -> list[LayerSlice]:
-    """The layer slices of every step the real scheduler plans from now on (it watches, changes nothing)."""
-    slices: list[LayerSlice] = []
-    schedule = scheduler.schedule
-
-    def recording_schedule() -> SchedulerOutput:
-        so = schedule()
-        slices.extend(so.layer_slices.values())
-        return so
-
-    scheduler.schedule = recording_schedule  # type: ignore[method-assign]
-    return slices
-
-
 @pytest.mark.parametrize("layered", [True, False])
 def test_step_time_target_changes_chunking_not_results(tiny_dir, reference_model, layered):
     """A step-time target sizes every step by the learned cost model: many more, smaller chunks
@@ -177,7 +163,7 @@ def test_step_time_target_changes_chunking_not_results(tiny_dir, reference_model
             layered_prefill=layered,
         )  # fmt: skip
         built = build_engine(config)
-        slices = _record_layer_slices(built.core.scheduler)
+        slices = record_layer_slices(built.core.scheduler)
         tokens, _, steps[max_step_ms] = _run(built.core, workload)
         for i, (prompt, max_tokens, _) in enumerate(workload):
             assert tokens[str(i)] == greedy_decode(reference_model, prompt, max_tokens), f"request {i} diverged"

@@ -30,6 +30,9 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,  # small, so test positions cross every band
 }
+# YaRN as Qwen's long-context configs set it: the ramp between interpolated and kept frequencies,
+# and cos/sin scaled by its attention factor (0.1 ln 4 + 1).
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -44,6 +47,8 @@ def _hf_model(kind: str):
     torch.manual_seed(0)
     if kind == "qwen2":
         model = HFQwen2(Qwen2Config(**COMMON, tie_word_embeddings=False))
+    elif kind == "qwen2_yarn":
+        model = HFQwen2(Qwen2Config(**COMMON, tie_word_embeddings=False, rope_parameters=YARN_ROPE))
     elif kind == "llama3_tied":
         model = HFLlama(LlamaConfig(**COMMON, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE))
     else:
@@ -59,7 +64,7 @@ def _ours(hf_model):
     return build_model(arch, dict(hf_model.state_dict()), torch.float32, "cpu")
 
 
-KINDS = ["llama", "qwen2", "llama3_tied"]
+KINDS = ["llama", "qwen2", "llama3_tied", "qwen2_yarn"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -72,8 +77,12 @@ def test_arch_is_read_from_config(pair):
     hf, ours = pair
     assert ours.arch.attention_bias == (hf.config.model_type == "qwen2")
     assert ours.arch.tie_word_embeddings == hf.config.tie_word_embeddings
-    if ours.arch.rope_scaling is not None:
-        assert ours.arch.rope_scaling.rope_type == "llama3" and ours.arch.rope_theta == 500000.0
+    scaling = ours.arch.rope_scaling
+    if scaling is not None and scaling.rope_type == "yarn":
+        assert scaling.factor == 4.0 and scaling.original_max_position_embeddings == 64
+        assert ours.decoder_layers[0].self_attn.rotary.attention_factor == pytest.approx(1.1386, abs=1e-4)
+    elif scaling is not None:
+        assert scaling.rope_type == "llama3" and ours.arch.rope_theta == 500000.0
 
 
 def test_prompt_logits_match_transformers(pair):

@@ -1,5 +1,6 @@
 """Mixtures of experts (Mixtral, Qwen2-MoE with its gated shared expert and a dense layer, Qwen3-MoE
-with q/k norms) and dense Qwen3 against transformers, on tiny random models saved as published
+with q/k norms, DeepSeek-V3 with latent attention, grouped sigmoid routing and a dense first layer)
+and dense Qwen3 against transformers, on tiny random models saved as published
 checkpoints are (sharded safetensors with an index, one tensor per expert) and loaded by servelm's
 loader: prompt logits, greedy tokens, and the batched engine's greedy output with paging, prefix
 caching, chunked prefill and preemption."""
@@ -23,10 +24,10 @@ from servelm.testing.engine_run import greedy_requests, run_requests
 from servelm.testing.reference_decode import prompt_logits
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
-KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3"]
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3", "deepseek_v3"]
 # Three layers; Qwen2-MoE's middle one dense (mlp_only_layers), as its published configs allow.
 OVERRIDES = {"qwen2_moe": {"mlp_only_layers": [1]}}
-SPARSE_LAYERS = {"mixtral": 3, "qwen2_moe": 2, "qwen3_moe": 3, "qwen3": 0}
+SPARSE_LAYERS = {"mixtral": 3, "qwen2_moe": 2, "qwen3_moe": 3, "qwen3": 0, "deepseek_v3": 2}
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -45,7 +46,7 @@ def test_the_checkpoint_is_sharded_with_one_tensor_per_expert(checkpoint) -> Non
     if hf.config.model_type == "mixtral":
         assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in weight_map
     elif hf.config.model_type != "qwen3":
-        assert "model.layers.0.mlp.experts.0.gate_proj.weight" in weight_map
+        assert "model.layers.2.mlp.experts.0.gate_proj.weight" in weight_map  # (DeepSeek-V3's layer 0 is dense)
 
 
 def test_prompt_logits_match_transformers_and_each_token_is_routed_alone(checkpoint) -> None:

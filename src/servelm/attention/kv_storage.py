@@ -1,6 +1,8 @@
 """How one layer's paged KV pool stores K/V: in the model's dtype, or quantized with scales.
 
-    "auto"   a tensor [2, num_blocks, block_size, KVH, D] in the model's dtype (K then V)
+    "auto"   a tensor [2, num_blocks, block_size, KVH, D] in the model's dtype (K then V); under
+             latent attention (models/mla.py) one plane, [1, ...]: the latent is the key and the
+             value both, so a V read reads the K plane and a write stores the key alone
     "int8"   QuantizedKV: int8 codes of that shape + float32 scales [2, num_blocks, block_size, KVH]
     "fp8"    QuantizedKV: float8_e4m3fn codes, same scales
 
@@ -87,23 +89,30 @@ def write_kv(
     Returns the K/V as a read of those slots would give them (in key's dtype): `key` and `value`
     themselves for a full-dtype pool, their dequantized codes for a quantized one."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    planes = (key,) if num_planes(kv_cache) == 1 else (key, value)  # one plane: the value is the key
     if not isinstance(kv_cache, QuantizedKV):
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        for which, x in enumerate(planes):
+            kv_cache[which].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x.to(kv_cache.dtype))
         return key, value
     stored = []
-    for which, x in enumerate((key, value)):
+    for which, x in enumerate(planes):
         codes, scales = quantize(x, kv_cache.dtype)
         # As raw bytes: CPU torch has no index_copy_ for float8 (the bytes are the same either way).
         pool = kv_cache.data[which].view(-1, num_kv_heads, head_dim).view(torch.uint8)
         pool.index_copy_(0, slot_mapping, codes.view(torch.uint8))
         kv_cache.scales[which].view(-1, num_kv_heads).index_copy_(0, slot_mapping, scales)
         stored.append(dequantize(codes, scales, x.dtype))
-    return stored[0], stored[1]
+    return stored[0], stored[-1]
+
+
+def num_planes(kv_cache: LayerKVCache) -> int:
+    """2: K and V; 1: one latent plane read as both (latent attention)."""
+    return int((kv_cache.data if isinstance(kv_cache, QuantizedKV) else kv_cache).shape[0])
 
 
 def gather_kv(kv_cache: LayerKVCache, which: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """K (which=0) or V (1) at pool `slots` (any shape, long) → [*slots.shape, KVH, D] in `dtype`."""
+    which = min(which, num_planes(kv_cache) - 1)
     if not isinstance(kv_cache, QuantizedKV):
         return kv_cache[which].view(-1, *kv_cache.shape[3:])[slots].to(dtype)
     codes = kv_cache.data[which].view(-1, *kv_cache.data.shape[3:])[slots]

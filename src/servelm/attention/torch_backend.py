@@ -159,10 +159,11 @@ class KernelDecodes:
         q = query.contiguous() if self.covers_batch else query.index_select(0, self.rows)
         if isinstance(kv_cache, QuantizedKV):
             codes, scales = kv_cache.data, kv_cache.scales
-            return self.kernel.decode_prepared(q, codes[0], codes[1], self.batch, scale, (scales[0], scales[1]))
+            # [-1]: V, or the one latent plane that is both (kv_storage.py).
+            return self.kernel.decode_prepared(q, codes[0], codes[-1], self.batch, scale, (scales[0], scales[-1]))
         if not kv_cache.is_contiguous():
             raise ValueError("the CPU paged decode kernel needs a contiguous KV pool tensor")
-        return self.kernel.decode_prepared(q, kv_cache[0], kv_cache[1], self.batch, scale)
+        return self.kernel.decode_prepared(q, kv_cache[0], kv_cache[-1], self.batch, scale)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from typing import Any
 # Architectures whose math is the Llama block (RMSNorm, RoPE, GQA, SwiGLU). Qwen2 differs only by
 # bias on q/k/v (`attention_bias`), Qwen3 by an RMSNorm over each q and k head before RoPE
 # (`qk_norm`); the mixtures of experts replace the MLP of some or all layers with routed experts
-# (`moe`: MoEConfig, whose `naming` says where the family keeps their tensors).
+# (`moe`: MoEConfig, whose `naming` says where the family keeps their tensors); DeepSeek-V3 also
+# replaces attention with multi-head latent attention (`mla`: MLAConfig).
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"attention_bias": False},
     "MistralForCausalLM": {"attention_bias": False},
@@ -22,6 +23,9 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": {"attention_bias": False, "moe": "mixtral"},
     "Qwen2MoeForCausalLM": {"attention_bias": True, "moe": "qwen2_moe"},
     "Qwen3MoeForCausalLM": {"attention_bias": False, "qk_norm": True, "moe": "qwen3_moe"},
+    # Multi-head latent attention (`mla`: models/mla.py) and sigmoid-scored experts chosen within
+    # the best groups, after dense first layers (models/moe.py).
+    "DeepseekV3ForCausalLM": {"attention_bias": False, "moe": "deepseek_v3", "mla": True},
 }
 
 
@@ -31,13 +35,23 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling ("rope_type": "llama3"); `linear` also supported."""
+    """Llama-3 style frequency scaling ("rope_type": "llama3"); `linear`, and YaRN (`yarn`: DeepSeek-V3,
+    Qwen's long-context configs; models/rotary.py) also supported."""
 
-    rope_type: str  # "llama3" | "linear"
+    rope_type: str  # "llama3" | "linear" | "yarn"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN: the rotation counts bounding the ramp between extrapolated and interpolated frequencies,
+    # the magnitude scales (mscale, mscale_all_dim) or an explicit attention factor, and whether the
+    # ramp's bounds are rounded out (truncate).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -49,15 +63,26 @@ class MoEConfig:
     outputs by weight. Qwen2-MoE adds a shared expert every token passes through, scaled by a
     sigmoid gate of its own. Layers outside `sparse_layers` keep a dense MLP."""
 
-    naming: str  # "mixtral" | "qwen2_moe" | "qwen3_moe": where the checkpoint keeps the tensors
+    naming: str  # "mixtral" | "qwen2_moe" | "qwen3_moe" | "deepseek_v3": where the checkpoint keeps the tensors
     num_experts: int
     top_k: int
     expert_intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: frozenset[int]
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    # DeepSeek-V3's router: each expert scored by a sigmoid; the choice adds a per-expert bias
+    # (`e_score_correction_bias`) and keeps the `topk_group` best of `num_groups` groups (a group's
+    # score: its two best experts), the weights are the unbiased scores (renormalised where
+    # norm_topk_prob) times `routed_scaling_factor`. Its shared experts have no gate.
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    num_groups: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.num_groups < 1 or self.num_experts % self.num_groups or not 0 < self.topk_group <= self.num_groups:
+            raise UnsupportedModelError(f"n_group ({self.num_groups}) must divide the experts ({self.num_experts}) "
+                                        f"and topk_group ({self.topk_group}) be in 1..n_group")  # fmt: skip
         if not 0 < self.top_k <= self.num_experts:
             raise UnsupportedModelError(f"num_experts_per_tok ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
         if self.expert_intermediate_size <= 0:
@@ -68,6 +93,16 @@ class MoEConfig:
         if naming == "mixtral":
             return cls(naming, int(config["num_local_experts"]), int(config["num_experts_per_tok"]),
                        int(config["intermediate_size"]), True, frozenset(range(num_layers)))  # fmt: skip
+        if naming == "deepseek_v3":
+            num_experts = int(config.get("n_routed_experts") or config["num_local_experts"])
+            first_sparse, every = int(config.get("first_k_dense_replace") or 0), int(config.get("moe_layer_freq") or 1)
+            width = int(config["moe_intermediate_size"])
+            return cls(naming, num_experts, int(config["num_experts_per_tok"]), width,
+                       bool(config.get("norm_topk_prob", True)),
+                       frozenset(i for i in range(first_sparse, num_layers) if i % every == 0),
+                       width * int(config.get("n_shared_experts") or 0), scoring="sigmoid",
+                       num_groups=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1),
+                       routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))  # fmt: skip
         # Published Qwen configs say num_experts; transformers 5 writes num_local_experts.
         num_experts = int(config.get("num_experts") or config["num_local_experts"])
         step = int(config.get("decoder_sparse_step") or 1)
@@ -81,6 +116,14 @@ class MoEConfig:
         """The config.json fields that say the same (inverse of from_hf_config)."""
         if self.naming == "mixtral":
             return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.top_k}
+        if self.naming == "deepseek_v3":
+            first_sparse = min(self.sparse_layers, default=num_layers)
+            return {"n_routed_experts": self.num_experts, "num_experts_per_tok": self.top_k,
+                    "moe_intermediate_size": self.expert_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                    "first_k_dense_replace": first_sparse, "moe_layer_freq": 1,
+                    "n_shared_experts": self.shared_expert_intermediate_size // self.expert_intermediate_size,
+                    "n_group": self.num_groups, "topk_group": self.topk_group,
+                    "routed_scaling_factor": self.routed_scaling_factor}  # fmt: skip
         fields: dict[str, Any] = {
             "num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
             "moe_intermediate_size": self.expert_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
@@ -89,6 +132,45 @@ class MoEConfig:
         if self.naming == "qwen2_moe":
             fields["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return fields
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3; models/mla.py runs it).
+
+    Per token, K and V of every head come from one compressed latent of `kv_lora_rank` values (by
+    kv_b_proj) and a single RoPE key of `qk_rope_head_dim` shared by all heads: the KV pool stores
+    those `latent_dim` values per token and layer and nothing else (576 at V3's sizes, against
+    2 x 128 heads x 128 for full K and V). A query head is `qk_nope_head_dim` + `qk_rope_head_dim`
+    wide, a value head `v_head_dim`; q comes through a low-rank `q_lora_rank` projection when set."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's RoPE dimensions are interleaved pairs (V3's default)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values stored per token and layer: the latent, then the RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> MLAConfig:
+        q_lora_rank = config.get("q_lora_rank")
+        return cls(None if q_lora_rank is None else int(q_lora_rank), int(config["kv_lora_rank"]),
+                   int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"]), int(config["v_head_dim"]),
+                   bool(config.get("rope_interleave", True)))  # fmt: skip
+
+    def hf_fields(self) -> dict[str, Any]:
+        return {"q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+                "v_head_dim": self.v_head_dim, "rope_interleave": self.rope_interleave}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -111,6 +193,7 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
     moe: MoEConfig | None = None  # routed experts in place of some or all layers' MLP
+    mla: MLAConfig | None = None  # latent attention in place of q/k/v heads (head_dim: its RoPE part)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -125,6 +208,22 @@ class ModelArchConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    # What the paged KV pool stores per token and layer: planes x heads x head_dim. K and V of each
+    # KV head (2 planes); under latent attention one plane of one head, the latent and the RoPE key,
+    # which is both what the keys are read from and what the values are (models/mla.py).
+
+    @property
+    def kv_planes(self) -> int:
+        return 1 if self.mla is not None else 2
+
+    @property
+    def kv_cache_heads(self) -> int:
+        return 1 if self.mla is not None else self.num_key_value_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelArchConfig:
@@ -142,6 +241,7 @@ class ModelArchConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_layers = int(config["num_hidden_layers"])
         moe_naming = defaults.get("moe")
+        mla = MLAConfig.from_hf_config(config) if defaults.get("mla") else None
         return cls(
             architecture=architecture,
             vocab_size=int(config["vocab_size"]),
@@ -150,7 +250,7 @@ class ModelArchConfig:
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            head_dim=mla.qk_rope_head_dim if mla else int(config.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(_rope_theta(config)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
@@ -162,6 +262,7 @@ class ModelArchConfig:
             eos_token_ids=eos_ids,
             qk_norm=bool(defaults.get("qk_norm", False)),
             moe=MoEConfig.from_hf_config(moe_naming, config, num_layers) if moe_naming else None,
+            mla=mla,
         )
 
 
@@ -189,4 +290,15 @@ def _parse_rope_scaling(config: dict[str, Any]) -> RopeScaling | None:
         )
     if rope_type == "linear":
         return RopeScaling(rope_type="linear", factor=float(params["factor"]))
-    raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3")
+    if rope_type == "yarn":
+        original = params.get("original_max_position_embeddings") or config.get("max_position_embeddings", 2048)
+        factor = params.get("factor") or float(config["max_position_embeddings"]) / float(original)
+
+        def optional(name: str) -> float | None:
+            return None if params.get(name) is None else float(params[name])
+
+        return RopeScaling(rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(original),
+                           beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                           mscale=optional("mscale"), mscale_all_dim=optional("mscale_all_dim"),
+                           attention_factor=optional("attention_factor"), truncate=bool(params.get("truncate", True)))  # fmt: skip
+    raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn")

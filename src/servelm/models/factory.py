@@ -86,6 +86,11 @@ def build_model(
         backend: AttentionBackend
         if isinstance(attention_backend, str):
             name = resolve_backend_name(attention_backend, device)
+            if arch.mla is not None and name == "triton":
+                # The Triton kernels read a pool of K and V planes; latent attention's has one.
+                if attention_backend != "auto":
+                    raise ValueError("--attention-backend triton cannot run latent attention (DeepSeek-V3) yet: use torch")
+                name = "torch"
             if name == "torch" and gemm_precision == "bfloat16":  # prefill's attention GEMMs too
                 backend = TorchAttentionBackend(prefill_compute_dtype=torch.bfloat16)
             else:

@@ -33,10 +33,12 @@ from servelm.kernels.decode_layers import (
     prepare_layers,
 )
 from servelm.models.linear_methods import MAX_BLOCK_ROWS, BlockLinearMethod
+from servelm.models.mla import LatentAttention
 from servelm.models.moe import SparseMoE
 
 if TYPE_CHECKING:
-    from servelm.models.llama import Linear, LlamaForCausalLM
+    from servelm.models.layers import Linear
+    from servelm.models.llama import LlamaForCausalLM
 
 LayerMatrices = tuple[BlockMatrix, BlockMatrix, BlockMatrix, BlockMatrix]  # qkv, o, gate_up, down
 
@@ -61,6 +63,7 @@ class FusedDecodeLayers:
         arch = model.arch
         mlp = model.decoder_layers[0].mlp
         assert not isinstance(mlp, SparseMoE)  # `of` refuses mixtures of experts
+        assert not isinstance(attention, LatentAttention)  # and latent attention
         self.geometry = LayerGeometry(arch.hidden_size, attention.num_heads, attention.num_kv_heads,
                                       attention.head_dim, mlp.intermediate_size,
                                       arch.rms_norm_eps)  # fmt: skip
@@ -71,7 +74,8 @@ class FusedDecodeLayers:
     def of(cls, model: LlamaForCausalLM) -> FusedDecodeLayers | None:
         """The fused path for `model`, or None where it cannot apply: kernels off or not built, not float32
         on CPU, tensor-parallel, another attention backend, or any linear layer not GGUF blocks."""
-        if envs.kernels_mode() is not envs.KernelsMode.AUTO or model.arch.moe is not None or model.arch.qk_norm:
+        arch = model.arch
+        if envs.kernels_mode() is not envs.KernelsMode.AUTO or arch.moe is not None or arch.mla is not None or arch.qk_norm:
             return None  # the fused layers are the plain Llama block's
         kernel = cpu_kernels.load()
         norm = model.norm.weight
@@ -79,9 +83,11 @@ class FusedDecodeLayers:
             return None
         matrices: list[LayerMatrices] = []
         for layer in model.decoder_layers:
-            if not isinstance(layer.self_attn.backend, TorchAttentionBackend):
+            attention = layer.self_attn
+            assert not isinstance(attention, LatentAttention)  # refused above
+            if not isinstance(attention.backend, TorchAttentionBackend):
                 return None
-            qkv, o = _block_matrix(layer.self_attn.qkv_proj), _block_matrix(layer.self_attn.o_proj)
+            qkv, o = _block_matrix(attention.qkv_proj), _block_matrix(attention.o_proj)
             mlp = layer.mlp
             assert not isinstance(mlp, SparseMoE)  # refused above otherwise
             gate_up, down = _block_matrix(mlp.gate_up_proj), _block_matrix(mlp.down_proj)

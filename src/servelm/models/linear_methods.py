@@ -34,7 +34,7 @@ from servelm.models.gguf_blocks import BLOCK, BlockType, BlockWeight
 from servelm.models.weights import TensorInfo, Weight, dense_tensor
 
 if TYPE_CHECKING:
-    from servelm.models.llama import Linear
+    from servelm.models.layers import Linear
 
 # Above this many rows a matmul is compute-bound and MKL's blocked float32 GEMM wins.
 MAX_BLOCK_ROWS = 8

@@ -1,5 +1,6 @@
-"""The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms) and
-its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: models/moe.py) for a flattened batch.
+"""The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms), its
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: models/moe.py) and DeepSeek-V3 (latent attention,
+models/mla.py, and its experts) for a flattened batch.
 
 Every forward takes the tokens of many requests end to end, `[num_tokens]`, with one
 position per token; which token belongs to which request, and where its K/V live,
@@ -28,7 +29,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from servelm.attention.backend import AttentionBackend, AttentionMetadata
@@ -36,101 +36,16 @@ from servelm.attention.kv_storage import LayerKVCache
 from servelm.attention.torch_backend import TorchAttentionMetadata
 from servelm.models.arch import ModelArchConfig
 from servelm.models.fused_decode import FusedDecodeLayers
-from servelm.models.fused_ops import TORCH_OPS, NormRotaryOps, Rotate, torch_rms_norm, torch_silu_mul
-from servelm.models.linear_methods import DENSE, LinearMethod, LinearMethodChooser, all_dense
+from servelm.models.fused_ops import TORCH_OPS, NormRotaryOps, Rotate, torch_silu_mul
+from servelm.models.layers import Linear, RMSNorm, VocabParallelEmbedding
+from servelm.models.linear_methods import LinearMethodChooser, all_dense
+from servelm.models.mla import LatentAttention
 from servelm.models.moe import SparseMoE
+from servelm.models.moe_weights import shared_expert_prefix
 from servelm.models.rotary import RotaryEmbedding
 from servelm.models.sharding import ModelShard, whole
 from servelm.models.weights import CheckpointWeights, Weight, dense_tensor
-from servelm.parallel.groups import SINGLE_RANK, GroupMember, all_gather_last_dim, all_reduce_sum
-
-
-class Linear(nn.Module):
-    """x @ W^T (+ b), W made of the checkpoint tensors `parts` stacked by rows, stored as `method` says.
-
-    `parts` are checkpoint prefixes ("model.layers.0.self_attn.q_proj"): `load` reads
-    `<part>.weight` (and `<part>.bias`) for each, in order, into consecutive rows.
-    Tensor-parallel shards (None: the whole tensor): `rows[i]`, the rows of part i this rank keeps
-    (column-parallel); `columns`, the input columns it keeps (row-parallel: its output is summed over
-    `reduce`, and only the group's rank 0 keeps a bias, so that it is added once).
-    `in_features` / `out_features` are this rank's.
-    """
-
-    # Registered by the method's create_weights (which ones depends on the method).
-    weight: torch.Tensor  # [N, K] in the model's dtype
-    blocks: torch.Tensor  # [N, K / 32, block bytes] uint8, the GGUF file's blocks (block methods only)
-    bias: torch.Tensor | None
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, parts: tuple[str, ...],
-                 method: LinearMethod = DENSE, *, rows: tuple[range | None, ...] | None = None,
-                 columns: range | None = None, reduce: GroupMember | None = None) -> None:  # fmt: skip
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.parts = parts
-        self.part_rows = rows if rows is not None else (None,) * len(parts)
-        self.columns = columns
-        # None alone: one rank runs exactly the unsharded layer, no collective.
-        self.reduce = reduce if reduce is not None and reduce.is_parallel else None
-        self.method = method
-        method.create_weights(self)
-        keeps_bias = bias and (self.reduce is None or self.reduce.rank == 0)
-        self.bias = nn.Parameter(torch.empty(out_features)) if keeps_bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.method.apply(self, x)
-        return out if self.reduce is None else all_reduce_sum(out, self.reduce)
-
-    def load(self, weights: CheckpointWeights) -> None:
-        """Copy each part's tensor (this rank's rows and columns of it) into its rows: one tensor
-        read at a time, no concatenation."""
-        row = 0
-        for part, rows in zip(self.parts, self.part_rows, strict=True):
-            weight = weights.read_shard(f"{part}.weight", rows, self.columns)  # [rows kept, in_features]
-            self.method.load_rows(self, weight, row)
-            if self.bias is not None:
-                bias = dense_tensor(weights.read_shard(f"{part}.bias", rows))
-                self.bias[row : row + weight.shape[0]].copy_(bias)
-            row += weight.shape[0]
-        if row != self.out_features:
-            raise ValueError(f"parts {self.parts} have {row} rows in all, the layer {self.out_features}")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch_rms_norm(x, self.weight, self.eps)
-
-    def add(
-        self, x: torch.Tensor, residual: torch.Tensor | None, ops: NormRotaryOps
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(x + residual), x + residual) by `ops` (one fused pass on the Triton set);
-        residual None (the first layer): (self(x), x)."""
-        if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps), x
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class VocabParallelEmbedding(nn.Module):
-    """The embedding rows `shard.vocab` of [vocab, hidden]. Alone, exactly nn.Embedding's lookup; in a
-    group each rank looks up the ids it holds (zeros for the others) and the sum is every row."""
-
-    def __init__(self, hidden_size: int, shard: ModelShard) -> None:
-        super().__init__()
-        self.vocab = shard.vocab
-        self.tp = shard.tp
-        self.weight = nn.Parameter(torch.empty(len(shard.vocab), hidden_size))  # [vocab shard, hidden]
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        if not self.tp.is_parallel:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab.start
-        outside = (local < 0) | (local >= len(self.vocab))
-        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce_sum(hidden.masked_fill_(outside.unsqueeze(-1), 0.0), self.tp)
+from servelm.parallel.groups import SINGLE_RANK, GroupMember, all_gather_last_dim
 
 
 class LlamaAttention(nn.Module):
@@ -217,12 +132,14 @@ class LlamaDecoderLayer(nn.Module):
         prefix = f"model.layers.{index}"
         self.prefix = prefix  # where its tensors sit in the checkpoint
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, backend, f"{prefix}.self_attn", linear_method, shard)
+        attention = LatentAttention if arch.mla is not None else LlamaAttention
+        self.self_attn: LlamaAttention | LatentAttention = attention(arch, backend, f"{prefix}.self_attn", linear_method, shard)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp: LlamaMLP | SparseMoE
         if arch.moe is not None and index in arch.moe.sparse_layers:
             shared = arch.moe.shared_expert_intermediate_size
-            shared_expert = LlamaMLP(arch, f"{prefix}.mlp.shared_expert", linear_method, shard, shared) if shared else None
+            shared_prefix = shared_expert_prefix(arch.moe, prefix)
+            shared_expert = LlamaMLP(arch, shared_prefix, linear_method, shard, shared) if shared else None
             self.mlp = SparseMoE(arch, prefix, shared_expert)
         else:
             self.mlp = LlamaMLP(arch, f"{prefix}.mlp", linear_method, shard)
@@ -342,6 +259,10 @@ class LlamaForCausalLM(nn.Module):
                 post_norm = weights[f"{layer.prefix}.post_attention_layernorm.weight"]
                 layer.post_attention_layernorm.weight.copy_(dense_tensor(post_norm))
                 attention = layer.self_attn
+                if isinstance(attention, LatentAttention):
+                    attention.load(weights)
+                    layer.mlp.load(weights)
+                    continue
                 attention.qkv_proj.load(weights)
                 attention.o_proj.load(weights)
                 if attention.q_norm is not None and attention.k_norm is not None:

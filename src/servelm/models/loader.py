@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from servelm.default_model import default_model_path
-from servelm.models.arch import ModelArchConfig
+from servelm.models.arch import ModelArchConfig, RopeScaling
 from servelm.models.gguf_loader import load_gguf
 from servelm.models.hf_loader import CONFIG_FILE, SINGLE_WEIGHTS_FILE, BeforeRead, load_hf_directory
 from servelm.models.weights import CheckpointWeights
@@ -28,6 +28,7 @@ _EXPECTED = "a Hugging Face model directory with config.json or a .gguf file"
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }  # fmt: skip
 
 
@@ -111,12 +112,25 @@ def hf_config_dict(arch: ModelArchConfig) -> dict[str, Any]:
     }
     if arch.moe is not None:
         config.update(arch.moe.hf_fields(arch.num_hidden_layers))
+    if arch.mla is not None:
+        config.update(arch.mla.hf_fields())
     if arch.rope_scaling is not None:
-        scaling = dataclasses.asdict(arch.rope_scaling)
-        if scaling["rope_type"] == "linear":  # the llama3-only fields would confuse readers of a linear config
-            scaling = {"rope_type": "linear", "factor": scaling["factor"]}
-        config["rope_scaling"] = scaling
+        config["rope_scaling"] = _rope_scaling_fields(arch.rope_scaling)
     return config
+
+
+# The fields each scaling type's readers expect (another type's would confuse them).
+_ROPE_SCALING_FIELDS = {
+    "linear": ("rope_type", "factor"),
+    "llama3": ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "attention_factor", "truncate"),
+}  # fmt: skip
+
+
+def _rope_scaling_fields(scaling: RopeScaling) -> dict[str, Any]:
+    values = dataclasses.asdict(scaling)
+    return {name: values[name] for name in _ROPE_SCALING_FIELDS[scaling.rope_type] if values[name] is not None}
 
 
 def _generation_config(arch: ModelArchConfig) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Routed experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): `SparseMoE`.
+"""Routed experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3): `SparseMoE`.
 
 Per step, for the flattened batch x [T, hidden]:
 
@@ -15,8 +15,9 @@ are slices of one sorted order rather than a mask per expert.
 
 The experts' weights are two stacked tensors ([E, 2I, hidden] gate|up and [E, hidden, I] down):
 each expert's slice is the same matrix the checkpoint stores as separate tensors per expert
-(`load` copies them in one at a time). A shared expert (Qwen2-MoE) is a dense MLP every token
-passes through, scaled by sigmoid(x @ Wg^T) and added.
+(`load` copies them in one at a time). A shared expert (Qwen2-MoE, DeepSeek-V3) is a dense MLP every
+token passes through, added (Qwen2-MoE's scaled by sigmoid(x @ Wg^T) first). DeepSeek-V3 scores
+experts by sigmoid and chooses within the best groups (`route_grouped`).
 """
 
 from __future__ import annotations
@@ -29,21 +30,46 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.models.arch import ModelArchConfig, MoEConfig
-from servelm.models.moe_weights import expert_tensor_names, router_tensor_name
+from servelm.models.moe_weights import expert_tensor_names, router_tensor_name, routing_bias_name
 from servelm.models.weights import CheckpointWeights, dense_tensor
 
 if TYPE_CHECKING:
     from servelm.models.llama import LlamaMLP
 
 
-def route(router_logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, moe: MoEConfig,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(weights [T, k] in the logits' dtype, expert ids [T, k]) of each token's top-k experts:
-    softmax in float32 over all experts, the k largest, renormalised where the family does."""
+    softmax in float32 over all experts, the k largest, renormalised where the family does; or
+    DeepSeek-V3's sigmoid scores, chosen within the best groups with `bias` ([E]) added (route_grouped)."""
+    if moe.scoring == "sigmoid":
+        return route_grouped(router_logits, moe, bias)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), experts
+
+
+def route_grouped(router_logits: torch.Tensor, moe: MoEConfig,
+                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """DeepSeek-V3's choice: sigmoid scores (float32); the experts split into num_groups groups, a
+    group scored by the sum of its two best biased scores, only the topk_group best groups' experts
+    eligible; the top_k of those by biased score; weighted by their unbiased scores, renormalised
+    where norm_topk_prob, times routed_scaling_factor."""
+    scores = torch.sigmoid(router_logits.float())  # [T, E]
+    choice = scores if bias is None else scores + bias.float()
+    num_tokens = choice.shape[0]
+    grouped = choice.view(num_tokens, moe.num_groups, -1)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+    best_groups = torch.topk(group_scores, moe.topk_group, dim=-1).indices
+    eligible = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    choice = grouped.masked_fill(~eligible.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+    experts = torch.topk(choice, moe.top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, experts
 
 
 class SparseMoE(nn.Module):
@@ -57,11 +83,15 @@ class SparseMoE(nn.Module):
         self.router = nn.Parameter(torch.empty(moe.num_experts, arch.hidden_size))
         self.gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * width, arch.hidden_size))  # gate | up rows
         self.down = nn.Parameter(torch.empty(moe.num_experts, arch.hidden_size, width))
-        self.shared_expert = shared_expert  # a dense MLP (Qwen2-MoE), None for the others
-        self.shared_gate = nn.Parameter(torch.empty(1, arch.hidden_size)) if shared_expert is not None else None
+        self.shared_expert = shared_expert  # a dense MLP (Qwen2-MoE, DeepSeek-V3), None for the others
+        gated = shared_expert is not None and moe.naming == "qwen2_moe"
+        self.shared_gate = nn.Parameter(torch.empty(1, arch.hidden_size)) if gated else None
+        self.routing_bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.scoring == "sigmoid" else None
 
     def forward(self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        weights, experts = route(F.linear(x, self.router), self.moe)  # [T, k] each
+        # DeepSeek-V3 scores in float32 from the start, as its reference does.
+        logits = F.linear(x.float(), self.router.float()) if self.moe.scoring == "sigmoid" else F.linear(x, self.router)
+        weights, experts = route(logits, self.moe, self.routing_bias)  # [T, k] each
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # the (token, slot) pairs grouped by expert
         token_of_pair = order // self.moe.top_k
@@ -74,11 +104,11 @@ class SparseMoE(nn.Module):
                 continue
             tokens = token_of_pair[start : start + count]
             hidden = silu_mul(F.linear(x[tokens], self.gate_up[expert]))  # [n, I]
-            out.index_add_(0, tokens, F.linear(hidden, self.down[expert]) * weight_of_pair[start : start + count])
+            out.index_add_(0, tokens, (F.linear(hidden, self.down[expert]) * weight_of_pair[start : start + count]).to(x.dtype))
             start += count
         if self.shared_expert is not None:
-            assert self.shared_gate is not None
-            out += torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared_expert(x, silu_mul)
+            shared = self.shared_expert(x, silu_mul)
+            out += shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return out
 
     def load(self, weights: CheckpointWeights) -> None:
@@ -90,6 +120,9 @@ class SparseMoE(nn.Module):
             self.gate_up[expert, :width].copy_(dense_tensor(weights[gate]))
             self.gate_up[expert, width:].copy_(dense_tensor(weights[up]))
             self.down[expert].copy_(dense_tensor(weights[down]))
-        if self.shared_expert is not None and self.shared_gate is not None:
+        if self.routing_bias is not None:
+            self.routing_bias.copy_(dense_tensor(weights[routing_bias_name(self.prefix)]))
+        if self.shared_gate is not None:
             self.shared_gate.copy_(dense_tensor(weights[f"{self.prefix}.mlp.shared_expert_gate.weight"]))
+        if self.shared_expert is not None:
             self.shared_expert.load(weights)

@@ -1,6 +1,8 @@
 """Where a mixture-of-experts checkpoint keeps its experts' tensors, and their shapes, per family
 (Mixtral: `block_sparse_moe.experts.E.w1/w3/w2`; Qwen2-MoE and Qwen3-MoE: `mlp.experts.E.gate_proj/
-up_proj/down_proj`, Qwen2-MoE's shared expert `mlp.shared_expert.*` and its `mlp.shared_expert_gate`).
+up_proj/down_proj`, Qwen2-MoE's shared expert `mlp.shared_expert.*` and its `mlp.shared_expert_gate`;
+DeepSeek-V3: the same experts, its shared experts `mlp.shared_experts.*` with no gate and the router's
+`mlp.gate.e_score_correction_bias`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ def expert_tensor_names(moe: MoEConfig, prefix: str, expert: int) -> tuple[str, 
     return f"{base}.gate_proj.weight", f"{base}.up_proj.weight", f"{base}.down_proj.weight"
 
 
+def shared_expert_prefix(moe: MoEConfig, prefix: str) -> str:
+    """Where a layer's shared expert keeps its gate/up/down projections."""
+    return f"{prefix}.mlp.shared_experts" if moe.naming == "deepseek_v3" else f"{prefix}.mlp.shared_expert"
+
+
+def routing_bias_name(prefix: str) -> str:
+    """DeepSeek-V3's per-expert bias added to the scores when choosing (not when weighting)."""
+    return f"{prefix}.mlp.gate.e_score_correction_bias"
+
+
 def router_tensor_name(moe: MoEConfig, prefix: str) -> str:
     return f"{prefix}.block_sparse_moe.gate.weight" if moe.naming == "mixtral" else f"{prefix}.mlp.gate.weight"
 
@@ -30,9 +42,13 @@ def moe_weight_shapes(arch: ModelArchConfig, prefix: str) -> dict[str, tuple[int
     for expert in range(moe.num_experts):
         gate, up, down = expert_tensor_names(moe, prefix, expert)
         shapes.update({gate: (width, hidden), up: (width, hidden), down: (hidden, width)})
+    if moe.scoring == "sigmoid":
+        shapes[routing_bias_name(prefix)] = (moe.num_experts,)
     if moe.shared_expert_intermediate_size:
         shared = moe.shared_expert_intermediate_size
-        base = f"{prefix}.mlp.shared_expert"
+        base = shared_expert_prefix(moe, prefix)
         shapes.update({f"{base}.gate_proj.weight": (shared, hidden), f"{base}.up_proj.weight": (shared, hidden),
-                       f"{base}.down_proj.weight": (hidden, shared), f"{prefix}.mlp.shared_expert_gate.weight": (1, hidden)})  # fmt: skip
+                       f"{base}.down_proj.weight": (hidden, shared)})  # fmt: skip
+        if moe.naming == "qwen2_moe":
+            shapes[f"{prefix}.mlp.shared_expert_gate.weight"] = (1, hidden)
     return shapes

@@ -10,6 +10,8 @@ blocks (`BlockWeight`); the model converts each one as it copies it into its par
 from __future__ import annotations
 
 import enum
+import logging
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,8 @@ from servelm.models.moe_weights import moe_weight_shapes
 
 # How many problems one error message lists before summarising the rest.
 _MAX_REPORTED = 5
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+logger = logging.getLogger(__name__)
 
 # What a weight source hands out for one name.
 Weight = torch.Tensor | BlockWeight
@@ -184,6 +188,16 @@ def expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     for i in range(arch.num_hidden_layers):
         p = f"model.layers.{i}"
         shapes[f"{p}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
+        if arch.moe is not None and i in arch.moe.sparse_layers:
+            shapes.update(moe_weight_shapes(arch, p))
+        else:
+            shapes[f"{p}.mlp.gate_proj.weight"] = (arch.intermediate_size, hidden)
+            shapes[f"{p}.mlp.up_proj.weight"] = (arch.intermediate_size, hidden)
+            shapes[f"{p}.mlp.down_proj.weight"] = (hidden, arch.intermediate_size)
+        if arch.mla is not None:
+            shapes.update(latent_attention_weight_shapes(arch, f"{p}.self_attn"))
+            continue
         shapes[f"{p}.self_attn.q_proj.weight"] = (q_size, hidden)
         shapes[f"{p}.self_attn.k_proj.weight"] = (kv_size, hidden)
         shapes[f"{p}.self_attn.v_proj.weight"] = (kv_size, hidden)
@@ -195,16 +209,34 @@ def expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
         if arch.qk_norm:
             shapes[f"{p}.self_attn.q_norm.weight"] = (arch.head_dim,)
             shapes[f"{p}.self_attn.k_norm.weight"] = (arch.head_dim,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
-        if arch.moe is not None and i in arch.moe.sparse_layers:
-            shapes.update(moe_weight_shapes(arch, p))
-            continue
-        shapes[f"{p}.mlp.gate_proj.weight"] = (arch.intermediate_size, hidden)
-        shapes[f"{p}.mlp.up_proj.weight"] = (arch.intermediate_size, hidden)
-        shapes[f"{p}.mlp.down_proj.weight"] = (hidden, arch.intermediate_size)
     shapes["model.norm.weight"] = (hidden,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, hidden)
+    return shapes
+
+
+def latent_attention_weight_shapes(arch: ModelArchConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor one layer's latent attention reads, by checkpoint name (`prefix`: "model.layers.3.self_attn")."""
+    mla = arch.mla
+    assert mla is not None
+    hidden, heads = arch.hidden_size, arch.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{prefix}.kv_a_proj_with_mqa.weight": (mla.latent_dim, hidden),
+        f"{prefix}.kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        f"{prefix}.kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        f"{prefix}.o_proj.weight": (hidden, heads * mla.v_head_dim),
+    }
+    if mla.q_lora_rank is None:
+        shapes[f"{prefix}.q_proj.weight"] = (heads * mla.qk_head_dim, hidden)
+    else:
+        shapes[f"{prefix}.q_a_proj.weight"] = (mla.q_lora_rank, hidden)
+        shapes[f"{prefix}.q_a_layernorm.weight"] = (mla.q_lora_rank,)
+        shapes[f"{prefix}.q_b_proj.weight"] = (heads * mla.qk_head_dim, mla.q_lora_rank)
+    if arch.attention_bias:
+        shapes[f"{prefix}.kv_a_proj_with_mqa.bias"] = (mla.latent_dim,)
+        shapes[f"{prefix}.o_proj.bias"] = (hidden,)
+        if mla.q_lora_rank is not None:
+            shapes[f"{prefix}.q_a_proj.bias"] = (mla.q_lora_rank,)
     return shapes
 
 
@@ -232,6 +264,13 @@ def validate_weights(weights: Mapping[str, Any], arch: ModelArchConfig, source: 
 
 
 def select_model_weights(weights: CheckpointWeights, arch: ModelArchConfig) -> CheckpointWeights:
-    """Validate the shapes (reading nothing), then show only the tensors the model consumes."""
+    """Validate the shapes (reading nothing), then show only the tensors the model consumes. Layers
+    past num_hidden_layers (DeepSeek-V3's multi-token-prediction module, `model.layers.61`) are
+    skipped, and the log says so."""
     validate_weights({name: weights.info(name) for name in weights}, arch, weights.source)
+    extra_layers = sorted({int(m.group(1)) for name in weights if (m := _LAYER_INDEX.match(name))
+                           and int(m.group(1)) >= arch.num_hidden_layers})  # fmt: skip
+    if extra_layers:
+        logger.info("%s: skipping layer(s) %s past num_hidden_layers (%d): a multi-token-prediction module, "
+                    "which servelm does not run", weights.source, extra_layers, arch.num_hidden_layers)  # fmt: skip
     return weights.restricted_to(list(expected_weight_shapes(arch)))

@@ -10,10 +10,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from servelm.datatypes import EngineRequest, FinishReason, PositionLogprobs, RequestEvent
+from servelm.datatypes import EngineRequest, FinishReason, LayerSlice, PositionLogprobs, RequestEvent, SchedulerOutput
 from servelm.engine.core import EngineCore
 from servelm.models.llama import LlamaForCausalLM
 from servelm.sampling_params import SamplingParams
+from servelm.scheduler.scheduler import Scheduler
 from servelm.testing.reference_decode import greedy_decode
 
 MAX_STEPS = 20_000
@@ -97,3 +98,17 @@ def reference_workload(
     arrivals = [rng.randint(0, max_arrival) for _ in prompts]
     expected = [greedy_decode(model, prompt, n) for prompt, n in zip(prompts, max_tokens, strict=True)]
     return ReferenceWorkload(prompts, max_tokens, arrivals, expected)
+
+
+def record_layer_slices(scheduler: Scheduler) -> list[LayerSlice]:
+    """The layer slices of every step the real scheduler plans from now on (it watches, changes nothing)."""
+    slices: list[LayerSlice] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        so = schedule()
+        slices.extend(so.layer_slices.values())
+        return so
+
+    scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    return slices

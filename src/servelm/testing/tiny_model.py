@@ -33,7 +33,7 @@ from servelm.tokenization.loading import load_gguf_tokenizer
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }  # fmt: skip
 # The mixtures of experts' own sizes (small, several experts per token); overrides replace them.
 _TINY_MOE: dict[str, dict[str, Any]] = {
@@ -41,6 +41,13 @@ _TINY_MOE: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"moe_intermediate_size": 48, "shared_expert_intermediate_size": 80, "num_experts": 8,
                   "num_experts_per_tok": 3, "norm_topk_prob": False},
     "qwen3_moe": {"moe_intermediate_size": 48, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True},
+    # Latent attention at a small scale (a latent of 32 + a RoPE key of 8 per token), a dense first
+    # layer, 16 experts in 4 groups of which the best 2 are searched, and one shared expert.
+    "deepseek_v3": {"num_hidden_layers": 3, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "moe_intermediate_size": 48,
+                    "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                    "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                    "norm_topk_prob": True},
 }  # fmt: skip
 
 # Small enough for a forward in milliseconds on CPU; GQA (4 heads over 2 KV heads) on purpose.
@@ -210,6 +217,9 @@ def _randomize(model: torch.nn.Module, init_std: float) -> None:
             param.copy_(1.0 + init_std * torch.randn_like(param))  # near 1, but a skipped norm shows
         else:
             param.normal_(0.0, init_std)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero would hide a dropped one
+            buffer.normal_(0.0, init_std)
 
 
 def write_tiny_gguf(

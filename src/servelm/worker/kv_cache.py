@@ -62,9 +62,9 @@ def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, 
     `num_kv_heads`: the KV heads this rank stores (models.sharding.local_num_kv_heads under tensor
     parallelism); None: all of the model's."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    per_head = arch.head_dim * element_size + (4 if dtype in QUANTIZED_MAX else 0)  # codes + a scale
-    kv_heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
-    per_token = 2 * kv_heads * per_head  # K and V
+    per_head = arch.kv_cache_head_dim * element_size + (4 if dtype in QUANTIZED_MAX else 0)  # codes + a scale
+    kv_heads = arch.kv_cache_heads if num_kv_heads is None else num_kv_heads
+    per_token = arch.kv_planes * kv_heads * per_head  # K and V (a latent: one plane)
     return per_token * block_size * arch.num_hidden_layers
 
 
@@ -171,8 +171,8 @@ def allocate_kv_caches(
     `num_kv_heads`: the KV heads this rank stores (local_num_kv_heads); None: all of the model's.
     `padding_block`: one block more, id `num_blocks`, that the scheduler (whose pool has `num_blocks`)
     never hands out: the decode graphs' padding rows write their K/V there (worker/cuda_graphs.py)."""
-    kv_heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
-    shape = (2, num_blocks + int(padding_block), block_size, kv_heads, arch.head_dim)
+    kv_heads = arch.kv_cache_heads if num_kv_heads is None else num_kv_heads
+    shape = (arch.kv_planes, num_blocks + int(padding_block), block_size, kv_heads, arch.kv_cache_head_dim)
     if dtype not in QUANTIZED_MAX:
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
     return [
