@@ -159,7 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="fetch a model (path, http(s)://, s3://, peer://) into a directory, verified")
     delivery.add_pull_arguments(pull)
     pull.set_defaults(handler=delivery.pull_command)
+    plan = sub.add_parser("plan", help="from a config.json alone: parameters (total, active), weight bytes per dtype, "
+                                       "KV bytes per token, the smallest GPU layout that holds it")  # fmt: skip
+    plan.add_argument("config", help="a config.json, or a directory holding one")
+    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80: an H100; 141: an H200)")
+    plan.add_argument("--kv-tokens", type=int, default=32768, help="KV tokens each data-parallel rank must hold (default 32768)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="the most GPUs tensor parallelism spans (default 8)")
+    plan.set_defaults(handler=_plan_command)
     return parser
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    from servelm.models.plan import load_config, report
+
+    print(report(load_config(args.config), args.gpu_memory_gib, args.kv_tokens, args.gpus_per_node))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
