@@ -15,6 +15,7 @@ import torch
 
 from servelm.attention.kv_storage import QUANTIZED_MAX, LayerKVCache, QuantizedKV
 from servelm.models.arch import ModelArchConfig
+from servelm.worker.host_residency import zeros_on_small_pages
 
 # CacheConfig.kv_cache_dtype's quantized names → what the pool stores.
 _QUANTIZED_KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -174,10 +175,8 @@ def allocate_kv_caches(
     kv_heads = arch.kv_cache_heads if num_kv_heads is None else num_kv_heads
     shape = (arch.kv_planes, num_blocks + int(padding_block), block_size, kv_heads, arch.kv_cache_head_dim)
     if dtype not in QUANTIZED_MAX:
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
+        return [zeros_on_small_pages(shape, dtype, device) for _ in range(arch.num_hidden_layers)]
     return [
-        QuantizedKV(
-            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape[:-1], dtype=torch.float32, device=device)
-        )
+        QuantizedKV(zeros_on_small_pages(shape, dtype, device), zeros_on_small_pages(shape[:-1], torch.float32, device))
         for _ in range(arch.num_hidden_layers)
     ]
