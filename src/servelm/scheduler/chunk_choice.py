@@ -7,8 +7,8 @@
     (its fixed costs > MAX_CHUNK_OVERHEAD of its time, or nothing fits)
     else                                    → the token chunk in time
 
-A prompt that is the step's first prefill work moves by at least a block (or a layer) even over
-the target, so that decodes filling every step never starve the prompts.
+A prompt that is the step's first prefill work moves by at least a block (or a layer of a chunk of
+at least a block) even over the target, so that decodes filling every step never starve the prompts.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ def choose_chunk(plan: StepPlan, rest: int, num_computed: int, mid_prefill: bool
     if not plan.has_slot(rest):
         return None
     if num_layers and (in_time == 0 or pricing.chunk_overhead_share(in_time, num_computed) > MAX_CHUNK_OVERHEAD):
-        chunk = pricing.layered_chunk_tokens(min(rest, max_chunk_tokens), num_computed)
+        # At least a block, as a token chunk's floor: where even one token's layer would overrun
+        # the layer budget the target cannot hold anyway, and 1-token chunks only multiply the steps.
+        largest = min(rest, max_chunk_tokens)
+        chunk = max(pricing.layered_chunk_tokens(largest, num_computed), min(largest, block_size))
         layers = pricing.layers_within(chunk, num_computed, num_layers)
         if layers == 0 and not plan.has_prefill:
             layers = 1
