@@ -74,6 +74,13 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
+    def load(self, weights: CheckpointWeights) -> None:
+        self.qkv_proj.load(weights)
+        self.o_proj.load(weights)
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.weight.copy_(dense_tensor(weights[f"{self.prefix}.q_norm.weight"]))
+            self.k_norm.weight.copy_(dense_tensor(weights[f"{self.prefix}.k_norm.weight"]))
+
     def forward(
         self,
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D/2] each (RotaryEmbedding.cos_sin)
@@ -258,14 +265,5 @@ class LlamaForCausalLM(nn.Module):
                 layer.input_layernorm.weight.copy_(dense_tensor(weights[f"{layer.prefix}.input_layernorm.weight"]))
                 post_norm = weights[f"{layer.prefix}.post_attention_layernorm.weight"]
                 layer.post_attention_layernorm.weight.copy_(dense_tensor(post_norm))
-                attention = layer.self_attn
-                if isinstance(attention, LatentAttention):
-                    attention.load(weights)
-                    layer.mlp.load(weights)
-                    continue
-                attention.qkv_proj.load(weights)
-                attention.o_proj.load(weights)
-                if attention.q_norm is not None and attention.k_norm is not None:
-                    attention.q_norm.weight.copy_(dense_tensor(weights[f"{attention.prefix}.q_norm.weight"]))
-                    attention.k_norm.weight.copy_(dense_tensor(weights[f"{attention.prefix}.k_norm.weight"]))
+                layer.self_attn.load(weights)
                 layer.mlp.load(weights)

@@ -47,9 +47,8 @@ def _yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float, scali
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # as the reference: no division by zero
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    extrapolated = 1 - ramp
-    return (inv_freq / scaling.factor) * (1 - extrapolated) + inv_freq * extrapolated
+    interpolated = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    return (inv_freq / scaling.factor) * interpolated + inv_freq * (1 - interpolated)
 
 
 def attention_factor(scaling: RopeScaling | None) -> float:
