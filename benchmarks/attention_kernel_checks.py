@@ -136,14 +136,15 @@ def decode_timings(device: str, cases: tuple[tuple[int, int], ...] = ((1, 4096),
         for name, backend in (("torch", TorchAttentionBackend()), ("triton", TritonAttentionBackend())):
             metadata = backend.build_metadata(common)
             call = functools.partial(backend.forward, q, k, k, pool, metadata, 0.088)
-            row[f"{name}_us"] = _time_us(call, device, iterations)
+            row[f"{name}_us"] = time_us(call, device, iterations)
         kv_bytes = 2 * batch * context * geo.kv_heads * geo.head_dim * 2
         row["triton_gbps"] = kv_bytes / (row["triton_us"] * 1e-6) / 1e9
         rows.append(row)
     return rows
 
 
-def _time_us(call, device: str, iterations: int) -> float:
+def time_us(call, device: str, iterations: int) -> float:
+    """Mean microseconds per call after a warm-up (synchronised on CUDA)."""
     for _ in range(3):
         call()
     if device.startswith("cuda"):

@@ -10,6 +10,9 @@
                   RMSNorm+residual, rotary) against its torch reference on fresh random inputs
                   (benchmarks/attention_kernel_checks.py, fused_ops_bench.py), and their speed.
     2b. graphs    decode step time with CUDA graphs vs `enforce_eager`, and the capture time.
+    2c. fp8       the block-scaled FP8 GEMM (kernels/triton/fp8_gemm.py, DeepSeek-V3's 128 x 128
+                  scale blocks) against the bf16 product of the same dequantized weight: relative
+                  error, and its time and weight GB/s beside the bf16 GEMM at decode and prefill rows.
     3. syncs      host synchronisations per decode step (torch's sync debug mode; target: 1).
     4. decode     a random-weight Llama of a 1B-class shape (Llama-3.2-1B: hidden 2048, 16 layers,
                   32/8 heads, intermediate 8192, vocab 128256) in bfloat16: engine step time at
@@ -41,6 +44,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -393,6 +397,45 @@ def kernels(device: str, report: Report) -> None:
     report.lines += [f"Fused ops: largest |fused - unfused| {worst:.2e} (bf16).", ""]
 
 
+# (rows, N, K): decode batches and a prefill chunk over a DeepSeek-V3-sized projection (hidden 7168
+# into the 2,048-wide expert MLP and back); the CPU smoke run takes the smallest, interpreted.
+FP8_GEMM_SHAPES = [(1, 4096, 7168), (16, 4096, 7168), (256, 7168, 2048), (2048, 4096, 7168)]
+
+
+def fp8_gemm(device: str, report: Report) -> None:
+    """The block-scaled FP8 GEMM against x @ dequant(W)^T in bf16 (error: relative to the largest
+    output; limit 2e-2, bf16's rounding of the weight and the sum order), and on CUDA its speed."""
+    import attention_kernel_checks as attention
+
+    from servelm.kernels.triton.fp8_gemm import fp8_block_gemm
+    from servelm.models.fp8_blocks import Fp8BlockScheme, quantize_fp8_blocks
+
+    on_cuda = device.startswith("cuda")
+    shapes = FP8_GEMM_SHAPES if on_cuda else [(5, 192, 200)]
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    rows_out, results = [], []
+    for m, n, k in shapes:
+        generator = torch.Generator().manual_seed(m + n + k)
+        weight = quantize_fp8_blocks(torch.randn(n, k, generator=generator), Fp8BlockScheme(128, 128))
+        codes, scales = weight.codes.to(device), weight.scales.to(device)
+        dense = weight.dequantize().to(device=device, dtype=dtype)
+        x = torch.randn(m, k, generator=generator).to(device=device, dtype=dtype)
+        expected = x.float() @ dense.float().T
+        error = ((fp8_block_gemm(x, codes, scales, 128, 128).float() - expected).abs().max() / expected.abs().max()).item()
+        row: dict[str, Any] = {"rows": m, "n": n, "k": k, "relative_error": error, "passed": error <= 2e-2}
+        if on_cuda:
+            row["fp8_us"] = attention.time_us(partial(fp8_block_gemm, x, codes, scales, 128, 128), device, 50)
+            row["bf16_us"] = attention.time_us(partial(torch.matmul, x, dense.T), device, 50)
+            row["fp8_weight_gbps"] = n * k / (row["fp8_us"] * 1e3)
+        results.append(row)
+        rows_out.append([f"{m} x {n} x {k}", f"{error:.2e}", _us(row.get("fp8_us")), _us(row.get("bf16_us")),
+                         f"{row.get('fp8_weight_gbps', float('nan')):.0f}", _verdict(row["passed"])])  # fmt: skip
+    report.results["fp8_gemm"] = results
+    report.ok &= all(row["passed"] for row in results)
+    report.table(["FP8 block GEMM (rows x N x K)", "relative error", "fp8 (us)", "bf16 (us)", "fp8 weight GB/s",
+                  "verdict"], rows_out)  # fmt: skip
+
+
 def _us(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -438,7 +481,7 @@ def copy_bandwidth_tbps(device: str) -> float | None:
 
 # -- main ----------------------------------------------------------------------------------
 
-SECTIONS = ("exactness", "kernels", "syncs", "graphs", "roofline", "prefill", "offline")
+SECTIONS = ("exactness", "kernels", "fp8", "syncs", "graphs", "roofline", "prefill", "offline")
 
 
 def main() -> int:
@@ -473,6 +516,8 @@ def main() -> int:
         exactness(device, args.bf16_tol, not args.no_default_model, report)
     if "kernels" not in skip:
         kernels(device, report)
+    if "fp8" not in skip:
+        fp8_gemm(device, report)
     if not {"syncs", "graphs", "roofline", "prefill", "offline"} <= skip:
         dtype = torch.bfloat16 if on_cuda else torch.float32
         built, weight_bytes = random_engine(args.shape, device, dtype, args.kv_gib)

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("triton_compile_check.py")
-# The production dtype's kernels in every mode, float32's IEEE dots, and the 8-bit pools' paths.
+# The production dtype's kernels in every mode, float32's IEEE dots, the 8-bit pools' paths, and
+# the FP8 weights' block-scaled GEMM.
 VARIANTS = [
     "write bfloat16",
     "decode bfloat16 indexed split block12",
@@ -22,6 +23,8 @@ VARIANTS = [
     "decode int8",
     "write float8_e4m3fn",
     "prefill float8_e4m3fn",
+    "fp8 gemm bfloat16 rows3",
+    "fp8 gemm bfloat16 rows100",
 ]
 
 

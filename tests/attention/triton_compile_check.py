@@ -20,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from servelm.kernels.triton.decode_attention import decode_launches
+from servelm.kernels.triton.fp8_gemm import fp8_block_gemm_launch
 from servelm.kernels.triton.kv_write import write_kv_launch
 from servelm.kernels.triton.launch import KernelLaunch
 from servelm.kernels.triton.pool import KVPool
@@ -90,6 +91,12 @@ def launches() -> dict[str, KernelLaunch]:
         )
         built[f"prefill {name} fresh"] = prefill_launch(out, query, fresh_kv(kv, kv), None, query_start_loc, seq_lens,
                                                         *tiles, 0.1)  # fmt: skip
+    codes, scales = torch.zeros(256, 384, dtype=torch.float8_e4m3fn), torch.ones(2, 3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        for rows in (3, 100):  # decode tiles and prefill tiles
+            x, out = torch.zeros(rows, 384, dtype=dtype), torch.zeros(rows, 256, dtype=dtype)
+            built[f"fp8 gemm {name} rows{rows}"] = fp8_block_gemm_launch(x, codes, scales, 128, 128, out)
     for codes in (torch.int8, torch.float8_e4m3fn):
         kv = torch.zeros(3, 2, 128, dtype=torch.bfloat16)
         query, out = torch.zeros(3, 8, 128, dtype=torch.bfloat16), torch.zeros(3, 8, 128, dtype=torch.bfloat16)

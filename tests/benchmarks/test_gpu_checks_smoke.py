@@ -24,8 +24,9 @@ def test_gpu_checks_run_on_cpu_and_pass_their_exactness_checks(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     report = (tmp_path / "gpu_checks.md").read_text()
-    # Two exactness rows (float32, bfloat16), two Triton-vs-torch attention rows (interpreter).
-    assert report.count("| PASS |") == 4 and "FAIL" not in report
+    # Two exactness rows (float32, bfloat16), two Triton-vs-torch attention rows, one FP8 GEMM row (interpreter).
+    assert report.count("| PASS |") == 5 and "FAIL" not in report
+    assert "FP8 block GEMM" in report
     assert "| 4 |" in report and "total tokens/s" in report
     results = json.loads((tmp_path / "gpu_checks.json").read_text())
     assert results["passed"] and len(results["exactness"]) == 2 and len(results["kernels"]["attention"]) == 2

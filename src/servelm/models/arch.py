@@ -33,6 +33,11 @@ class UnsupportedModelError(ValueError):
     """The checkpoint is readable but describes something servelm cannot run."""
 
 
+class UnsupportedQuantizationError(UnsupportedModelError):
+    """The checkpoint's weights are stored in a form servelm does not read (a GGUF tensor type, a
+    quantization scheme in config.json): said before any tensor is loaded as if it were plain values."""
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency scaling ("rope_type": "llama3"); `linear`, and YaRN (`yarn`: DeepSeek-V3,

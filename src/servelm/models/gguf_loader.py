@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
 from servelm.gguf_file import GGUFFile, read_gguf
-from servelm.models.arch import ModelArchConfig, UnsupportedModelError
+from servelm.models.arch import ModelArchConfig, UnsupportedModelError, UnsupportedQuantizationError
 from servelm.models.gguf_blocks import BLOCK, BlockType, BlockWeight
 from servelm.models.weights import CheckpointWeights, Storage, TensorInfo, Weight, select_model_weights, slice_weight
 from servelm.tokenization.loading import load_gguf_tokenizer
@@ -65,10 +65,6 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-
-
-class UnsupportedQuantizationError(UnsupportedModelError):
-    """A GGUF tensor is stored in a type servelm does not dequantise."""
 
 
 def load_gguf(path: Path) -> tuple[ModelArchConfig, CheckpointWeights, Any]:

@@ -6,6 +6,10 @@
       model.safetensors.index.json     -> {"weight_map": {tensor name: shard file}}
       model-00001-of-0000N.safetensors
       tokenizer.json, tokenizer_config.json (+ chat_template.jinja)
+
+An FP8 block-scaled checkpoint (config.json's quantization_config, fp8_blocks.py) hands out each
+quantized `X.weight` as an Fp8BlockWeight read together with its `X.weight_scale_inv`; the scale
+tensors themselves are not handed out. Any other quantization is refused before a tensor is read.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import torch
 from safetensors import safe_open
 from transformers import PreTrainedTokenizerBase
 
-from servelm.models.arch import ModelArchConfig
-from servelm.models.weights import CheckpointWeights, Storage, TensorInfo, select_model_weights
+from servelm.models.arch import ModelArchConfig, UnsupportedQuantizationError
+from servelm.models.fp8_blocks import SCALE_SUFFIX, Fp8BlockScheme, Fp8BlockWeight
+from servelm.models.weights import CheckpointWeights, Storage, TensorInfo, Weight, select_model_weights, slice_weight
 from servelm.tokenization.loading import load_hf_tokenizer
 
 CONFIG_FILE = "config.json"
@@ -37,13 +42,22 @@ def load_hf_directory(
     """(arch, lazy weights by HF name in the files' dtype, tokenizer) of a model directory; raises with the path named."""
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
-    arch = read_hf_config(path)
-    weights = select_model_weights(load_safetensors_weights(path, before_read), arch)
-    return arch, weights, load_hf_tokenizer(path)
+    config = read_config_json(path)
+    arch = ModelArchConfig.from_hf_config(config)
+    weights = with_fp8_blocks(load_safetensors_weights(path, before_read), Fp8BlockScheme.from_hf_config(config))
+    return arch, select_model_weights(weights, arch), load_hf_tokenizer(path)
 
 
 def read_hf_config(path: Path) -> ModelArchConfig:
-    """Parse `config.json`; UnsupportedModelError (from arch.py) for an architecture servelm cannot run."""
+    """Parse `config.json`; UnsupportedModelError (from arch.py) for an architecture servelm cannot run,
+    UnsupportedQuantizationError for weights stored in a form it does not read."""
+    config = read_config_json(path)
+    Fp8BlockScheme.from_hf_config(config)  # refuses a quantization it cannot load, before anything else
+    return ModelArchConfig.from_hf_config(config)
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """`config.json` of a model directory, parsed; raises naming the path when it is absent or not JSON."""
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(
@@ -54,7 +68,58 @@ def read_hf_config(path: Path) -> ModelArchConfig:
         config: dict[str, Any] = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{config_path} is not valid JSON: {exc}") from exc
-    return ModelArchConfig.from_hf_config(config)
+    return config
+
+
+def with_fp8_blocks(weights: CheckpointWeights, scheme: Fp8BlockScheme | None) -> CheckpointWeights:
+    """The same tensors with each FP8-quantized `X.weight` read as an Fp8BlockWeight (codes and
+    `X.weight_scale_inv`) and the scales hidden; each scale's shape is checked here, before any
+    tensor is read. Without a scheme, a checkpoint that still carries scales is refused: its codes
+    would otherwise load as if they were values."""
+    scales = [name for name in weights if name.endswith(SCALE_SUFFIX)]
+    if scheme is None:
+        if scales:
+            raise UnsupportedQuantizationError(
+                f"{weights.source} holds FP8 scale tensors ({scales[0]!r}, {len(scales)} in all) but its config.json "
+                "has no quantization_config saying how to apply them"
+            )
+        return weights
+    quantized: set[str] = set()
+    for scale_name in scales:
+        name = scale_name.removesuffix(SCALE_SUFFIX)
+        if name not in weights:
+            raise ValueError(f"{weights.source} holds {scale_name!r} but no {name!r} for it to scale")
+        shape, expected = weights.info(name).shape, None
+        if len(shape) == 2:
+            expected = scheme.scale_shape(shape)
+        if expected is None or weights.info(scale_name).shape != expected:
+            raise ValueError(
+                f"{weights.source}: {scale_name!r} has shape {weights.info(scale_name).shape}; a {shape} weight "
+                f"in blocks of {scheme.block_n}x{scheme.block_k} needs {expected}"
+            )
+        quantized.add(name)
+    block = (scheme.block_n, scheme.block_k)
+    infos = {name: TensorInfo(weights.info(name).shape, Storage.FP8_BLOCK, block) if name in quantized
+             else weights.info(name) for name in weights if name not in scales}  # fmt: skip
+
+    def read(name: str) -> Weight:
+        if name not in quantized:
+            return weights[name]
+        scale = weights[name + SCALE_SUFFIX]
+        assert isinstance(scale, torch.Tensor)  # safetensors hands out tensors
+        codes = weights[name]
+        assert isinstance(codes, torch.Tensor)
+        try:
+            return Fp8BlockWeight(codes, scale, scheme)
+        except ValueError as exc:
+            raise ValueError(f"{weights.source}: tensor {name!r}: {exc}") from exc
+
+    def read_shard(name: str, rows: range | None, columns: range | None) -> Weight:
+        if name in quantized:
+            return slice_weight(read(name), rows, columns)  # the codes and scales whole, then cut
+        return weights.read_shard(name, rows, columns)
+
+    return CheckpointWeights(infos, read, weights.source, read_shard)
 
 
 def load_safetensors_weights(path: Path, before_read: BeforeRead | None = None) -> CheckpointWeights:

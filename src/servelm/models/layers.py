@@ -30,6 +30,7 @@ class Linear(nn.Module):
     # Registered by the method's create_weights (which ones depends on the method).
     weight: torch.Tensor  # [N, K] in the model's dtype
     blocks: torch.Tensor  # [N, K / 32, block bytes] uint8, the GGUF file's blocks (block methods only)
+    codes: torch.Tensor  # [N, K] uint8, FP8 e4m3 codes' bytes (FP8 block methods only)
     bias: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parts: tuple[str, ...],

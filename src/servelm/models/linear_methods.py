@@ -10,6 +10,9 @@ rows, and to compute x @ W^T + b. No attribute is bolted on afterwards.
                         few-row matmuls (the `block_gemm_small` kernel reads 0.56-1.06 bytes per
                         weight instead of 4), and the same weights dequantised to dense float32 for
                         many-row matmuls (MKL's blocked GEMM wins there).
+    Fp8BlockLinearMethod  FP8 block-scaled layers (fp8_blocks.py) on CUDA: the codes and scales as
+                        the checkpoint has them, multiplied by the Triton block-scaled GEMM. On CPU
+                        FP8 layers are dense: dequantised at load.
 
 On a CPU float32 model either computes its many-row matmuls through MKL's packed panels of the
 weight (float32, the default), or in bfloat16 (`--gemm-precision`, opt-in): gemm_precision.py.
@@ -29,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.kernels import cpu as cpu_kernels
+from servelm.models.fp8_blocks import Fp8BlockWeight
 from servelm.models.gemm_precision import ManyRowGemm, many_row_gemm
 from servelm.models.gguf_blocks import BLOCK, BlockType, BlockWeight
-from servelm.models.weights import TensorInfo, Weight, dense_tensor
+from servelm.models.weights import Storage, TensorInfo, Weight, dense_tensor
 
 if TYPE_CHECKING:
     from servelm.models.layers import Linear
@@ -144,6 +148,50 @@ class BlockLinearMethod(DenseLinearMethod):
         return super().apply(layer, x)
 
 
+class Fp8BlockLinearMethod(LinearMethod):
+    """FP8 e4m3 codes [N, K] and float32 scales per (block_n x block_k) block, multiplied by the
+    Triton block-scaled GEMM (kernels/triton/fp8_gemm.py) in the activations' dtype. Fused parts
+    (q/k/v, gate/up) stack their scale rows, so every part's row count is a multiple of block_n
+    (the chooser sees to it). The codes are a uint8 buffer (a float8 one would be cast with the
+    model's dtype); the scales are made at the first load on the codes' device and stay float32."""
+
+    def __init__(self, block: tuple[int, int]) -> None:
+        self.block_n, self.block_k = block
+        self.scales: torch.Tensor | None = None  # [ceil(N / block_n), ceil(K / block_k)] float32
+
+    def create_weights(self, layer: Linear) -> None:
+        codes = torch.empty(layer.out_features, layer.in_features, dtype=torch.uint8)
+        layer.register_buffer("codes", codes, persistent=False)  # the e4m3 codes' bytes
+
+    def load_rows(self, layer: Linear, weight: Weight, row_offset: int) -> None:
+        if not isinstance(weight, Fp8BlockWeight) or (weight.scheme.block_n, weight.scheme.block_k) != (
+            self.block_n,
+            self.block_k,
+        ):
+            raise TypeError(
+                f"an FP8 {self.block_n}x{self.block_k} block method loads such FP8 weights, got {type(weight).__name__}"
+            )
+        if row_offset % self.block_n:
+            raise ValueError(f"FP8 part rows start at {row_offset}, not on a {self.block_n}-row scale block")
+        if self.scales is None:
+            shape = (-(-layer.out_features // self.block_n), -(-layer.in_features // self.block_k))
+            self.scales = torch.zeros(shape, dtype=torch.float32, device=layer.codes.device)
+        rows = slice(row_offset, row_offset + weight.shape[0])
+        layer.codes[rows].copy_(weight.codes.view(torch.uint8))
+        first = row_offset // self.block_n
+        self.scales[first : first + weight.scales.shape[0]].copy_(weight.scales)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        from servelm.kernels.triton.fp8_gemm import fp8_block_gemm  # Triton is imported where it runs
+
+        assert self.scales is not None, "an FP8 layer multiplies only once loaded"
+        shape = x.shape
+        codes = layer.codes.view(torch.float8_e4m3fn)
+        out = fp8_block_gemm(x.reshape(-1, shape[-1]), codes, self.scales, self.block_n, self.block_k)
+        out = out.reshape(*shape[:-1], layer.out_features)
+        return out if layer.bias is None else out.add_(layer.bias)
+
+
 DENSE = DenseLinearMethod()
 
 # Given the checkpoint prefixes a linear layer's weight is made of (one, or the fused parts
@@ -158,13 +206,20 @@ def all_dense(parts: Sequence[str], columns: range | None = None) -> LinearMetho
 
 def choose_linear_method(parts: Sequence[TensorInfo], dtype: torch.dtype, device: torch.device,
                          gemm_precision: str = "float32", pack_float32: bool = True) -> LinearMethod:  # fmt: skip
-    """GGUF blocks when every part of the layer is stored as blocks of one type and the model runs on
+    """FP8 codes when every part is FP8 block-scaled alike and the model runs on CUDA; GGUF blocks
+    when every part of the layer is stored as blocks of one type and the model runs on
     CPU in float32 with the kernel built; dense otherwise (another device or dtype, parts stored
     differently, or a part that is F32 / F16 / a K-quant: no block form the kernel reads).
     `gemm_precision`: what its many-row matmuls compute in (gemm_precision.check_gemm_precision
     has said it suits the dtype and device); `pack_float32`: float32 ones over the weight laid out
     once for oneDNN or MKL where either is here (gemm_precision.many_row_gemm)."""
     storages = {part.storage for part in parts}
+    fp8_blocks = {part.fp8_block for part in parts}
+    if storages == {Storage.FP8_BLOCK} and len(fp8_blocks) == 1 and device.type == "cuda":
+        block = next(iter(fp8_blocks))
+        assert block is not None  # FP8_BLOCK infos carry their block
+        if all(part.shape[0] % block[0] == 0 for part in parts[:-1]):  # stacked parts start on a scale row
+            return Fp8BlockLinearMethod(block)
     block_type = next(iter(storages)).block_type if len(storages) == 1 else None
     if block_type is None or device.type != "cpu" or dtype != torch.float32 or small_batch_kernel() is None:
         return dense_method(dtype, device, gemm_precision, pack_float32)

@@ -19,21 +19,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from servelm.models.arch import ModelArchConfig
+from servelm.models.fp8_blocks import FP8_QUANTIZED_LINEAR
 from servelm.models.moe_weights import expert_tensor_names
 from servelm.models.weights import expected_weight_shapes
 
 GIB = 1024**3
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size: one float32 scale per 128 x 128 block
-# A linear layer's weight inside a decoder layer: what FP8 checkpoints quantize (the router's gate,
-# the norms, the embedding and the head stay in higher precision).
-_QUANTIZED_LINEAR = re.compile(r"model\.layers\.\d+\..*_proj\.weight$|model\.layers\.\d+\..*experts\.\d+\.w[123]\.weight$")
 
 
 @dataclass(frozen=True)
@@ -99,7 +96,7 @@ def weight_bytes(arch: ModelArchConfig) -> WeightBytes:
     bf16 = fp8 = bf16_routed = fp8_routed = 0
     for name, shape in shapes.items():
         as_bf16 = 2 * math.prod(shape)
-        as_fp8 = _fp8_block_bytes(shape) if _QUANTIZED_LINEAR.match(name) else as_bf16
+        as_fp8 = _fp8_block_bytes(shape) if FP8_QUANTIZED_LINEAR.match(name) else as_bf16
         bf16, fp8 = bf16 + as_bf16, fp8 + as_fp8
         if name in routed:
             bf16_routed, fp8_routed = bf16_routed + as_bf16, fp8_routed + as_fp8

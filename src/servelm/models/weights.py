@@ -3,8 +3,9 @@ and `CheckpointWeights`, the lazy source every loader hands them out through.
 
 Every loader ends here: whatever the file format, the model receives exactly the
 names below with exactly these shapes, or the load fails naming the tensor. Tensors
-come in the file's own dtype (bf16 stays bf16) or, for GGUF Q4_0 / Q4_1 / Q8_0, as the file's
-blocks (`BlockWeight`); the model converts each one as it copies it into its parameter.
+come in the file's own dtype (bf16 stays bf16), for GGUF Q4_0 / Q4_1 / Q8_0 as the file's
+blocks (`BlockWeight`), for FP8 block-scaled checkpoints as codes and scales (`Fp8BlockWeight`);
+the model converts each one as it copies it into its parameter.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from servelm.models.arch import ModelArchConfig
+from servelm.models.fp8_blocks import Fp8BlockWeight
 from servelm.models.gguf_blocks import BLOCK, BlockType, BlockWeight
 from servelm.models.moe_weights import moe_weight_shapes
 
@@ -28,7 +30,7 @@ _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 logger = logging.getLogger(__name__)
 
 # What a weight source hands out for one name.
-Weight = torch.Tensor | BlockWeight
+Weight = torch.Tensor | BlockWeight | Fp8BlockWeight
 # Reads the part of a tensor a tensor-parallel rank keeps: (name, rows, columns), None meaning all.
 ShardReader = Callable[[str, range | None, range | None], Weight]
 
@@ -44,11 +46,12 @@ class Storage(enum.Enum):
     Q4_0 = "q4_0"  # a BlockWeight of that block type (gguf_blocks.py)
     Q4_1 = "q4_1"
     Q8_0 = "q8_0"
+    FP8_BLOCK = "fp8_block"  # an Fp8BlockWeight (fp8_blocks.py)
 
     @property
     def block_type(self) -> BlockType | None:
-        """The GGUF block type a block storage holds; None for DENSE."""
-        return None if self is Storage.DENSE else BlockType[self.name]
+        """The GGUF block type a block storage holds; None for DENSE and FP8_BLOCK."""
+        return None if self in (Storage.DENSE, Storage.FP8_BLOCK) else BlockType[self.name]
 
     @classmethod
     def of_blocks(cls, block_type: BlockType) -> Storage:
@@ -61,16 +64,20 @@ class TensorInfo:
 
     shape: tuple[int, ...]  # torch order, [out, in] for a matrix
     storage: Storage
+    fp8_block: tuple[int, int] | None = None  # FP8_BLOCK: weight (rows, columns) per scale
 
     @classmethod
     def of(cls, weight: Weight) -> TensorInfo:
         if isinstance(weight, BlockWeight):
             return cls(tuple(weight.shape), Storage.of_blocks(weight.block_type))
+        if isinstance(weight, Fp8BlockWeight):
+            return cls(tuple(weight.shape), Storage.FP8_BLOCK, (weight.scheme.block_n, weight.scheme.block_k))
         return cls(tuple(weight.shape), Storage.DENSE)
 
     def sharded(self, rows: range | None = None, columns: range | None = None) -> TensorInfo:
         """What `read_shard(name, rows, columns)` hands out: the shard's shape, and its storage
-        (blocks whose columns are cut inside a block come out dequantised, DENSE)."""
+        (GGUF blocks whose columns are cut inside a block come out dequantised, DENSE; so does any
+        cut of an FP8 weight)."""
         shape = list(self.shape)
         if rows is not None:
             shape[0] = len(rows)
@@ -79,7 +86,9 @@ class TensorInfo:
             shape[1] = len(columns)
             if not blocks_aligned(columns):
                 storage = Storage.DENSE
-        return TensorInfo(tuple(shape), storage)
+        if storage is Storage.FP8_BLOCK and (rows is not None or columns is not None):
+            return TensorInfo(tuple(shape), Storage.DENSE)
+        return TensorInfo(tuple(shape), storage, self.fp8_block)
 
 
 def blocks_aligned(columns: range) -> bool:
@@ -91,8 +100,11 @@ def slice_weight(weight: Weight, rows: range | None = None, columns: range | Non
     """The part of a tensor a tensor-parallel rank keeps: rows of dim 0, columns of dim 1 (None: all).
 
     Dense tensors come back as views; blocks as blocks when the columns fall on block
-    boundaries, else (only the kept rows) dequantised to float32 and cut.
+    boundaries, else (only the kept rows) dequantised to float32 and cut; FP8 weights as
+    `Fp8BlockWeight.sliced` says.
     """
+    if isinstance(weight, Fp8BlockWeight):
+        return weight.sliced(rows, columns)
     if isinstance(weight, BlockWeight):
         if columns is None or blocks_aligned(columns):
             return weight.sliced(rows, columns)
@@ -175,8 +187,8 @@ class CheckpointWeights(Mapping[str, Weight]):
 
 
 def dense_tensor(weight: Weight) -> torch.Tensor:
-    """A weight as a torch.Tensor: blocks dequantised to float32, dense tensors unchanged."""
-    return weight.dequantize() if isinstance(weight, BlockWeight) else weight
+    """A weight as a torch.Tensor: GGUF blocks and FP8 codes dequantised to float32, dense tensors unchanged."""
+    return weight.dequantize() if isinstance(weight, BlockWeight | Fp8BlockWeight) else weight
 
 
 def expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:

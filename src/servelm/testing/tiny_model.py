@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from servelm.default_model import default_model_path
 from servelm.models.arch import ModelArchConfig
+from servelm.models.fp8_blocks import FP8_QUANTIZED_LINEAR, SCALE_SUFFIX, Fp8BlockScheme, quantize_fp8_blocks
 from servelm.models.loader import hf_config_dict
 from servelm.models.weights import expected_weight_shapes
 from servelm.tokenization.loading import load_gguf_tokenizer
@@ -138,10 +139,12 @@ def write_random_checkpoint(
     seed: int = 0,
     *,
     max_shard_bytes: int | None = None,
+    fp8_block: tuple[int, int] | None = None,
     **overrides: Any,
 ) -> Path:
     """Save a random Llama (SmolLM2-135M's shape, `overrides` on top) as one safetensors file in `dtype`,
-    with config.json and the default tokenizer; returns the directory.
+    with config.json and the default tokenizer; returns the directory. `fp8_block`: the decoder layers'
+    linear weights in FP8 with a scale per block, as DeepSeek-V3 ships them (write_fp8_checkpoint).
 
     Tensors are drawn one by one (std 0.02, norms 1) without building a transformers model, so a
     checkpoint of hundreds of MB takes seconds. For load-time, memory and delivery measurements, not
@@ -159,6 +162,9 @@ def write_random_checkpoint(
     for name, shape in expected_weight_shapes(arch).items():
         if len(shape) == 1:  # norm weights
             tensors[name] = torch.ones(shape, dtype=dtype)
+        elif fp8_block is not None and FP8_QUANTIZED_LINEAR.match(name):
+            quantized = quantize_fp8_blocks(torch.randn(shape, generator=generator) * 0.02, Fp8BlockScheme(*fp8_block))
+            tensors[name], tensors[name + SCALE_SUFFIX] = quantized.codes, quantized.scales
         else:
             tensors[name] = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
     if max_shard_bytes is None:
@@ -166,9 +172,15 @@ def write_random_checkpoint(
     else:
         _save_shards(tensors, out, max_shard_bytes)
     config = {**hf_config_dict(arch), "torch_dtype": str(dtype).removeprefix("torch.")}
+    if fp8_block is not None:
+        config["quantization_config"] = _fp8_quantization_config(fp8_block)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def _fp8_quantization_config(block: tuple[int, int]) -> dict[str, Any]:
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
 
 
 def _save_shards(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
@@ -189,6 +201,31 @@ def _save_shards(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_fp8_checkpoint(source: str | Path, directory: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """A copy of a Hugging Face checkpoint with its decoder layers' linear weights in FP8 e4m3 and a
+    float32 scale per `block` (`X.weight_scale_inv`), config.json saying so: the layout DeepSeek-V3
+    ships. Shards and their index are kept as they are (each scale beside its weight)."""
+    src, out = Path(source), Path(directory)
+    shutil.copytree(src, out)
+    scheme = Fp8BlockScheme(*block)
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    for file in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        for name in [n for n in tensors if FP8_QUANTIZED_LINEAR.match(n)]:
+            quantized = quantize_fp8_blocks(tensors[name], scheme)
+            tensors[name], tensors[name + SCALE_SUFFIX] = quantized.codes, quantized.scales
+            if index is not None:
+                index["weight_map"][name + SCALE_SUFFIX] = file.name
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = _fp8_quantization_config(block)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
 
 
 def write_first_layers_checkpoint(source: str | Path, directory: str | Path, num_layers: int) -> Path:
