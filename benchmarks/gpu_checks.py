@@ -236,7 +236,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _add_random_requests(built: BuiltEngine, tag: str, count: int, prompt_len: int, max_tokens: int, seed: int) -> None:
+def add_random_requests(built: BuiltEngine, tag: str, count: int, prompt_len: int, max_tokens: int, seed: int) -> None:
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(count):
@@ -244,10 +244,10 @@ def _add_random_requests(built: BuiltEngine, tag: str, count: int, prompt_len: i
         built.core.add_request(EngineRequest(request_id=f"{tag}-{i}", prompt_token_ids=prompt, sampling_params=params))
 
 
-def _decode_step_times(built: BuiltEngine, batch: int, device: str, tag: str, steps: int = 32) -> list[float]:
+def decode_step_times(built: BuiltEngine, batch: int, device: str, tag: str, steps: int = 32) -> list[float]:
     """Wall time of every engine step in which all `batch` requests decoded one token each."""
     core = built.core
-    _add_random_requests(built, tag, batch, 128, steps + 8, seed=batch)
+    add_random_requests(built, tag, batch, 128, steps + 8, seed=batch)
     times: list[float] = []
     while core.has_work():
         _sync(device)
@@ -266,7 +266,7 @@ def host_syncs(built: BuiltEngine, device: str, report: Report) -> None:
         report.results["host_syncs"] = {"skipped": "CUDA only"}
         return
     core = built.core
-    _add_random_requests(built, "sync", 8, 64, 24, seed=7)
+    add_random_requests(built, "sync", 8, 64, 24, seed=7)
     decoding: set[str] = set()
     while len(decoding) < 8:  # every request past its prompt: the steps below are pure decodes
         decoding.update(o.request_id for o in core.step() if o.new_token_ids)
@@ -297,7 +297,7 @@ def decode_roofline(built: BuiltEngine, weight_bytes: int, device: str, hbm_tbps
     kv_bytes_per_token = arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * 2  # bf16 K and V
     rows, results = [], []
     for batch in batches:
-        times = _decode_step_times(built, batch, device, f"d{batch}")
+        times = decode_step_times(built, batch, device, f"d{batch}")
         step_s = statistics.median(times[2:]) if len(times) > 4 else float("nan")
         context = 128 + 32 / 2
         bytes_read = weight_bytes + batch * context * kv_bytes_per_token
@@ -319,12 +319,12 @@ def prefill_throughput(built: BuiltEngine, weight_bytes: int, device: str, peak_
     """16 prompts of 1,024 tokens, one output token each: FLOP/s over the whole prefill."""
     arch = built.arch
     count, length = 16, 1024
-    _add_random_requests(built, "warm", 2, 256, 1, seed=3)  # kernels compiled before the clock starts
+    add_random_requests(built, "warm", 2, 256, 1, seed=3)  # kernels compiled before the clock starts
     while built.core.has_work():
         built.core.step()
     _sync(device)
     started = time.perf_counter()
-    _add_random_requests(built, "p", count, length, 1, seed=4)
+    add_random_requests(built, "p", count, length, 1, seed=4)
     while built.core.has_work():
         built.core.step()
     _sync(device)
@@ -445,8 +445,8 @@ def graphs_vs_eager(graphs: BuiltEngine, args: argparse.Namespace, report: Repor
     eager, _ = random_engine(args.shape, args.device, torch.bfloat16, args.kv_gib, enforce_eager=True)
     rows, results = [], []
     for batch in (1, 32):
-        with_graphs = statistics.median(_decode_step_times(graphs, batch, args.device, f"g{batch}")[2:])
-        without = statistics.median(_decode_step_times(eager, batch, args.device, f"e{batch}")[2:])
+        with_graphs = statistics.median(decode_step_times(graphs, batch, args.device, f"g{batch}")[2:])
+        without = statistics.median(decode_step_times(eager, batch, args.device, f"e{batch}")[2:])
         results.append({"batch": batch, "graphs_ms": with_graphs * 1e3, "eager_ms": without * 1e3,
                         "speedup": without / with_graphs})  # fmt: skip
         rows.append([batch, f"{with_graphs * 1e3:.3f}", f"{without * 1e3:.3f}", f"{without / with_graphs:.2f}x"])

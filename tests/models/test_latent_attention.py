@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV3Config
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from servelm.config import EngineConfig
@@ -54,11 +55,16 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 
 
 @pytest.mark.parametrize(
-    "overrides",
-    [pytest.param({"q_lora_rank": None}, id="no-low-rank-q"), pytest.param({"rope_parameters": YARN}, id="yarn")],
+    ("kind", "overrides"),
+    [
+        pytest.param("deepseek_v3", {"q_lora_rank": None}, id="no-low-rank-q"),
+        pytest.param("deepseek_v3", {"rope_parameters": YARN}, id="yarn"),
+        # DeepSeek-V2-Lite's shape of choices: no low-rank q, one group ("greedy"), YaRN.
+        pytest.param("deepseek_v2", {"q_lora_rank": None, "topk_method": "greedy", "rope_parameters": YARN}, id="v2-lite"),
+    ],
 )
-def test_other_configurations_match_transformers(tmp_path: Path, overrides) -> None:
-    path = write_tiny_checkpoint(tmp_path / "model", "deepseek_v3", seed=2, **overrides)
+def test_other_configurations_match_transformers(tmp_path: Path, kind, overrides) -> None:
+    path = write_tiny_checkpoint(tmp_path / "model", kind, seed=2, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     arch, weights, _ = load_hf_directory(path)
     assert arch.mla is not None and (arch.mla.q_lora_rank is None) == ("q_lora_rank" in overrides)
@@ -71,18 +77,21 @@ def test_other_configurations_match_transformers(tmp_path: Path, overrides) -> N
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
-def test_routing_chooses_the_experts_transformers_does() -> None:
-    """Sigmoid scores, the bias only in the choice, the best 2 of 4 groups, renormalised and scaled."""
-    config = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-                              routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
+@pytest.mark.parametrize(("experts", "top_k", "groups", "topk_group"), [(16, 4, 4, 2), (256, 8, 8, 4)])
+def test_routing_chooses_the_experts_transformers_does(experts, top_k, groups, topk_group) -> None:
+    """Sigmoid scores, the bias only in the choice, the best groups, renormalised and scaled: the
+    same experts and weights as transformers' router on 10k random tokens, at a small shape and at
+    DeepSeek-V3's (256 experts in 8 groups, the best 4 groups searched, top 8)."""
+    config = DeepseekV3Config(hidden_size=32, n_routed_experts=experts, num_experts_per_tok=top_k, n_group=groups,
+                              topk_group=topk_group, routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
     router = DeepseekV3TopkRouter(config)
     torch.manual_seed(0)
     with torch.no_grad():
         router.weight.normal_(0, 0.5)
         router.e_score_correction_bias.normal_(0, 0.5)
-    moe = MoEConfig("deepseek_v3", 16, 4, 8, True, frozenset({0}), scoring="sigmoid", num_groups=4, topk_group=2,
-                    routed_scaling_factor=2.5)  # fmt: skip
-    x = torch.randn(64, 32)
+    moe = MoEConfig("deepseek_v3", experts, top_k, 8, True, frozenset({0}), scoring="sigmoid", num_groups=groups,
+                    topk_group=topk_group, routed_scaling_factor=2.5)  # fmt: skip
+    x = torch.randn(10_000, 32)
     _, want_weights, want_experts = router(x)
     weights, experts = route(x @ router.weight.T, moe, router.e_score_correction_bias)
     order, want_order = experts.argsort(dim=-1), want_experts.argsort(dim=-1)
@@ -91,6 +100,25 @@ def test_routing_chooses_the_experts_transformers_does() -> None:
     # The bias decides: without it other experts win for some tokens.
     _, unbiased = route(x @ router.weight.T, moe, None)
     assert not torch.equal(unbiased.sort(dim=-1).values, experts.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("topk_method", ["group_limited_greedy", "greedy"])
+def test_deepseek_v2_routing_chooses_the_experts_transformers_does(topk_method) -> None:
+    """V2: softmax scores, a group scored by its best expert (or no groups: "greedy"), no renormalisation,
+    scaled; on 10k random tokens at DeepSeek-V2's sizes (160 experts in 8 groups, the best 3, top 6)."""
+    config = DeepseekV2Config(hidden_size=32, n_routed_experts=160, num_experts_per_tok=6, n_group=8, topk_group=3,
+                              topk_method=topk_method, routed_scaling_factor=16.0)  # fmt: skip
+    router = DeepseekV2TopkRouter(config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+    moe = MoEConfig.from_hf_config("deepseek_v2", {**config.to_dict(), "moe_intermediate_size": 8}, 1)
+    x = torch.randn(10_000, 32)
+    _, want_weights, want_experts = router(x)
+    weights, experts = route(x @ router.weight.T, moe)
+    order, want_order = experts.argsort(dim=-1), want_experts.argsort(dim=-1)
+    assert torch.equal(experts.gather(1, order), want_experts.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
 
 
 def test_the_multi_token_prediction_layer_is_skipped_and_said_so(tmp_path: Path, caplog) -> None:

@@ -24,10 +24,10 @@ from servelm.testing.engine_run import greedy_requests, run_requests
 from servelm.testing.reference_decode import prompt_logits
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
-KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3", "deepseek_v3"]
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3", "deepseek_v3", "deepseek_v2"]
 # Three layers; Qwen2-MoE's middle one dense (mlp_only_layers), as its published configs allow.
 OVERRIDES = {"qwen2_moe": {"mlp_only_layers": [1]}}
-SPARSE_LAYERS = {"mixtral": 3, "qwen2_moe": 2, "qwen3_moe": 3, "qwen3": 0, "deepseek_v3": 2}
+SPARSE_LAYERS = {"mixtral": 3, "qwen2_moe": 2, "qwen3_moe": 3, "qwen3": 0, "deepseek_v3": 2, "deepseek_v2": 2}
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -46,7 +46,7 @@ def test_the_checkpoint_is_sharded_with_one_tensor_per_expert(checkpoint) -> Non
     if hf.config.model_type == "mixtral":
         assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in weight_map
     elif hf.config.model_type != "qwen3":
-        assert "model.layers.2.mlp.experts.0.gate_proj.weight" in weight_map  # (DeepSeek-V3's layer 0 is dense)
+        assert "model.layers.2.mlp.experts.0.gate_proj.weight" in weight_map  # (DeepSeek's layer 0 is dense)
 
 
 def test_prompt_logits_match_transformers_and_each_token_is_routed_alone(checkpoint) -> None:

@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen3MoeForCausalLM": {"attention_bias": False, "qk_norm": True, "moe": "qwen3_moe"},
     # Multi-head latent attention (`mla`: models/mla.py) and sigmoid-scored experts chosen within
     # the best groups, after dense first layers (models/moe.py).
+    "DeepseekV2ForCausalLM": {"attention_bias": False, "moe": "deepseek_v2", "mla": True},
     "DeepseekV3ForCausalLM": {"attention_bias": False, "moe": "deepseek_v3", "mla": True},
 }
 
@@ -59,6 +60,10 @@ class RopeScaling:
     truncate: bool = True
 
 
+# The DeepSeek families' MoE namings: the same tensor names, group-limited routers (MoEConfig).
+DEEPSEEK_NAMINGS = ("deepseek_v2", "deepseek_v3")
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """The routed experts of a mixture-of-experts model (models/moe.py runs them).
@@ -68,17 +73,18 @@ class MoEConfig:
     outputs by weight. Qwen2-MoE adds a shared expert every token passes through, scaled by a
     sigmoid gate of its own. Layers outside `sparse_layers` keep a dense MLP."""
 
-    naming: str  # "mixtral" | "qwen2_moe" | "qwen3_moe" | "deepseek_v3": where the checkpoint keeps the tensors
+    naming: str  # "mixtral" | "qwen2_moe" | "qwen3_moe" | "deepseek_v2" | "deepseek_v3": where the checkpoint keeps the tensors
     num_experts: int
     top_k: int
     expert_intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: frozenset[int]
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    # DeepSeek-V3's router: each expert scored by a sigmoid; the choice adds a per-expert bias
-    # (`e_score_correction_bias`) and keeps the `topk_group` best of `num_groups` groups (a group's
-    # score: its two best experts), the weights are the unbiased scores (renormalised where
-    # norm_topk_prob) times `routed_scaling_factor`. Its shared experts have no gate.
+    # DeepSeek's routers (models/moe.py route_grouped) keep the `topk_group` best of `num_groups`
+    # groups of experts, and weigh the chosen ones by their scores times `routed_scaling_factor`.
+    # V3 scores each expert by a sigmoid, adds a per-expert bias (`e_score_correction_bias`) to choose
+    # and scores a group by its two best experts; V2 scores by softmax and a group by its best expert
+    # (`topk_method` "group_limited_greedy"; "greedy" is one group). Their shared experts have no gate.
     scoring: str = "softmax"  # "softmax" | "sigmoid"
     num_groups: int = 1
     topk_group: int = 1
@@ -98,15 +104,18 @@ class MoEConfig:
         if naming == "mixtral":
             return cls(naming, int(config["num_local_experts"]), int(config["num_experts_per_tok"]),
                        int(config["intermediate_size"]), True, frozenset(range(num_layers)))  # fmt: skip
-        if naming == "deepseek_v3":
+        if naming in DEEPSEEK_NAMINGS:
             num_experts = int(config.get("n_routed_experts") or config["num_local_experts"])
             first_sparse, every = int(config.get("first_k_dense_replace") or 0), int(config.get("moe_layer_freq") or 1)
             width = int(config["moe_intermediate_size"])
+            v3 = naming == "deepseek_v3"
+            grouped = v3 or config.get("topk_method") == "group_limited_greedy"  # V2's "greedy": one group
             return cls(naming, num_experts, int(config["num_experts_per_tok"]), width,
-                       bool(config.get("norm_topk_prob", True)),
+                       bool(config.get("norm_topk_prob", v3)),
                        frozenset(i for i in range(first_sparse, num_layers) if i % every == 0),
-                       width * int(config.get("n_shared_experts") or 0), scoring="sigmoid",
-                       num_groups=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1),
+                       width * int(config.get("n_shared_experts") or 0), scoring="sigmoid" if v3 else "softmax",
+                       num_groups=int(config.get("n_group") or 1) if grouped else 1,
+                       topk_group=int(config.get("topk_group") or 1) if grouped else 1,
                        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))  # fmt: skip
         # Published Qwen configs say num_experts; transformers 5 writes num_local_experts.
         num_experts = int(config.get("num_experts") or config["num_local_experts"])
@@ -121,14 +130,19 @@ class MoEConfig:
         """The config.json fields that say the same (inverse of from_hf_config)."""
         if self.naming == "mixtral":
             return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.top_k}
-        if self.naming == "deepseek_v3":
+        if self.naming in DEEPSEEK_NAMINGS:
             first_sparse = min(self.sparse_layers, default=num_layers)
-            return {"n_routed_experts": self.num_experts, "num_experts_per_tok": self.top_k,
-                    "moe_intermediate_size": self.expert_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
-                    "first_k_dense_replace": first_sparse, "moe_layer_freq": 1,
-                    "n_shared_experts": self.shared_expert_intermediate_size // self.expert_intermediate_size,
-                    "n_group": self.num_groups, "topk_group": self.topk_group,
-                    "routed_scaling_factor": self.routed_scaling_factor}  # fmt: skip
+            deepseek: dict[str, Any] = {
+                "n_routed_experts": self.num_experts, "num_experts_per_tok": self.top_k,
+                "moe_intermediate_size": self.expert_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                "first_k_dense_replace": first_sparse, "moe_layer_freq": 1,
+                "n_shared_experts": self.shared_expert_intermediate_size // self.expert_intermediate_size,
+                "n_group": self.num_groups, "topk_group": self.topk_group,
+                "routed_scaling_factor": self.routed_scaling_factor,
+            }  # fmt: skip
+            if self.naming == "deepseek_v2":
+                deepseek["topk_method"] = "group_limited_greedy" if self.num_groups > 1 else "greedy"
+            return deepseek
         fields: dict[str, Any] = {
             "num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
             "moe_intermediate_size": self.expert_intermediate_size, "norm_topk_prob": self.norm_topk_prob,

@@ -89,7 +89,7 @@ def build_model(
             if arch.mla is not None and name == "triton":
                 # The Triton kernels read a pool of K and V planes; latent attention's has one.
                 if attention_backend != "auto":
-                    raise ValueError("--attention-backend triton cannot run latent attention (DeepSeek-V3) yet: use torch")
+                    raise ValueError("--attention-backend triton cannot run latent attention (DeepSeek-V2/V3) yet: use torch")
                 name = "torch"
             if name == "torch" and gemm_precision == "bfloat16":  # prefill's attention GEMMs too
                 backend = TorchAttentionBackend(prefill_compute_dtype=torch.bfloat16)

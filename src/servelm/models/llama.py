@@ -1,5 +1,5 @@
 """The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms), its
-mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: models/moe.py) and DeepSeek-V3 (latent attention,
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: models/moe.py) and DeepSeek-V2/V3 (latent attention,
 models/mla.py, and its experts) for a flattened batch.
 
 Every forward takes the tokens of many requests end to end, `[num_tokens]`, with one

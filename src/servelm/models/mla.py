@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V3): `LatentAttention`, in the weight-absorbed form.
+"""Multi-head latent attention (DeepSeek-V2 and V3): `LatentAttention`, in the weight-absorbed form.
 
 Per token the checkpoint's attention computes, for H heads,
 
@@ -48,7 +48,7 @@ class LatentAttention(nn.Module):
         mla = arch.mla
         assert mla is not None
         if shard.tp.is_parallel:
-            raise UnsupportedModelError("latent attention (DeepSeek-V3) runs on one rank: tensor parallelism is not supported yet")
+            raise UnsupportedModelError("latent attention (DeepSeek-V2/V3) runs on one rank: tensor parallelism is not supported yet")
         self.mla = mla
         self.prefix = prefix
         self.num_heads = arch.num_attention_heads

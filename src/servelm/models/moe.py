@@ -1,4 +1,4 @@
-"""Routed experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3): `SparseMoE`.
+"""Routed experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3): `SparseMoE`.
 
 Per step, for the flattened batch x [T, hidden]:
 
@@ -15,9 +15,9 @@ are slices of one sorted order rather than a mask per expert.
 
 The experts' weights are two stacked tensors ([E, 2I, hidden] gate|up and [E, hidden, I] down):
 each expert's slice is the same matrix the checkpoint stores as separate tensors per expert
-(`load` copies them in one at a time). A shared expert (Qwen2-MoE, DeepSeek-V3) is a dense MLP every
+(`load` copies them in one at a time). A shared expert (Qwen2-MoE, DeepSeek) is a dense MLP every
 token passes through, added (Qwen2-MoE's scaled by sigmoid(x @ Wg^T) first). DeepSeek-V3 scores
-experts by sigmoid and chooses within the best groups (`route_grouped`).
+experts by sigmoid, V2 by softmax, and both choose within the best groups (`route_grouped`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.models.arch import ModelArchConfig, MoEConfig
+from servelm.models.arch import DEEPSEEK_NAMINGS, ModelArchConfig, MoEConfig
 from servelm.models.moe_weights import expert_tensor_names, router_tensor_name, routing_bias_name
 from servelm.models.weights import CheckpointWeights, dense_tensor
 
@@ -41,8 +41,8 @@ def route(router_logits: torch.Tensor, moe: MoEConfig,
           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(weights [T, k] in the logits' dtype, expert ids [T, k]) of each token's top-k experts:
     softmax in float32 over all experts, the k largest, renormalised where the family does; or
-    DeepSeek-V3's sigmoid scores, chosen within the best groups with `bias` ([E]) added (route_grouped)."""
-    if moe.scoring == "sigmoid":
+    DeepSeek's choice within the best groups (route_grouped; V3 adds `bias` ([E]) to choose)."""
+    if moe.naming in DEEPSEEK_NAMINGS:
         return route_grouped(router_logits, moe, bias)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, moe.top_k, dim=-1)
@@ -53,15 +53,21 @@ def route(router_logits: torch.Tensor, moe: MoEConfig,
 
 def route_grouped(router_logits: torch.Tensor, moe: MoEConfig,
                   bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """DeepSeek-V3's choice: sigmoid scores (float32); the experts split into num_groups groups, a
-    group scored by the sum of its two best biased scores, only the topk_group best groups' experts
-    eligible; the top_k of those by biased score; weighted by their unbiased scores, renormalised
-    where norm_topk_prob, times routed_scaling_factor."""
-    scores = torch.sigmoid(router_logits.float())  # [T, E]
+    """DeepSeek's choice: the experts' scores in float32 (V3: sigmoid; V2: softmax over all), the
+    experts split into num_groups groups, a group scored by the sum of its two best biased scores
+    (V3) or by its best score (V2), only the topk_group best groups' experts eligible; the top_k of
+    those by biased score; weighted by their unbiased scores, renormalised where norm_topk_prob,
+    times routed_scaling_factor."""
+    logits = router_logits.float()
+    sigmoid = moe.scoring == "sigmoid"
+    scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)  # [T, E]
     choice = scores if bias is None else scores + bias.float()
     num_tokens = choice.shape[0]
     grouped = choice.view(num_tokens, moe.num_groups, -1)
-    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+    if sigmoid:
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+    else:
+        group_scores = grouped.amax(dim=-1)
     best_groups = torch.topk(group_scores, moe.topk_group, dim=-1).indices
     eligible = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
     choice = grouped.masked_fill(~eligible.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
@@ -89,8 +95,9 @@ class SparseMoE(nn.Module):
         self.routing_bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.scoring == "sigmoid" else None
 
     def forward(self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        # DeepSeek-V3 scores in float32 from the start, as its reference does.
-        logits = F.linear(x.float(), self.router.float()) if self.moe.scoring == "sigmoid" else F.linear(x, self.router)
+        # DeepSeek scores in float32 from the start, as its reference does.
+        deepseek = self.moe.naming in DEEPSEEK_NAMINGS
+        logits = F.linear(x.float(), self.router.float()) if deepseek else F.linear(x, self.router)
         weights, experts = route(logits, self.moe, self.routing_bias)  # [T, k] each
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # the (token, slot) pairs grouped by expert

@@ -1,13 +1,13 @@
 """Where a mixture-of-experts checkpoint keeps its experts' tensors, and their shapes, per family
 (Mixtral: `block_sparse_moe.experts.E.w1/w3/w2`; Qwen2-MoE and Qwen3-MoE: `mlp.experts.E.gate_proj/
 up_proj/down_proj`, Qwen2-MoE's shared expert `mlp.shared_expert.*` and its `mlp.shared_expert_gate`;
-DeepSeek-V3: the same experts, its shared experts `mlp.shared_experts.*` with no gate and the router's
-`mlp.gate.e_score_correction_bias`).
+DeepSeek-V2 and V3: the same experts, their shared experts `mlp.shared_experts.*` with no gate, and
+V3's router's `mlp.gate.e_score_correction_bias`).
 """
 
 from __future__ import annotations
 
-from servelm.models.arch import ModelArchConfig, MoEConfig
+from servelm.models.arch import DEEPSEEK_NAMINGS, ModelArchConfig, MoEConfig
 
 
 def expert_tensor_names(moe: MoEConfig, prefix: str, expert: int) -> tuple[str, str, str]:
@@ -21,7 +21,7 @@ def expert_tensor_names(moe: MoEConfig, prefix: str, expert: int) -> tuple[str, 
 
 def shared_expert_prefix(moe: MoEConfig, prefix: str) -> str:
     """Where a layer's shared expert keeps its gate/up/down projections."""
-    return f"{prefix}.mlp.shared_experts" if moe.naming == "deepseek_v3" else f"{prefix}.mlp.shared_expert"
+    return f"{prefix}.mlp.shared_experts" if moe.naming in DEEPSEEK_NAMINGS else f"{prefix}.mlp.shared_expert"
 
 
 def routing_bias_name(prefix: str) -> str:

@@ -35,6 +35,7 @@ from servelm.tokenization.loading import load_gguf_tokenizer
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
 }  # fmt: skip
 # The mixtures of experts' own sizes (small, several experts per token); overrides replace them.
 _TINY_MOE: dict[str, dict[str, Any]] = {
@@ -49,6 +50,13 @@ _TINY_MOE: dict[str, dict[str, Any]] = {
                     "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
                     "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
                     "norm_topk_prob": True},
+    # V2's router: softmax over 16 experts in 4 groups (a group scored by its best), the best 2
+    # groups searched, no renormalisation, scaled; two shared experts; interleaved RoPE pairs.
+    "deepseek_v2": {"num_hidden_layers": 3, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "moe_intermediate_size": 48,
+                    "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                    "topk_method": "group_limited_greedy", "n_shared_experts": 2, "first_k_dense_replace": 1,
+                    "routed_scaling_factor": 1.5},
 }  # fmt: skip
 
 # Small enough for a forward in milliseconds on CPU; GQA (4 heads over 2 KV heads) on purpose.
