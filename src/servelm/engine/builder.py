@@ -319,10 +319,11 @@ def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline) -> 
         _injected_startup_faults()
         checkpoint = load_checkpoint(config.model.model, config.model.hf_overrides)  # lazy: rank 0 reads its shard
     arch, tokenizer, source = checkpoint.arch, checkpoint.tokenizer, checkpoint.source
-    if arch.moe is not None:  # known only once the config is read: check_supported sees flags alone
-        raise ValueError(f"{arch.architecture}: mixtures of experts run on one rank for now (their experts are not "
-                         "sharded yet: expert parallelism comes next); drop -tp/-cp")  # fmt: skip
     layout = layout_of(config)
+    if (arch.moe is not None or arch.mla is not None) and layout.context_parallel_size > 1:
+        # Known only once the config is read: check_supported sees flags alone.
+        raise ValueError(f"{arch.architecture}: context parallelism does not run mixtures of experts or latent "
+                         "attention yet; use -tp (experts are split whole over its ranks: expert parallelism)")  # fmt: skip
     logical_block_size = config.cache.block_size * layout.context_parallel_size
     # Every rank allocates the same number of blocks: as many as the budget holds on the rank with the
     # most KV heads (the budget is per rank: each has its own memory, or its share of this machine's).

@@ -106,12 +106,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArchConfig, prefix: str, linear_method: LinearMethodChooser,
                  shard: ModelShard, intermediate_size: int | None = None) -> None:  # fmt: skip
-        """`intermediate_size`: a width of its own (a MoE layer's shared expert, never sharded);
-        None: the model's, this rank's columns of it."""
+        """`intermediate_size`: a MoE layer's shared expert of that width, this rank's columns of it
+        (shard.shared_expert), its output left for the MoE layer's one all-reduce; None: the model's
+        MLP, this rank's columns of it, all-reduced here."""
         super().__init__()
         if intermediate_size is not None:
-            self.intermediate_size, columns = intermediate_size, None
-            shard = dataclasses.replace(shard, tp=SINGLE_RANK)
+            self.intermediate_size, columns = len(shard.shared_expert), whole(shard.shared_expert, intermediate_size)
+            shard = dataclasses.replace(shard, tp=SINGLE_RANK)  # no all-reduce of its own
         else:
             self.intermediate_size = len(shard.mlp)  # this rank's columns
             columns = whole(shard.mlp, arch.intermediate_size)
@@ -147,7 +148,7 @@ class LlamaDecoderLayer(nn.Module):
             shared = arch.moe.shared_expert_intermediate_size
             shared_prefix = shared_expert_prefix(arch.moe, prefix)
             shared_expert = LlamaMLP(arch, shared_prefix, linear_method, shard, shared) if shared else None
-            self.mlp = SparseMoE(arch, prefix, shared_expert)
+            self.mlp = SparseMoE(arch, prefix, shared_expert, shard)
         else:
             self.mlp = LlamaMLP(arch, f"{prefix}.mlp", linear_method, shard)
 

@@ -27,12 +27,12 @@ from torch import nn
 
 from servelm.attention.backend import AttentionBackend, AttentionMetadata
 from servelm.attention.kv_storage import LayerKVCache
-from servelm.models.arch import ModelArchConfig, UnsupportedModelError
+from servelm.models.arch import ModelArchConfig
 from servelm.models.fused_ops import Rotate
 from servelm.models.layers import Linear, RMSNorm
 from servelm.models.linear_methods import LinearMethodChooser
 from servelm.models.rotary import RotaryEmbedding, yarn_mscale
-from servelm.models.sharding import ModelShard
+from servelm.models.sharding import ModelShard, whole
 from servelm.models.weights import CheckpointWeights, dense_tensor
 
 
@@ -47,32 +47,39 @@ class LatentAttention(nn.Module):
         super().__init__()
         mla = arch.mla
         assert mla is not None
-        if shard.tp.is_parallel:
-            raise UnsupportedModelError("latent attention (DeepSeek-V2/V3) runs on one rank: tensor parallelism is not supported yet")
         self.mla = mla
         self.prefix = prefix
-        self.num_heads = arch.num_attention_heads
-        hidden, heads = arch.hidden_size, self.num_heads
+        # Tensor parallelism splits the heads (q's rows, kv_b's heads, o_proj's columns, all-reduced);
+        # the latent and the RoPE key are every head's, so each rank computes and caches them whole.
+        self.heads = shard.attention.q_heads
+        self.num_heads = len(self.heads)
+        hidden, heads, all_heads = arch.hidden_size, self.num_heads, arch.num_attention_heads
 
-        def linear(name: str, in_features: int, out_features: int, bias: bool = False) -> Linear:
+        def head_rows(per_head: int) -> range | None:
+            return whole(range(self.heads.start * per_head, self.heads.stop * per_head), all_heads * per_head)
+
+        def linear(name: str, in_features: int, out_features: int, bias: bool = False, rows: range | None = None,
+                   columns: range | None = None) -> Linear:  # fmt: skip
             parts = (f"{prefix}.{name}",)
-            return Linear(in_features, out_features, bias, parts, linear_method(parts, None))
+            return Linear(in_features, out_features, bias, parts, linear_method(parts, columns), rows=(rows,),
+                          columns=columns, reduce=shard.tp if columns is not None else None)  # fmt: skip
 
-        q_width = heads * mla.qk_head_dim
+        q_width, q_rows = heads * mla.qk_head_dim, head_rows(mla.qk_head_dim)
         self.q_a_proj: Linear | None = None  # q through a low-rank projection (q_lora_rank), or q_proj alone
         self.q_a_layernorm: RMSNorm | None = None
         if mla.q_lora_rank is None:
-            self.q_proj = linear("q_proj", hidden, q_width)
+            self.q_proj = linear("q_proj", hidden, q_width, rows=q_rows)
         else:
             self.q_a_proj = linear("q_a_proj", hidden, mla.q_lora_rank, arch.attention_bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, arch.rms_norm_eps)
-            self.q_proj = linear("q_b_proj", mla.q_lora_rank, q_width)
+            self.q_proj = linear("q_b_proj", mla.q_lora_rank, q_width, rows=q_rows)
         self.kv_a_proj = linear("kv_a_proj_with_mqa", hidden, mla.latent_dim, arch.attention_bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, arch.rms_norm_eps)
         # kv_b_proj's rows per head: W_uk (qk_nope_head_dim rows) then W_uv (v_head_dim rows).
         self.w_uk = nn.Parameter(torch.empty(heads, mla.qk_nope_head_dim, mla.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(heads, mla.v_head_dim, mla.kv_lora_rank))
-        self.o_proj = linear("o_proj", heads * mla.v_head_dim, hidden, arch.attention_bias)
+        self.o_proj = linear("o_proj", heads * mla.v_head_dim, hidden, arch.attention_bias,
+                             columns=head_rows(mla.v_head_dim))  # fmt: skip
         self.rotary = RotaryEmbedding(mla.qk_rope_head_dim, arch.rope_theta, arch.rope_scaling)
         self._rope_order: torch.Tensor | None = None  # made on first use, on the model's device
         self.backend = backend
@@ -118,8 +125,10 @@ class LatentAttention(nn.Module):
         if self.q_a_layernorm is not None:
             self.q_a_layernorm.weight.copy_(dense_tensor(weights[f"{self.prefix}.q_a_layernorm.weight"]))
         self.kv_a_layernorm.weight.copy_(dense_tensor(weights[f"{self.prefix}.kv_a_layernorm.weight"]))
-        kv_b = dense_tensor(weights[f"{self.prefix}.kv_b_proj.weight"])
-        kv_b = kv_b.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        per_head = mla.qk_nope_head_dim + mla.v_head_dim
+        rows = range(self.heads.start * per_head, self.heads.stop * per_head)  # this rank's heads' rows
+        kv_b = dense_tensor(weights.read_shard(f"{self.prefix}.kv_b_proj.weight", rows))
+        kv_b = kv_b.view(self.num_heads, per_head, mla.kv_lora_rank)
         self.w_uk.copy_(kv_b[:, : mla.qk_nope_head_dim])
         self.w_uv.copy_(kv_b[:, mla.qk_nope_head_dim :])
 

@@ -31,7 +31,9 @@ from torch import nn
 
 from servelm.models.arch import DEEPSEEK_NAMINGS, ModelArchConfig, MoEConfig
 from servelm.models.moe_weights import expert_tensor_names, router_tensor_name, routing_bias_name
+from servelm.models.sharding import ModelShard
 from servelm.models.weights import CheckpointWeights, dense_tensor
+from servelm.parallel.groups import all_reduce_sum
 
 if TYPE_CHECKING:
     from servelm.models.llama import LlamaMLP
@@ -79,16 +81,25 @@ def route_grouped(router_logits: torch.Tensor, moe: MoEConfig,
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, arch: ModelArchConfig, prefix: str, shared_expert: LlamaMLP | None) -> None:
+    """Expert parallelism (`shard.tp` of several ranks): this rank holds the experts `shard.experts`
+    (whole, ids in order) and its columns of the shared expert; every rank routes every token (the
+    router is replicated, so all agree), runs its own experts on the pairs routed to them and its
+    shared-expert part, and one all-reduce sums the layer's output over the ranks: tokens are
+    replicated after attention's all-reduce, so choosing a rank's pairs is the dispatch and the
+    all-reduce is the combine."""
+
+    def __init__(self, arch: ModelArchConfig, prefix: str, shared_expert: LlamaMLP | None, shard: ModelShard) -> None:
         super().__init__()
         moe = arch.moe
         assert moe is not None
         self.moe = moe
         self.prefix = prefix
-        width = moe.expert_intermediate_size
+        self.experts = shard.experts if shard.tp.is_parallel else range(moe.num_experts)
+        self.tp = shard.tp
+        width, num_local = moe.expert_intermediate_size, len(self.experts)
         self.router = nn.Parameter(torch.empty(moe.num_experts, arch.hidden_size))
-        self.gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * width, arch.hidden_size))  # gate | up rows
-        self.down = nn.Parameter(torch.empty(moe.num_experts, arch.hidden_size, width))
+        self.gate_up = nn.Parameter(torch.empty(num_local, 2 * width, arch.hidden_size))  # gate | up rows
+        self.down = nn.Parameter(torch.empty(num_local, arch.hidden_size, width))
         self.shared_expert = shared_expert  # a dense MLP (Qwen2-MoE, DeepSeek-V3), None for the others
         gated = shared_expert is not None and moe.naming == "qwen2_moe"
         self.shared_gate = nn.Parameter(torch.empty(1, arch.hidden_size)) if gated else None
@@ -105,28 +116,28 @@ class SparseMoE(nn.Module):
         weight_of_pair = weights.reshape(-1)[order].unsqueeze(-1)
         counts = torch.bincount(flat_experts, minlength=self.moe.num_experts).tolist()  # the one host sync
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
+        start = sum(counts[: self.experts.start])  # this rank's experts' pairs follow the lower ids'
+        for local, count in enumerate(counts[self.experts.start : self.experts.stop]):
             if count == 0:
                 continue
             tokens = token_of_pair[start : start + count]
-            hidden = silu_mul(F.linear(x[tokens], self.gate_up[expert]))  # [n, I]
-            out.index_add_(0, tokens, (F.linear(hidden, self.down[expert]) * weight_of_pair[start : start + count]).to(x.dtype))
+            hidden = silu_mul(F.linear(x[tokens], self.gate_up[local]))  # [n, I]
+            out.index_add_(0, tokens, (F.linear(hidden, self.down[local]) * weight_of_pair[start : start + count]).to(x.dtype))
             start += count
         if self.shared_expert is not None:
-            shared = self.shared_expert(x, silu_mul)
+            shared = self.shared_expert(x, silu_mul)  # this rank's columns' part (summed below)
             out += shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared
-        return out
+        return all_reduce_sum(out, self.tp) if self.tp.is_parallel else out
 
     def load(self, weights: CheckpointWeights) -> None:
         """The router and every expert's three tensors, one tensor read at a time, into the stacks."""
         moe, width = self.moe, self.moe.expert_intermediate_size
         self.router.copy_(dense_tensor(weights[router_tensor_name(moe, self.prefix)]))
-        for expert in range(moe.num_experts):
+        for local, expert in enumerate(self.experts):  # this rank's experts only: the others are not read
             gate, up, down = expert_tensor_names(moe, self.prefix, expert)
-            self.gate_up[expert, :width].copy_(dense_tensor(weights[gate]))
-            self.gate_up[expert, width:].copy_(dense_tensor(weights[up]))
-            self.down[expert].copy_(dense_tensor(weights[down]))
+            self.gate_up[local, :width].copy_(dense_tensor(weights[gate]))
+            self.gate_up[local, width:].copy_(dense_tensor(weights[up]))
+            self.down[local].copy_(dense_tensor(weights[down]))
         if self.routing_bias is not None:
             self.routing_bias.copy_(dense_tensor(weights[routing_bias_name(self.prefix)]))
         if self.shared_gate is not None:

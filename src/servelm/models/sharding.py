@@ -4,6 +4,11 @@ applied to an architecture), and the rows and columns of each checkpoint tensor 
     column-parallel (output rows split, no communication):   qkv_proj, gate_up_proj, lm_head
     row-parallel (input columns split, outputs all-reduced):  o_proj, down_proj
     vocab-parallel embedding (rows split, lookups all-reduced)
+    expert-parallel (a mixture of experts' routed experts split whole, in id order; each rank runs
+    its experts on the tokens routed to them, its shared expert's columns, and one all-reduce sums
+    the layer: models/moe.py)
+    latent attention (heads split as q heads are; the latent and the RoPE key, shared by every
+    head, computed and cached whole on every rank: models/mla.py)
 
 One rank (`tp.size == 1`) holds everything: every range below is the whole dimension.
 """
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 from servelm.models.arch import ModelArchConfig
 from servelm.models.gguf_blocks import BLOCK
 from servelm.parallel.groups import GroupMember
-from servelm.parallel.tensor import AttentionShard, attention_shards, mlp_shards, vocab_shards
+from servelm.parallel.tensor import AttentionShard, attention_shards, mlp_shards, split_ranges, vocab_shards
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,8 @@ class ModelShard:
     mlp: range  # intermediate columns: rows of gate and of up, input columns of down
     vocab: range  # rows of the embedding and of the LM head
     vocab_sizes: tuple[int, ...]  # every rank's vocabulary rows, rank order (the logits all-gather)
+    experts: range = range(0)  # a mixture of experts' routed experts this rank holds (ids)
+    shared_expert: range = range(0)  # the shared expert's intermediate columns this rank holds
 
     @classmethod
     def of(cls, arch: ModelArchConfig, tp: GroupMember) -> ModelShard:
@@ -35,12 +42,17 @@ class ModelShard:
         # Column shards of down_proj stored as GGUF blocks must fall on blocks of 32 inputs.
         aligned = arch.intermediate_size % BLOCK == 0 and arch.intermediate_size // BLOCK >= tp.size
         vocab = vocab_shards(arch.vocab_size, tp.size)
+        moe = arch.moe
+        experts = split_ranges(moe.num_experts, tp.size, what="experts")[tp.rank] if moe is not None else range(0)
+        shared = moe.shared_expert_intermediate_size if moe is not None else 0
         return cls(
             tp=tp,
             attention=attention_shards(arch.num_attention_heads, arch.num_key_value_heads, tp.size)[tp.rank],
             mlp=mlp_shards(arch.intermediate_size, tp.size, BLOCK if aligned else 1)[tp.rank],
             vocab=vocab[tp.rank],
             vocab_sizes=tuple(len(r) for r in vocab),
+            experts=experts,
+            shared_expert=mlp_shards(shared, tp.size)[tp.rank] if shared else range(0),
         )
 
     def q_rows(self, head_dim: int) -> range:
@@ -53,7 +65,10 @@ class ModelShard:
 
 
 def local_num_kv_heads(arch: ModelArchConfig, tp: GroupMember) -> int:
-    """KV heads one rank's attention stores: what its KV pool is allocated with."""
+    """KV heads one rank's attention stores: what its KV pool is allocated with (latent attention:
+    its one latent head, whole on every rank)."""
+    if arch.mla is not None:
+        return arch.kv_cache_heads
     return ModelShard.of(arch, tp).attention.num_kv_heads
 
 

@@ -16,6 +16,7 @@ import torch
 
 from servelm.attention.backend import CommonAttentionInputs
 from servelm.models.llama import LlamaForCausalLM
+from servelm.models.sharding import local_num_kv_heads
 from servelm.worker.kv_cache import allocate_kv_caches
 from servelm.worker.model_runner import attention_backend_of
 
@@ -36,7 +37,7 @@ def batch_greedy_decode(
     num_requests = len(prompts)
     blocks_per_request = -(-max(len(p) + num_steps for p in prompts) // block_size)
     kv_caches = allocate_kv_caches(
-        model.arch, num_requests * blocks_per_request, block_size, dtype, device, model.shard.attention.num_kv_heads
+        model.arch, num_requests * blocks_per_request, block_size, dtype, device, local_num_kv_heads(model.arch, model.shard.tp)
     )
     # [R, blocks per request]: block j of request i is j * R + i.
     block_index = torch.arange(blocks_per_request, dtype=torch.int32).unsqueeze(0)
