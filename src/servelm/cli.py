@@ -29,6 +29,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 options["action"] = flag.action
             else:
                 options.update(type=flag.type, choices=flag.choices)
+                if flag.nargs is not None:
+                    options["nargs"] = flag.nargs
             group.add_argument(*flag.names, **options)
 
 

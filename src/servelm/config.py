@@ -23,6 +23,7 @@ class Flag:
     choices: Any = None
     action: str | None = None  # "store_true" / "store_false": a switch
     help: str | None = None
+    nargs: str | None = None  # "+": one or more values, each through `type` (a tuple of them is set)
 
 
 def comma_list(text: str) -> tuple[str, ...]:
@@ -631,6 +632,63 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(str(exc)) from exc
 
 
+@dataclass(frozen=True)
+class LoRAModule:
+    """An adapter served from start-up: the API's `model` name for it, its PEFT directory, and the
+    base model it was trained on (what /v1/models lists as its parent; None: the served model)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """`name=path`, or vLLM's JSON form {"name": ..., "path": ..., "base_model_name": ...}."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            return LoRAModule(str(spec["name"]), str(spec["path"]), spec.get("base_model_name"))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"--lora-modules JSON needs \"name\" and \"path\": {text!r} ({exc})") from exc
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"--lora-modules takes name=path or JSON, got {text!r}")
+    return LoRAModule(name.strip(), path.strip())
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters over the served model (servelm.lora): which are served from start-up, how many
+    distinct adapters one step may mix (each a slot of stacked weights), and their largest rank."""
+
+    # Its command-line flags (cli.py adds them under this slice's heading in --help).
+    FLAGS: ClassVar[tuple[Flag, ...]] = (
+        Flag(("--enable-lora",), 'enable_lora', action="store_true", help='serve LoRA adapters (PEFT format) over the base model, the request\'s `model` naming one'),
+        Flag(("--lora-modules",), 'lora_modules', type=parse_lora_module, nargs="+", help='adapters served from start-up: name=path ... or JSON {"name": ..., "path": ..., "base_model_name": ...}'),
+        Flag(("--max-loras",), 'max_loras', type=int, help='distinct adapters one step may mix (slots of stacked weights; default 1)'),
+        Flag(("--max-lora-rank",), 'max_lora_rank', type=int, help='largest adapter rank served (default 16): larger ones are refused at load'),
+        Flag(("--max-cpu-loras",), 'max_cpu_loras', type=int, help='adapters kept in host memory, least recently used dropped first (default: every one of --lora-modules, at least --max-loras)'),
+    )  # fmt: skip
+
+    enable_lora: bool = False
+    lora_modules: tuple[LoRAModule, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        # argparse hands a list; LLM(lora_modules=["name=path"]) strings
+        modules = tuple(parse_lora_module(m) if isinstance(m, str) else m for m in self.lora_modules)
+        object.__setattr__(self, "lora_modules", modules)
+        _require(not self.lora_modules or self.enable_lora, "--lora-modules needs --enable-lora")
+        _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")  # fmt: skip
+        names = [module.name for module in self.lora_modules]
+        _require(len(set(names)) == len(names), f"--lora-modules names an adapter twice: {names}")
+
+
 # Fields the engine builder fills in from other slices: never a user setting of their own.
 # The slices whose flags the engine's commands take, in --help's order, each under its heading.
 FLAG_SLICES: tuple[tuple[str, Any], ...] = (
@@ -644,6 +702,7 @@ FLAG_SLICES: tuple[tuple[str, Any], ...] = (
     ("scheduler", SchedulerConfig),
     ("speculative decoding", SpeculativeConfig),
     ("structured outputs", StructuredOutputsConfig),
+    ("LoRA adapters", LoRAConfig),
 )
 
 _RESOLVED_BY_BUILDER: dict[type, set[str]] = {SchedulerConfig: {"max_model_len"}}
@@ -674,6 +733,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     cuda_graphs: CudaGraphConfig = CudaGraphConfig()
     structured: StructuredOutputsConfig = StructuredOutputsConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     def scheduler_for(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler slice with the context window the engine builder resolved from
@@ -702,7 +762,7 @@ class EngineConfig:
             overrides["disk_path"] = overrides.pop("kv_disk_path")
         slices: dict[type, dict[str, Any]] = {
             ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}, KVEventsConfig: {}, KVTierConfig: {},
-            KVTransferConfig: {}, ParallelConfig: {}, CudaGraphConfig: {}, StructuredOutputsConfig: {},
+            KVTransferConfig: {}, ParallelConfig: {}, CudaGraphConfig: {}, StructuredOutputsConfig: {}, LoRAConfig: {},
         }  # fmt: skip
         settable = {c: {f.name for f in fields(c)} - _RESOLVED_BY_BUILDER.get(c, set()) for c in slices}
         for key, value in overrides.items():
@@ -722,4 +782,5 @@ class EngineConfig:
             parallel=ParallelConfig(**slices[ParallelConfig]),
             cuda_graphs=CudaGraphConfig(**slices[CudaGraphConfig]),
             structured=StructuredOutputsConfig(**slices[StructuredOutputsConfig]),
+            lora=LoRAConfig(**slices[LoRAConfig]),
         )

@@ -101,6 +101,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None  # isolates prefix caching between tenants
     slo: RequestSlo = DEFAULT_SLO
     kv_transfer: KVTransferParams | None = None  # disaggregation: this request's side of a hand-off
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -245,6 +246,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table so far
     num_computed_tokens: int  # tokens whose KV is already in the blocks (prefix hit)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
 
 @dataclass

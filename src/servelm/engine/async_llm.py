@@ -68,6 +68,7 @@ class GenerationRequest:
     cache_salt: str | None = None  # the prefix-cache namespace of every engine request here
     slo: RequestSlo = DEFAULT_SLO  # the caller's tenant and SLO class (servelm.tenancy)
     kv_transfer: KVTransferParams | None = None  # disaggregation: its side of a hand-off (n = 1 only)
+    lora_name: str | None = None  # the LoRA adapter the request's `model` named (None: the base model)
 
 
 class AsyncLLM:
@@ -177,6 +178,7 @@ class AsyncLLM:
             cache_salt=request.cache_salt,
             slo=request.slo,
             kv_transfer=request.kv_transfer,
+            lora_name=request.lora_name,
         )
         return GenerationStream(self, fan_out, request.timeline, observer)
 

@@ -29,6 +29,9 @@ from servelm.kv.disk_store import DiskBlockStore
 from servelm.kv.fingerprint import kv_fingerprint, weights_identity
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.kv.tiers import KVTiers
+from servelm.lora.adapter import load_lora_adapter
+from servelm.lora.layers import attach_lora
+from servelm.lora.slots import LoRARegistry, LoRASlots
 from servelm.models.arch import ModelArchConfig
 from servelm.models.factory import build_model, resolve_device, resolve_dtype
 from servelm.models.llama import LlamaForCausalLM
@@ -187,8 +190,9 @@ def assemble_engine(config: EngineConfig, model: LlamaForCausalLM, arch: ModelAr
                 max_model_len,
             )
             max_model_len = num_blocks * block_size
-        # The MoE layer reads its per-expert token counts on the host each step: not capturable (yet).
-        graph_mode = (DecodeGraphMode.OFF if model.arch.moe is not None
+        # The MoE layer reads its per-expert token counts on the host each step, and a LoRA step's
+        # segments change its matmuls: neither is capturable (yet).
+        graph_mode = (DecodeGraphMode.OFF if model.arch.moe is not None or config.lora.enable_lora
                       else decode_graph_mode(config.cuda_graphs, device, attention_backend_of(model)))  # fmt: skip
         # The decode graphs' padding rows write to one more block, id num_blocks: the scheduler's pool
         # (num_blocks) never hands it out.
@@ -257,13 +261,14 @@ def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchC
         decode_graphs = DecodeGraphRunner(model, kv_caches, rank_zero.graph_mode, sizes,
                                           block_table.max_blocks_per_request, block_size,
                                           padding_block_id=num_blocks)  # fmt: skip
+    lora = _lora_slots(config, model) if config.lora.enable_lora else None
     runner = ModelRunner(
         model, kv_caches, block_size, eos_ids, device,
         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
         proposer=proposer if speculative is not None else None,
         max_draft_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
         block_table=block_table, kv_offloader=offloader,
-        decode_graphs=decode_graphs, followers=rank_zero.followers,
+        decode_graphs=decode_graphs, followers=rank_zero.followers, lora=lora,
     )  # fmt: skip
     with startup.phase("warmup"):
         warm_up(runner)
@@ -273,7 +278,7 @@ def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchC
     scheduler = Scheduler(
         config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative,
         kv_tiers=tiers, kv_transfer=config.kv_transfer, num_layers=_layered_prefill_layers(runner),
-        grammars=grammars,
+        grammars=grammars, max_loras=config.lora.max_loras if lora is not None else 0,
     )  # fmt: skip
     _seed_step_cost(scheduler, calibration)
     residencies: list[HostResidency] = []
@@ -285,7 +290,8 @@ def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchC
         ]
     return BuiltEngine(
         core=EngineCore(scheduler, runner, kv_manager, residencies,
-                        mask_filler=MaskFiller(arch.vocab_size) if grammars is not None else None),  # fmt: skip
+                        mask_filler=MaskFiller(arch.vocab_size) if grammars is not None else None,
+                        lora_names=frozenset(lora.registry.adapters) if lora is not None else frozenset()),  # fmt: skip
         tokenizer=tokenizer,
         arch=arch,
         max_model_len=max_model_len,
@@ -293,6 +299,16 @@ def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchC
         source=source,
         kv_transfer_address=offloader.transfer_address if offloader is not None else None,
     )
+
+
+def _lora_slots(config: EngineConfig, model: LlamaForCausalLM) -> LoRASlots:
+    """The adapters of --lora-modules read and checked against the model, and its LoRA slots."""
+    lora = config.lora
+    registry = LoRARegistry({module.name: load_lora_adapter(module.name, module.path, model.arch, lora.max_lora_rank)
+                             for module in lora.lora_modules})  # fmt: skip
+    logger.info("LoRA: %d adapter(s) (%s), %d slot(s) of rank <= %d", len(registry.adapters),
+                ", ".join(sorted(registry.adapters)) or "none", lora.max_loras, lora.max_lora_rank)  # fmt: skip
+    return LoRASlots(attach_lora(model, lora.max_loras, lora.max_lora_rank), registry, lora.max_loras)
 
 
 def _build_multi_rank_engine(config: EngineConfig, startup: StartupTimeline) -> BuiltEngine:

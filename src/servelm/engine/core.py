@@ -48,6 +48,7 @@ class EngineCore:
         kv_manager: KVCacheManager,
         residencies: Sequence[HostResidency] = (),
         mask_filler: MaskFiller | None = None,  # structured outputs' token masks (None: none)
+        lora_names: frozenset[str] = frozenset(),  # the LoRA adapters requests may name
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -55,6 +56,7 @@ class EngineCore:
         # CPU: the weights and the KV pool, each kept warm at its own interval (worker/host_residency.py)
         self.residencies = list(residencies)
         self.mask_filler = mask_filler
+        self.lora_names = lora_names
 
     def keep_warm(self) -> bool:
         """Between steps, idle or not: read the next slice of the pages due (ModelConfig.keep_warm_s:
@@ -67,6 +69,11 @@ class EngineCore:
         return any(residency.has_work() for residency in self.residencies)
 
     def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; ValueError for one that cannot run here (the scheduler's checks, an
+        adapter this engine does not serve)."""
+        if request.lora_name is not None and request.lora_name not in self.lora_names:
+            served = ", ".join(sorted(self.lora_names)) or "none (no --enable-lora)"
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is not served here (served: {served})")
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

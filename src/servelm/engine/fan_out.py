@@ -74,6 +74,7 @@ class FanOut:
     cache_salt: str | None = None
     slo: RequestSlo = DEFAULT_SLO  # tenant and SLO class, stamped on every engine request
     kv_transfer: KVTransferParams | None = None  # disaggregation (one choice only: the API checks)
+    lora_name: str | None = None  # the LoRA adapter every choice runs with (None: the base model)
     choices: list[Choice] = field(default_factory=list)
     _by_engine_id: dict[str, Choice] = field(default_factory=dict)
     _siblings: dict[int, list[Choice]] = field(default_factory=dict)  # prompt index → choices not yet sent
@@ -189,6 +190,7 @@ class FanOut:
             cache_salt=self.cache_salt,
             slo=self.slo,
             kv_transfer=self.kv_transfer,
+            lora_name=self.lora_name,
         )
 
 

@@ -94,16 +94,25 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results in the order of `prompts` (forms: prompt_inputs.py).
-        TypeError/ValueError for malformed input, before anything is sent; RequestFailedError when
-        a request failed inside the engine."""
+        `lora_name`: the LoRA adapter (of --lora-modules) every prompt runs with, or one per prompt
+        (None: the base model). TypeError/ValueError for malformed input, before anything is sent;
+        RequestFailedError when a request failed inside the engine."""
         if self._shut_down:
             raise RuntimeError("this LLM was shut down: create a new one")
         parsed = parse_prompts(prompts)
         params_list = self._params_per_prompt(sampling_params, len(parsed))
         if priority is not None and len(priority) != len(parsed):
             raise ValueError(f"{len(priority)} priorities for {len(parsed)} prompts")
+        adapters = [lora_name] * len(parsed) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
+        if len(adapters) != len(parsed):
+            raise ValueError(f"{len(adapters)} LoRA adapter names for {len(parsed)} prompts")
+        served = {module.name for module in self.config.lora.lora_modules}
+        for name in adapters:
+            if name is not None and name not in served:
+                raise ValueError(f"LoRA adapter {name!r} is not served (served: {sorted(served) or 'none'})")
         prepared: list[tuple[str | None, list[int]]] = []
         for i, (prompt, params) in enumerate(zip(parsed, params_list)):
             token_ids = self.encode(prompt.text) if prompt.text is not None else prompt.token_ids
@@ -120,6 +129,7 @@ class LLM:
                 block_size=self.config.cache.block_size,
                 priority=priority[i] if priority else 0,
                 arrival_time=time.time(),
+                lora_name=adapters[i],
             )
             fan_outs.append((text, fan_out))
         self._run_to_completion([fan_out for _, fan_out in fan_outs])

@@ -74,3 +74,14 @@ def hash_block_tokens(token_ids: Sequence[int], block_size: int, extra_key: byte
 def extra_key_from_salt(cache_salt: str | None) -> bytes | None:
     """The extra key for a request's `cache_salt` (UTF-8), or None when it has none."""
     return cache_salt.encode("utf-8") if cache_salt else None
+
+
+def extra_key_of(cache_salt: str | None, lora_name: str | None) -> bytes | None:
+    """The extra key for a request's salt and LoRA adapter. Without an adapter, the salt's alone (the
+    router, which sees salts, hashes base-model requests alike). With one: 0xFF (a byte no UTF-8 text
+    holds, so no salt alone can equal it), the salt's length and bytes, then the adapter's name."""
+    salt = extra_key_from_salt(cache_salt)
+    if lora_name is None:
+        return salt
+    salt = salt or b""
+    return b"\xff" + len(salt).to_bytes(4, "little") + salt + lora_name.encode("utf-8")

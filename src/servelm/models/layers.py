@@ -5,6 +5,8 @@ attention) compose them."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,12 @@ from servelm.models.linear_methods import DENSE, LinearMethod
 from servelm.models.sharding import ModelShard
 from servelm.models.weights import CheckpointWeights, dense_tensor
 from servelm.parallel.groups import GroupMember, all_reduce_sum
+
+
+class OutputDelta(Protocol):
+    """What a Linear adds to its output beyond x @ W^T: a LoRA adapter batch's rows (servelm.lora)."""
+
+    def add_delta(self, out: torch.Tensor, x: torch.Tensor) -> None: ...
 
 
 class Linear(nn.Module):
@@ -44,12 +52,15 @@ class Linear(nn.Module):
         # None alone: one rank runs exactly the unsharded layer, no collective.
         self.reduce = reduce if reduce is not None and reduce.is_parallel else None
         self.method = method
+        self.lora: OutputDelta | None = None  # set by servelm.lora.layers.attach_lora
         method.create_weights(self)
         keeps_bias = bias and (self.reduce is None or self.reduce.rank == 0)
         self.bias = nn.Parameter(torch.empty(out_features)) if keeps_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
+        if self.lora is not None:
+            self.lora.add_delta(out, x)
         return out if self.reduce is None else all_reduce_sum(out, self.reduce)
 
     def load(self, weights: CheckpointWeights) -> None:

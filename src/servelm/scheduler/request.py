@@ -24,7 +24,7 @@ from servelm.datatypes import (
     RequestEvent,
     RequestSlo,
 )
-from servelm.kv.block_hash import extra_key_from_salt
+from servelm.kv.block_hash import extra_key_of
 from servelm.sampling_params import SamplingParams
 from servelm.structured.grammars import CompiledGrammar, GrammarMatcher
 
@@ -65,6 +65,7 @@ class Request:
     arrival_time: float  # wall clock; orders requests of one priority and drives aging
     arrival_seq: int  # add_request order: breaks ties between equal arrival times
     cache_salt: str | None = None
+    lora_name: str | None = None  # its LoRA adapter: a slot while it runs, and its own prefix cache
     # Tenant and class targets: the deadline order, fair share and step-time target (ranking.py).
     slo: RequestSlo = DEFAULT_SLO
     status: RequestStatus = RequestStatus.WAITING
@@ -123,6 +124,7 @@ class Request:
             arrival_time=request.arrival_time if request.arrival_time > 0 else now,
             arrival_seq=arrival_seq,
             cache_salt=request.cache_salt,
+            lora_name=request.lora_name,
             slo=request.slo,
             kv_transfer=request.kv_transfer,
         )
@@ -146,7 +148,9 @@ class Request:
 
     @property
     def extra_key(self) -> bytes | None:
-        return extra_key_from_salt(self.cache_salt)
+        """Its prefix-cache namespace: the tenant's salt and its adapter (KV under one adapter is not
+        another's, nor the base model's)."""
+        return extra_key_of(self.cache_salt, self.lora_name)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

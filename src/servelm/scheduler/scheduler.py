@@ -121,6 +121,7 @@ class Scheduler:
         kv_transfer: KVTransferConfig | None = None,  # disaggregation (needs kv_tiers); None: no role
         num_layers: int = 0,  # the model's decoder layers, for layered prefill (0: token chunks only)
         grammars: GrammarCompiler | None = None,  # structured outputs; None: a request asking for them is refused
+        max_loras: int = 0,  # LoRA: distinct adapters running at once (the runner's slots); 0: no LoRA
     ) -> None:
         if scheduler_config.max_model_len is None:
             raise ValueError(
@@ -135,6 +136,7 @@ class Scheduler:
                 f"({scheduler_config.max_model_len}): add blocks or lower max_model_len"
             )
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.max_model_len: int = scheduler_config.max_model_len
         self._kv = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -520,6 +522,14 @@ class Scheduler:
             elif self._admission_open(plan) and self._try_admit(request, plan, now):
                 admitted.append(request)
 
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether `request`'s LoRA adapter (if any) fits beside the running requests': at most
+        max_loras distinct adapters run at once, so every step's fit the runner's slots."""
+        if request.lora_name is None:
+            return True
+        running = {r.lora_name for r in self._running if r.lora_name is not None}
+        return request.lora_name in running or len(running) < self.max_loras
+
     def _admission_open(self, plan: StepPlan) -> bool:
         # New tokens always need a fresh block (a prefix hit covers full blocks only).
         num_loading = len(self._tier_loads) if self._tier_loads is not None else 0
@@ -717,6 +727,8 @@ class Scheduler:
     def _try_admit(self, request: Request, plan: StepPlan, now: float) -> bool:
         if request.grammar_compile is not None:
             return False  # its grammar is still compiling: others go meanwhile
+        if not self._adapter_fits(request):
+            return False  # every adapter slot is taken by running requests: it waits, others go
         hit = self._lookup(request)
         if self._tier_loads is not None:
             admission = self._tier_loads.try_start(request, hit, self.step_cost, now)
@@ -758,6 +770,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=block_ids,
                 num_computed_tokens=request.num_computed_tokens,
+                lora_name=request.lora_name,
             )
         )
         request.num_sent_tokens = request.num_tokens

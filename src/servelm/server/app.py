@@ -51,7 +51,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm import envs
-from servelm.config import EngineConfig
+from servelm.config import EngineConfig, LoRAModule
 from servelm.delivery.source import PEER_MODEL_PREFIX, PEER_SCHEME
 from servelm.delivery.streaming import remote_model_name
 from servelm.engine.async_llm import AsyncLLM
@@ -82,7 +82,7 @@ from servelm.server.lifecycle import ServerLifecycle
 from servelm.server.model_files_api import ModelFiles, peer_served_name
 from servelm.server.prompt_limits import PromptLimits
 from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from servelm.server.serving import check_model, json_response
+from servelm.server.serving import json_response, lora_name_of
 from servelm.server.structured_request import StructuredCheck
 from servelm.server.tenant_limits import TenantLimitsMiddleware
 from servelm.server.tokenize_api import detokenize, tokenize
@@ -207,6 +207,7 @@ async def _start_context(
         supervisor=supervisor,
         structured=structured,
         tool_call_parser=None if options.tool_call_parser == "none" else options.tool_call_parser,
+        lora_modules=engine_config.lora.lora_modules,
     )
 
 
@@ -341,19 +342,26 @@ def _add_routes(app: FastAPI) -> None:
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(_ctx(request), await _parse(request, DetokenizeRequest))
 
-    def model_card(ctx: ServerContext) -> dict[str, Any]:
-        return {"id": ctx.model_name, "object": "model", "created": started_at, "owned_by": "servelm",
-                "root": ctx.model_name, "max_model_len": ctx.max_model_len}  # fmt: skip
+    def model_card(ctx: ServerContext, adapter: LoRAModule | None = None) -> dict[str, Any]:
+        """The base model's card, or an adapter's: vLLM's shape, its `parent` the base model."""
+        if adapter is None:
+            return {"id": ctx.model_name, "object": "model", "created": started_at, "owned_by": "servelm",
+                    "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len}  # fmt: skip
+        return {"id": adapter.name, "object": "model", "created": started_at, "owned_by": "servelm",
+                "root": adapter.path, "parent": adapter.base_model_name or ctx.model_name,
+                "max_model_len": ctx.max_model_len}  # fmt: skip
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return json_response({"object": "list", "data": [model_card(_ctx(request))]})
+        ctx = _ctx(request)
+        cards = [model_card(ctx), *(model_card(ctx, adapter) for adapter in ctx.lora_modules)]
+        return json_response({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         ctx = _ctx(request)
-        check_model(ctx, model_id)
-        return json_response(model_card(ctx))
+        adapter = lora_name_of(ctx, model_id)
+        return json_response(model_card(ctx, next((m for m in ctx.lora_modules if m.name == adapter), None)))
 
     @app.get("/v1/kv_transfer")
     async def kv_transfer(request: Request) -> Response:

@@ -24,6 +24,7 @@ from servelm.server.serving import (
     engine_error,
     finish_request,
     json_response,
+    lora_name_of,
     render_chat,
     reserve_tokens,
     respond,
@@ -48,7 +49,8 @@ async def create_chat_completion(ctx: ServerContext, http_request: Request, body
     timeline.stamp(ApiStamp.TOKENIZED)
     priority, slo = tenant_priority(http_request, body.priority, body.kv_retention)
     request = GenerationRequest(
-        request_id, [prompt], params, timeline, priority, body.cache_salt, slo, kv_transfer=kv_transfer
+        request_id, [prompt], params, timeline, priority, body.cache_salt, slo, kv_transfer=kv_transfer,
+        lora_name=lora_name_of(ctx, body.model),
     )
     gen = ctx.engine.generate(request, observer=ctx.metrics)
     reserve_tokens(http_request, gen, ctx.max_model_len)

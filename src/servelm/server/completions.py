@@ -30,6 +30,7 @@ from servelm.server.serving import (
     engine_error,
     finish_request,
     json_response,
+    lora_name_of,
     reserve_tokens,
     respond,
     sse,
@@ -56,7 +57,8 @@ async def create_completion(ctx: ServerContext, http_request: Request, body: Com
     timeline.stamp(ApiStamp.TOKENIZED)
     priority, slo = tenant_priority(http_request, body.priority, body.kv_retention)
     request = GenerationRequest(
-        request_id, token_ids, params, timeline, priority, body.cache_salt, slo, kv_transfer=kv_transfer
+        request_id, token_ids, params, timeline, priority, body.cache_salt, slo, kv_transfer=kv_transfer,
+        lora_name=lora_name_of(ctx, body.model),
     )
     gen = ctx.engine.generate(request, observer=ctx.metrics)
     reserve_tokens(http_request, gen, ctx.max_model_len)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servelm.config import LoRAModule
 from servelm.engine.async_llm import AsyncLLM
 from servelm.engine.supervisor import EngineSupervisor
 from servelm.obs.metrics import ServerMetrics
@@ -29,6 +30,7 @@ class ServerContext:
     supervisor: EngineSupervisor  # restarts a dead engine core; says why the engine is down
     structured: StructuredCheck  # a structured output's spec compiles, or the request is a 400
     tool_call_parser: str | None = "hermes"  # reads tool calls from a tool_choice "auto" output (None: never)
+    lora_modules: tuple[LoRAModule, ...] = ()  # the adapters a request's `model` may name (--lora-modules)
 
     @property
     def tokenizer(self) -> PromptTokenizer:

@@ -138,8 +138,17 @@ def reserve_tokens(http_request: Request, gen: GenerationStream, max_model_len: 
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
-    if model is not None and model != ctx.model_name:
-        raise model_not_found(model)
+    """404 model_not_found unless `model` is absent, the served model or one of its adapters."""
+    lora_name_of(ctx, model)
+
+
+def lora_name_of(ctx: ServerContext, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model); 404 for a name served by no one."""
+    if model is None or model == ctx.model_name:
+        return None
+    if any(module.name == model for module in ctx.lora_modules):
+        return model
+    raise model_not_found(model)
 
 
 def check_prompts(

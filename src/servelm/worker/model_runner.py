@@ -21,6 +21,8 @@ import torch
 from servelm.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionInputs
 from servelm.attention.kv_storage import LayerKVCache, block_tensors
 from servelm.datatypes import ModelOutput, PositionLogprobs, SchedulerOutput
+from servelm.lora.layers import NO_ADAPTER, LoRABatch
+from servelm.lora.slots import LoRASlots
 from servelm.models.llama import LlamaForCausalLM
 from servelm.parallel.context_backend import ContextParallelBackend, ContextParallelMetadata
 from servelm.spec.proposer import DraftRequest, Proposer
@@ -66,6 +68,7 @@ class StepInputs:
     """The flattened batch of one step, in scheduler order."""
 
     request_ids: list[str]
+    num_rows: list[int]  # each request's rows of the batch (its scheduled tokens, drafts included)
     input_ids: torch.Tensor  # [T] long, on device
     positions: torch.Tensor  # [T] long, on device
     common: CommonAttentionInputs  # what the backend built `metadata` from
@@ -98,6 +101,8 @@ class ModelRunner:
         followers: StepBroadcaster | None = None,
         # Pure-decode steps through persistent buffers and CUDA graphs (cuda_graphs.py); single rank only.
         decode_graphs: DecodeGraphRunner | None = None,
+        # LoRA adapters (servelm.lora): the model's slots, filled as each step's requests need them.
+        lora: LoRASlots | None = None,
     ) -> None:
         if decode_graphs is not None and followers is not None:
             raise ValueError("decode graphs run on a single rank: the other ranks would see unpadded batches")
@@ -123,6 +128,10 @@ class ModelRunner:
         self.kv_offloader = kv_offloader
         self.followers = followers
         self.decode_graphs = decode_graphs
+        if lora is not None and (decode_graphs is not None or followers is not None):
+            raise ValueError("LoRA runs on a single rank, without decode graphs")
+        self.lora = lora
+        self._adapter_slots: dict[str, int] = {}  # this step's requests' slots (LoRA)
         # Layered prefill's chunks in flight (layered_chunks.py); None under context parallelism,
         # whose ranks each compute a share of a chunk's rows (its scheduler sends no layer slices).
         self.layered_chunks: LayeredChunks | None = None
@@ -175,6 +184,15 @@ class ModelRunner:
             return ModelOutput(sampled_token_ids={})
         so = scheduler_output
         output = ModelOutput(sampled_token_ids={rid: [] for rid in so.num_scheduled_tokens})
+        if self.lora is not None:
+            ids = list(so.num_scheduled_tokens)
+            self._adapter_slots = dict(zip(ids, self.lora.slots_for([self.requests[rid].lora_name for rid in ids])))
+        try:
+            return self._execute_rows(so, output, grammar_masks)
+        finally:
+            self._lora_rows([], [])  # no forward outside a step sees this step's adapters
+
+    def _execute_rows(self, so: SchedulerOutput, output: ModelOutput, grammar_masks: GrammarMasks | None) -> ModelOutput:
         # Layer slices first (layered_chunks.py): those that end their chunk give its hidden states,
         # which sample and give prompt logprobs like the step's own rows.
         completed = self._run_layer_slices(so)
@@ -222,6 +240,7 @@ class ModelRunner:
             raise ValueError("layer slices sent to a runner without layered prefill (context parallelism)")
         completed = {}
         for request_id, layers in so.layer_slices.items():
+            self._lora_rows([request_id], [layers.num_tokens])
             chunk_hidden = self.layered_chunks.run(self.requests[request_id], layers)
             if chunk_hidden is not None:
                 completed[request_id] = chunk_hidden
@@ -232,6 +251,7 @@ class ModelRunner:
         rank computes only its rows (every cp-th position of each request) and the rows are
         gathered back, so sampling and prompt logprobs see the whole batch on every rank."""
         backend, metadata = self.attention_backend, inputs.metadata
+        self._lora_rows(inputs.request_ids, inputs.num_rows)
         if metadata is None:
             assert self.decode_graphs is not None  # _is_graph_step
             return self.decode_graphs.forward(inputs.input_ids, inputs.positions, inputs.common)
@@ -240,6 +260,12 @@ class ModelRunner:
         local = metadata.local_token_index
         hidden = self.model(inputs.input_ids[local], inputs.positions[local], metadata, self.kv_caches)
         return backend.gather_hidden(hidden, metadata)
+
+    def _lora_rows(self, request_ids: list[str], num_rows: list[int]) -> None:
+        """The next forward's rows, request by request (LoRA: which run which adapter slot)."""
+        if self.lora is not None:
+            batch = LoRABatch.of([self._adapter_slots.get(rid, NO_ADAPTER) for rid in request_ids], num_rows)
+            self.lora.model.context.batch = batch if batch.segments else None
 
     def _is_graph_step(self, so: SchedulerOutput, request_ids: list[str]) -> bool:
         """Whether the decode graph runner runs this step: every request a plain decode (one token, no
@@ -307,6 +333,7 @@ class ModelRunner:
                 sample_rows.extend(range(ends_in_batch[i] - verification.num_rows, ends_in_batch[i]))
         return StepInputs(
             request_ids=request_ids,
+            num_rows=query_lens.tolist(),
             input_ids=to_device(token_ids, torch.long, self.device),
             positions=positions.to(self.device, non_blocking=True),
             common=common,
@@ -356,6 +383,7 @@ class ModelRunner:
         leaves room for. `output.propose_seconds` times the proposer only when it had work: a
         step that asked for nothing must not dilute the cost per draft the controller charges."""
         assert self.proposer is not None
+        self._lora_rows([], [])  # drafts are proposed without the adapters (verified with them)
         requests = []
         for verification in samples:
             state = verification.state

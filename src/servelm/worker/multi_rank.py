@@ -125,6 +125,8 @@ def check_supported(config: EngineConfig) -> None:
         raise ValueError(
             "KV tiers and --kv-role are not supported with -tp/-cp > 1 yet (each rank holds only its shard of a block)"
         )
+    if config.lora.enable_lora:
+        raise ValueError("--enable-lora is not supported with -tp/-cp > 1 yet (adapters run on one rank)")
 
 
 def build_shard(

@@ -26,6 +26,7 @@ class RunnerRequestState:
     # Seeded requests only; on the CPU whatever the device, so a seed's stream is the same
     # everywhere (the sampler draws its noise on the host: worker/sampler.py).
     generator: torch.Generator | None
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
     @classmethod
     def from_new(cls, data: NewRequestData, vocab_size: int) -> RunnerRequestState:
@@ -45,6 +46,7 @@ class RunnerRequestState:
             sampling_params=data.sampling_params,
             num_computed_tokens=data.num_computed_tokens,
             generator=generator,
+            lora_name=data.lora_name,
         )
 
     def apply(self, diff: CachedRequestData) -> None:
