@@ -268,7 +268,9 @@ class SchedulerConfig:
     # predicted time of their decodes alone (step_pricing.decode_bound_s; only the decodes whose
     # priority is as good as the best waiting or prefilling prompt's), so a stream's token gap
     # grows at most this much while long prompts prefill beside it, on any hardware: the prompts
-    # get the rest of every step (layered prefill keeps small slices efficient). 0: no such bound
+    # get the rest of every step (layered prefill keeps small slices efficient). A stream whose last
+    # tokens are near is paced tighter while that costs the prompts little (step_pricing.FINISH_SLOWDOWN:
+    # shortest remaining work first, so a short request is done soon after its first token). 0: no such bound
     # (the step-time target alone, up to ~10x a decode step on a CPU); max_step_ms 0 turns it off too.
     max_decode_slowdown: float = 2.5
     # Layered prefill (worker/layered_chunks.py): where the target would cut a long prompt into

@@ -14,7 +14,14 @@ from servelm.kv import KVCacheManager
 from servelm.scheduler.request import RequestStatus
 from servelm.scheduler.scheduler import Scheduler
 from servelm.scheduler.step_cost import StepShape
-from servelm.scheduler.step_pricing import AUTO_TARGET_FACTOR, FIRST_TOKEN_SHARE, LONE_LAYER_SHARE
+from servelm.scheduler.step_pricing import (
+    AUTO_TARGET_FACTOR,
+    FINISH_COST_SHARE,
+    FINISH_SLOWDOWN,
+    FIRST_TOKEN_SHARE,
+    LONE_LAYER_SHARE,
+    finishing_slowdown,
+)
 
 # Seconds per unit of (fixed, dense pass, decode token, decode context, prompt token, pair, chunk context).
 TRUTH = (0.002, 0.008, 0.001, 0.0, 0.0005, 1e-6, 1e-5)
@@ -228,6 +235,48 @@ def test_while_streams_decode_a_prefill_step_is_held_to_the_decode_slowdown() ->
     # Without the pace bound the same steps fill the 100 ms target.
     unpaced = streams_then_a_long_prompt(max_decode_slowdown=0.0)
     assert max(run_step(unpaced)[2] for _ in range(5)) > 0.05
+
+
+def decodes_alone_s(s: Scheduler, names: tuple[str, ...]) -> float:
+    return truth_s(sum((StepShape.decode(1, s.get_request(n).num_computed_tokens) for n in names), StepShape()))
+
+
+def test_a_stream_near_its_end_is_paced_tighter_beside_a_prompt_with_far_to_go() -> None:
+    """A short request (8 tokens out) and a long stream start decoding beside a long prompt: while
+    the short one's last tokens cost the prompt little, every step is held to FINISH_SLOWDOWN x
+    the decodes alone (the prompt still moves each step); once it is done, the long stream alone is
+    paced at max_decode_slowdown again: its hundreds of tokens would cost the prompt too much."""
+    s = bounded(max_step_ms=100.0, max_decode_slowdown=2.5)
+    s.add_request(request("long", 3000, max_tokens=1))
+    run_step(s)
+    s.add_request(request("short", 8, max_tokens=8))
+    s.add_request(request("stream", 8, max_tokens=400))
+    while any(s.get_request(n).num_output_tokens == 0 for n in ("short", "stream")):
+        run_step(s)
+    while s.get_request("short") is not None:
+        alone = decodes_alone_s(s, ("short", "stream"))
+        so, _, seconds = run_step(s)
+        assert "long" in so.num_scheduled_tokens or "long" in so.layer_slices
+        assert seconds <= FINISH_SLOWDOWN * alone + 1e-9, (seconds, alone)
+    paces = []
+    for _ in range(6):
+        alone = decodes_alone_s(s, ("stream",))
+        paces.append(run_step(s)[2] / alone)
+    assert FINISH_SLOWDOWN + 0.3 < max(paces) <= 2.5 + 1e-9, paces
+
+
+def test_the_finishing_pace_costs_the_quickest_prompt_at_most_its_share() -> None:
+    """finishing_slowdown: FINISH_SLOWDOWN exactly while a stream's remaining steps at it cost the
+    quickest prompt at most FINISH_COST_SHARE of its prefill time left."""
+    s = bounded()
+    decodes = StepShape.decode(1, 100)
+    step_s = truth_s(decodes)
+    for tokens_left in (1, 16, 200):
+        break_even = tokens_left * (2.5 - FINISH_SLOWDOWN) * step_s / FINISH_COST_SHARE
+        assert finishing_slowdown(s.step_cost, decodes, 2.5, tokens_left, break_even * 1.01) == FINISH_SLOWDOWN
+        assert finishing_slowdown(s.step_cost, decodes, 2.5, tokens_left, break_even * 0.99) == 2.5
+    assert finishing_slowdown(s.step_cost, decodes, 2.5, 1, None) == 2.5  # no prompt to take from
+    assert finishing_slowdown(s.step_cost, decodes, 1.2, 1, 100.0) == 1.2  # already tighter
 
 
 def test_prompts_that_do_not_finish_whole_go_fewest_tokens_left_first() -> None:

@@ -70,11 +70,9 @@ class DraftScheduling:
             return 0
         params = request.sampling_params
         limit = self.max_k if params.num_speculative_tokens is None else min(self.max_k, params.num_speculative_tokens)
-        if params.max_tokens is not None:
-            # All k accepted emit k + 1 tokens; past max_tokens they would be dropped unread.
-            limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
-        # Positions computed this step reach num_tokens - 1 + k; they must stay inside the window.
-        limit = min(limit, self.max_model_len - request.num_tokens - 1)
+        # All k accepted emit k + 1 tokens: past max_tokens they would be dropped unread, and the
+        # positions computed this step (up to num_tokens - 1 + k) must stay inside the window.
+        limit = min(limit, request.tokens_left(self.max_model_len) - 1)
         return max(0, min(limit, len(request.draft_token_ids)))
 
     def choose(self, decodes: Sequence[Request], step_cost: tuple[float, float] | None) -> dict[str, int]:

@@ -141,6 +141,13 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def tokens_left(self, max_model_len: int) -> int:
+        """The most output tokens it may still produce: to its max_tokens or the context window,
+        whichever comes first (a stop token may end it sooner)."""
+        left = max_model_len - self.num_tokens
+        max_tokens = self.sampling_params.max_tokens
+        return left if max_tokens is None else min(left, max_tokens - self.num_output_tokens)
+
     @property
     def is_prefilling(self) -> bool:
         """Running with part of what it was admitted with still to compute (a prompt mid-prefill)."""

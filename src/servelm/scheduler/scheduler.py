@@ -95,6 +95,7 @@ from servelm.scheduler.step_pricing import (
     StepPricing,
     configured_step_target_s,
     executed_shape,
+    finishing_slowdown,
     paced_step_target_s,
 )
 from servelm.scheduler.stop import check_stop
@@ -330,10 +331,26 @@ class Scheduler:
                            if p is not None), default=None)  # fmt: skip
         paced = None
         if slowdown > 0 and best_prompt is not None:
-            paced = sum((StepShape.decode(1, r.num_computed_tokens) for r in decoding if r.priority <= best_prompt),
-                        StepShape())  # fmt: skip
+            paced_requests = [r for r in decoding if r.priority <= best_prompt]
+            paced = sum((StepShape.decode(1, r.num_computed_tokens) for r in paced_requests), StepShape())
+            if paced_requests:
+                fewest_left = min(r.tokens_left(self.max_model_len) for r in paced_requests)
+                slowdown = finishing_slowdown(self.step_cost, paced, slowdown, fewest_left,
+                                              self._quickest_prompt_left_s(prefilling))  # fmt: skip
         tbt_targets = (r.slo.tbt_target_s for r in decoding)
         return paced_step_target_s(self.step_cost, self.step_target_s(), tbt_targets, paced, slowdown)
+
+    def _quickest_prompt_left_s(self, prefilling: list[Request]) -> float | None:
+        """Predicted prefill time left of the prompt nearest its first token, mid-prefill (after its
+        context) or waiting (its whole prompt: a prefix hit it may get is not known before it is
+        admitted); each as one chunk would take it. None without prompts or a fit."""
+        rests = [(r.num_prefill_tokens - r.num_computed_tokens, r.num_computed_tokens) for r in prefilling]
+        waiting_rest = min((r.num_prefill_tokens - r.num_computed_tokens for r in self._waiting), default=0)
+        if waiting_rest > 0:
+            rests.append((waiting_rest, 0))
+        predicted = [self.step_cost.predict(StepShape(dense_passes=1.0) + StepShape.chunk(rest, context))
+                     for rest, context in rests if rest > 0]  # fmt: skip
+        return min((p for p in predicted if p is not None), default=None)
 
     def _chunk_cap(self) -> int:
         """The cap on one prompt's chunk before the top-up (long_prefill_token_threshold), while time

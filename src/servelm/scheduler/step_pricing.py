@@ -7,7 +7,8 @@ only the steps that carry decodes: a 3,801-token prompt alone once ran as one 9 
 16-token request behind it waited 8.9 s for its first token (2 AMD cores, the default model).
 
     target ─┬─ decodes' TBT:  TBT_STEP_SHARE x the tightest class TBT among the decodes
-            ├─ decodes' pace: max_decode_slowdown x what the step's decodes alone take (decode_bound_s)
+            ├─ decodes' pace: max_decode_slowdown x what the step's decodes alone take (decode_bound_s),
+            │                 FINISH_SLOWDOWN x while a stream's last tokens cost the prompts little
             └─ first tokens:  a step that completes a prompt ends within FIRST_TOKEN_SHARE x target
     predicted(step) = cost model over the step's shape (step_cost.py), summed as it is filled
 
@@ -65,6 +66,15 @@ DEEP_CONTEXT = 1024
 # takes the risk of a stream arriving mid-chunk; with other requests about, LAYER_SHARE.
 LAYER_SHARE = 0.15
 LONE_LAYER_SHARE = 0.5
+# Shortest remaining work first, within the pace bound: a stream whose last tokens are near is paced
+# at FINISH_SLOWDOWN instead of max_decode_slowdown where running all its remaining steps that way
+# costs the prompts beside it at most FINISH_COST_SHARE of the quickest one's prefill time left. A
+# 16-token request sent beside an 8k-token prompt spent 15 steps at 2.5x a decode alone (~30 ms
+# each on 2 CPU cores) after its first token and was done 0.6 s after it was sent; the prompt, with
+# seconds of prefill left, gains nothing it would miss from those steps. The cost is counted once
+# per stream (all of its remaining steps), so a stream cannot take the share again step by step.
+FINISH_SLOWDOWN = 1.5
+FINISH_COST_SHARE = 0.05
 
 
 def auto_step_target_s(model: StepCostModel, num_layers: int) -> float | None:
@@ -88,6 +98,21 @@ def decode_bound_s(model: StepCostModel, decodes: StepShape, slowdown: float) ->
         return None
     predicted = model.predict(decodes)
     return None if predicted is None else slowdown * predicted
+
+
+def finishing_slowdown(model: StepCostModel, paced_decodes: StepShape, slowdown: float, tokens_left: int,
+                       prompt_left_s: float | None) -> float:  # fmt: skip
+    """The pace for a step whose `paced_decodes` hold a stream with at most `tokens_left` output
+    tokens to come, beside prompts the quickest of which has `prompt_left_s` of prefill to go:
+    FINISH_SLOWDOWN where pacing all of the stream's remaining steps so costs that prompt at most
+    FINISH_COST_SHARE of its time left, else `slowdown` (also without a fit or a prompt)."""
+    if slowdown <= FINISH_SLOWDOWN or prompt_left_s is None:
+        return slowdown
+    decodes_s = model.predict(paced_decodes)
+    if decodes_s is None:
+        return slowdown
+    prompts_lose_s = tokens_left * (slowdown - FINISH_SLOWDOWN) * decodes_s
+    return FINISH_SLOWDOWN if prompts_lose_s <= FINISH_COST_SHARE * prompt_left_s else slowdown
 
 
 def configured_step_target_s(model: StepCostModel, max_step_ms: float | None, num_layers: int) -> float | None:
