@@ -10,7 +10,9 @@ how long an adapter takes to load. Offline, the real engine (`LLM`), the default
 Each case decodes `--requests` requests of `--prompt-tokens` random tokens and `--max-tokens`
 outputs (ignore_eos), at most `--batch` at once; throughput = output tokens / wall time of generate().
 Targets: one adapter >= 0.85x base, 8 distinct >= 0.75x base, 100 adapters >= 0.7x one adapter;
-a rank-16 adapter of the default model loaded (read, checked, copied into a slot) in <= 200 ms.
+a rank-16 adapter of the default model loaded (read, checked, copied into a slot) in <= 200 ms,
+measured in-process and through a real server's POST /v1/load_lora_adapter (to its 200, then a
+1-token request naming the adapter, which copies it into a slot).
 
     PYTHONPATH=src .venv/bin/python benchmarks/lora.py
 """
@@ -24,10 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from servelm.engine.llm import LLM
 from servelm.lora.adapter import load_lora_adapter
 from servelm.models.loader import load_checkpoint
 from servelm.sampling_params import SamplingParams
+from servelm.server.launcher import launch_server
 from servelm.testing.lora_adapters import write_peft_adapter
 
 
@@ -74,12 +79,34 @@ def main() -> None:
             results["100 adapters"] = throughput(llm, [f"a{rng.randrange(args.num_adapters)}" for _ in range(args.requests)],
                                                  args, 1)  # fmt: skip
             slot_ms = _slot_copy_ms(llm)
+        api_ms = _runtime_load_ms(paths[:5])
     print(f"\nload of a rank-{args.rank} adapter of the default model (read + checks): median "
-          f"{statistics.median(load_ms):.0f} ms; copy into a slot: {slot_ms:.1f} ms\n")  # fmt: skip
+          f"{statistics.median(load_ms):.0f} ms; copy into a slot: {slot_ms:.1f} ms; through the API "
+          f"(POST /v1/load_lora_adapter to its 200, then the first request with it): median "
+          f"{statistics.median(api_ms):.0f} ms (each: {', '.join(f'{ms:.0f}' for ms in api_ms)})\n")  # fmt: skip
     print("| case | output tok/s | vs base | vs one adapter |")
     print("|---|---:|---:|---:|")
     for name, value in results.items():
         print(f"| {name} | {value:.1f} | {value / results['base']:.2f}x | {value / results['one adapter']:.2f}x |")
+
+
+def _runtime_load_ms(paths: list[Path]) -> list[float]:
+    """A real server of the default model (--allow-runtime-lora-updating): for each adapter, the time
+    from POST /v1/load_lora_adapter to its 200, plus a 1-token request naming it (the slot copy)."""
+    server = launch_server(None, ["--enable-lora", "--allow-runtime-lora-updating", "--max-lora-rank", "64"])
+    try:
+        times = []
+        for i, path in enumerate(paths):
+            started = time.perf_counter()
+            load = httpx.post(f"{server.base_url}/v1/load_lora_adapter", json={"lora_name": f"rt{i}", "lora_path": str(path)},
+                              timeout=60)  # fmt: skip
+            first = httpx.post(f"{server.base_url}/v1/completions", json={"model": f"rt{i}", "prompt": "Hi", "max_tokens": 1},
+                               timeout=60)  # fmt: skip
+            times.append(1e3 * (time.perf_counter() - started))
+            assert load.status_code == 200 and first.status_code == 200, (load.text, first.text)
+        return times
+    finally:
+        server.stop()
 
 
 def _slot_copy_ms(llm: LLM) -> float:

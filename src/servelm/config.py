@@ -669,7 +669,8 @@ class LoRAConfig:
         Flag(("--lora-modules",), 'lora_modules', type=parse_lora_module, nargs="+", help='adapters served from start-up: name=path ... or JSON {"name": ..., "path": ..., "base_model_name": ...}'),
         Flag(("--max-loras",), 'max_loras', type=int, help='distinct adapters one step may mix (slots of stacked weights; default 1)'),
         Flag(("--max-lora-rank",), 'max_lora_rank', type=int, help='largest adapter rank served (default 16): larger ones are refused at load'),
-        Flag(("--max-cpu-loras",), 'max_cpu_loras', type=int, help='adapters kept in host memory, least recently used dropped first (default: every one of --lora-modules, at least --max-loras)'),
+        Flag(("--max-cpu-loras",), 'max_cpu_loras', type=int, help='adapters kept in host memory, the least recently used dropped first and read again in the background when a request names it (default: all of them; at least --max-loras)'),
+        Flag(("--allow-runtime-lora-updating",), 'allow_runtime_lora_updating', action="store_true", help='answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (under the API key): adapters served from a path on this machine at run time'),
     )  # fmt: skip
 
     enable_lora: bool = False
@@ -677,12 +678,14 @@ class LoRAConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         # argparse hands a list; LLM(lora_modules=["name=path"]) strings
         modules = tuple(parse_lora_module(m) if isinstance(m, str) else m for m in self.lora_modules)
         object.__setattr__(self, "lora_modules", modules)
         _require(not self.lora_modules or self.enable_lora, "--lora-modules needs --enable-lora")
+        _require(not self.allow_runtime_lora_updating or self.enable_lora, "--allow-runtime-lora-updating needs --enable-lora")
         _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,

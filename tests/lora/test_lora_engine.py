@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from servelm.engine.llm import LLM
+from servelm.engine.llm import LLM, RequestFailedError
 from servelm.lora.adapter import LoRAAdapterError
 from servelm.models.hf_loader import read_hf_config
 from servelm.sampling_params import SamplingParams
@@ -83,6 +83,55 @@ def test_a_mixed_batch_gives_each_request_its_merged_references_tokens(served, w
     assert loads >= (len(RANKS) if max_loras == 4 else len(RANKS) + 1)  # two slots for four adapters: reloads
     # The adapters matter: each adapter request's tokens differ from the base model's.
     assert all(mine != base for mine, base, name in zip(together, base_model, names, strict=True) if name is not None)
+
+
+def test_adapters_beyond_the_host_cache_are_read_again_when_named(served, workload) -> None:
+    """--max-cpu-loras 2 for four adapters: the least recently used leave host memory, and a request
+    naming one waits while the background thread reads it again; the tokens are the same."""
+    prompts, names, expected = workload
+    with _llm(served, 2, max_cpu_loras=2) as llm:
+        registry = llm.engine.core.lora.registry
+        assert len(registry.host) == 2
+        together = _greedy(llm, prompts, names)
+        alone = [_greedy(llm, [prompt], [name])[0] for prompt, name in zip(prompts, names, strict=True)]
+        assert len(registry.host) <= 2
+        reads = registry.reads
+    assert together == expected and alone == expected
+    assert reads > len(RANKS) + 2  # start-up read all four; evicted ones were read again, more than once
+
+
+def test_an_evicted_adapter_whose_files_are_gone_fails_its_requests_alone(served, workload, tmp_path) -> None:
+    """An adapter that left host memory and cannot be read again (its directory removed since it was
+    loaded): its request fails naming why; the engine goes on serving the base model and the others."""
+    import shutil
+
+    base, adapters = served
+    prompts, names, expected = workload
+    doomed = tmp_path / "doomed"
+    shutil.copytree(adapters["r16"], doomed)
+    with LLM(str(base), enable_lora=True, lora_modules=[f"doomed={doomed}", f"r64={adapters['r64']}"],
+             max_loras=1, max_cpu_loras=1, max_lora_rank=64, num_blocks=64, block_size=4, max_step_ms=0) as llm:  # fmt: skip
+        assert list(llm.engine.core.lora.registry.host) == ["r64"]  # "doomed" was read first, then evicted
+        shutil.rmtree(doomed)
+        with pytest.raises(RequestFailedError, match="'doomed' could not be read"):
+            _greedy(llm, [prompts[2]], ["doomed"])
+        assert _greedy(llm, [prompts[4], prompts[0]], ["r64", None]) == [expected[4], expected[0]]
+
+
+def test_ngram_speculation_keeps_every_adapters_greedy_tokens(served, workload) -> None:
+    """N-gram drafts (proposed from the request's own tokens, verified by the model with the
+    request's adapter) change no token of a mixed batch; repetitive prompts, so drafts are accepted."""
+    prompts, names, expected = workload
+    repetitive = [(prompt[:6] * 6)[:36] for prompt in prompts]
+    # Not adaptive: the controller's measured costs (a busy host) could turn drafting off.
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                       "adaptive": False})  # fmt: skip
+    with _llm(served, 4) as llm:
+        plain = _greedy(llm, repetitive, names)
+    with _llm(served, 4, speculative_config=spec) as llm:
+        speculated = _greedy(llm, repetitive, names)
+        accepted = llm.engine.core.scheduler.spec_counters.num_accepted_tokens
+    assert speculated == plain and accepted > 0
 
 
 def test_prefix_caching_never_shares_kv_across_adapters(served, workload) -> None:

@@ -73,3 +73,9 @@ def test_an_unknown_model_is_a_404_model_not_found(lora_server) -> None:
     assert response.status_code == 404
     error = response.json()["error"]
     assert error["code"] == "model_not_found" and error["param"] == "model" and "nope" in error["message"]
+
+
+def test_run_time_loading_is_off_without_its_flag(lora_server) -> None:
+    server, _, adapter = lora_server
+    response = httpx.post(f"{server.base_url}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapter)})
+    assert response.status_code == 404 and "--allow-runtime-lora-updating" in response.json()["error"]["message"]

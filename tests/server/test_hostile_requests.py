@@ -108,10 +108,13 @@ ROUTES = {
     ("GET", "/health"): True,
     ("GET", "/ready"): True,  # a readiness probe, like /health
     ("GET", "/metrics"): True,  # open unless --protect-metrics, as vLLM and Prometheus expect
+    ("POST", "/v1/load_lora_adapter"): False,  # LoRA at run time: reads a path on the server
+    ("POST", "/v1/unload_lora_adapter"): False,
 }
 
 
-KEYED_STATUS = {"/v1/kv_transfer": 404}  # past the key: this server has no --kv-role
+# Past the key: this server has no --kv-role, nor --allow-runtime-lora-updating.
+KEYED_STATUS = {"/v1/kv_transfer": 404, "/v1/load_lora_adapter": 404, "/v1/unload_lora_adapter": 404}
 REQUESTED = {"/servelm/model/{path:path}": "/servelm/model/servelm-manifest.json",
              "/v1/models/{model_id:path}": "/v1/models/model"}  # fmt: skip  # a route's concrete path
 

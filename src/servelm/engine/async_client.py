@@ -20,6 +20,7 @@ Contract (all methods called from the API process's event loop):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from servelm.config import EngineConfig
+from servelm.config import EngineConfig, LoRAModule
 from servelm.datatypes import EngineOutput, EngineRequest, EventType, FinishReason
 from servelm.engine.messages import (
     AbortRequests,
@@ -43,8 +44,11 @@ from servelm.engine.messages import (
     CoreFailed,
     CoreReady,
     CoreStarting,
+    LoadLoRA,
+    LoRAReply,
     OutputBatch,
     Shutdown,
+    UnloadLoRA,
     from_core_decoder,
     to_core_encoder,
 )
@@ -177,6 +181,8 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task] = []
         self._traceback: str | None = None  # the current core's CoreFailed, if it sent one
         self._exit: asyncio.Future[CoreExit] | None = None  # the current core's end, once it ended
+        self._lora_calls: dict[int, asyncio.Future[LoRAReply]] = {}  # run-time LoRA loads awaiting their reply
+        self._next_call_id = 0
 
     @property
     def num_in_flight(self) -> int:
@@ -279,6 +285,39 @@ class AsyncEngineClient:
         if live and self.dead_error is None and self._to_core is not None:
             await self._to_core.send(to_core_encoder.encode(AbortRequests(request_ids=live)))
 
+    async def load_lora(self, module: LoRAModule) -> LoRAReply:
+        """Serve a LoRA adapter from now on (read in the core's background thread); a later core
+        restart serves it too."""
+        reply = await self._lora_call(LoadLoRA(self._new_call_id(), module))
+        if reply.status == 200:
+            self._set_lora_modules((*self.config.lora.lora_modules, module))
+        return reply
+
+    async def unload_lora(self, name: str) -> LoRAReply:
+        """Stop serving adapter `name` (requests in flight with it run to their end)."""
+        reply = await self._lora_call(UnloadLoRA(self._new_call_id(), name))
+        if reply.status == 200:
+            self._set_lora_modules(tuple(m for m in self.config.lora.lora_modules if m.name != name))
+        return reply
+
+    def _new_call_id(self) -> int:
+        self._next_call_id += 1
+        return self._next_call_id
+
+    async def _lora_call(self, message: LoadLoRA | UnloadLoRA) -> LoRAReply:
+        if self.dead_error is not None or self._to_core is None:
+            raise EngineDeadError(self.dead_error or "the engine core is not running")
+        reply: asyncio.Future[LoRAReply] = asyncio.get_running_loop().create_future()
+        self._lora_calls[message.call_id] = reply
+        try:
+            await self._to_core.send(to_core_encoder.encode(message))
+            return await reply
+        finally:
+            self._lora_calls.pop(message.call_id, None)
+
+    def _set_lora_modules(self, modules: tuple[LoRAModule, ...]) -> None:
+        self.config = dataclasses.replace(self.config, lora=dataclasses.replace(self.config.lora, lora_modules=modules))
+
     async def _output_loop(self, from_core: zmq.asyncio.Socket) -> None:
         while True:
             message = from_core_decoder.decode(await from_core.recv())
@@ -288,6 +327,10 @@ class AsyncEngineClient:
                 self._traceback = message.error
                 self._fail_all(f"{CORE_LOST}: the engine core failed:\n{message.error}")
                 return
+            if isinstance(message, LoRAReply):
+                if (waiter := self._lora_calls.get(message.call_id)) is not None and not waiter.done():
+                    waiter.set_result(message)
+                continue
             if not isinstance(message, OutputBatch):
                 continue
             self.stats = message.stats
@@ -330,6 +373,9 @@ class AsyncEngineClient:
                 EngineOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error)
             )
         self._queues.clear()
+        for waiter in self._lora_calls.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(error))
 
     async def _reap(self) -> None:
         """Wait for the current core process to be gone (it is dead or dying: killed past the grace)."""

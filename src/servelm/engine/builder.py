@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from servelm.attention.kv_storage import LayerKVCache, block_tensors
-from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, SpeculativeConfig
+from servelm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, LoRAModule, SpeculativeConfig
 from servelm.engine.core import EngineCore
 from servelm.engine.remote_model import open_model
 from servelm.kernels import cpu as cpu_kernels
@@ -29,9 +29,10 @@ from servelm.kv.disk_store import DiskBlockStore
 from servelm.kv.fingerprint import kv_fingerprint, weights_identity
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.kv.tiers import KVTiers
-from servelm.lora.adapter import load_lora_adapter
+from servelm.lora.adapter import LoRAAdapter, load_lora_adapter
 from servelm.lora.layers import attach_lora
-from servelm.lora.slots import LoRARegistry, LoRASlots
+from servelm.lora.registry import AdapterRegistry
+from servelm.lora.slots import LoRASlots
 from servelm.models.arch import ModelArchConfig
 from servelm.models.factory import build_model, resolve_device, resolve_dtype
 from servelm.models.llama import LlamaForCausalLM
@@ -279,6 +280,7 @@ def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchC
         config.scheduler_for(max_model_len), kv_manager, eos_token_ids=eos_ids, speculative=speculative,
         kv_tiers=tiers, kv_transfer=config.kv_transfer, num_layers=_layered_prefill_layers(runner),
         grammars=grammars, max_loras=config.lora.max_loras if lora is not None else 0,
+        adapter_ready=lora.registry.ready if lora is not None else None,
     )  # fmt: skip
     _seed_step_cost(scheduler, calibration)
     residencies: list[HostResidency] = []
@@ -291,7 +293,7 @@ def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchC
     return BuiltEngine(
         core=EngineCore(scheduler, runner, kv_manager, residencies,
                         mask_filler=MaskFiller(arch.vocab_size) if grammars is not None else None,
-                        lora_names=frozenset(lora.registry.adapters) if lora is not None else frozenset()),  # fmt: skip
+                        lora=lora),  # fmt: skip
         tokenizer=tokenizer,
         arch=arch,
         max_model_len=max_model_len,
@@ -304,10 +306,15 @@ def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchC
 def _lora_slots(config: EngineConfig, model: LlamaForCausalLM) -> LoRASlots:
     """The adapters of --lora-modules read and checked against the model, and its LoRA slots."""
     lora = config.lora
-    registry = LoRARegistry({module.name: load_lora_adapter(module.name, module.path, model.arch, lora.max_lora_rank)
-                             for module in lora.lora_modules})  # fmt: skip
-    logger.info("LoRA: %d adapter(s) (%s), %d slot(s) of rank <= %d", len(registry.adapters),
-                ", ".join(sorted(registry.adapters)) or "none", lora.max_loras, lora.max_lora_rank)  # fmt: skip
+    arch = model.arch
+
+    def read_adapter(module: LoRAModule) -> LoRAAdapter:
+        return load_lora_adapter(module.name, module.path, arch, lora.max_lora_rank)
+
+    registry = AdapterRegistry.at_start(lora.lora_modules, read_adapter, lora.max_cpu_loras)
+    logger.info("LoRA: %d adapter(s) (%s), %d slot(s) of rank <= %d, %s in host memory", len(registry.served),
+                ", ".join(sorted(registry.served)) or "none", lora.max_loras, lora.max_lora_rank,
+                "all" if lora.max_cpu_loras is None else f"at most {lora.max_cpu_loras}")  # fmt: skip
     return LoRASlots(attach_lora(model, lora.max_loras, lora.max_lora_rank), registry, lora.max_loras)
 
 

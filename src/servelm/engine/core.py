@@ -21,9 +21,13 @@ from concurrent import futures
 
 import torch
 
+from servelm.config import LoRAModule
 from servelm.datatypes import EngineOutput, EngineRequest, KVMedium, ModelOutput, SchedulerOutput
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.kv.tiers import KVTiers
+from servelm.lora.adapter import LoRAAdapterError
+from servelm.lora.registry import LoadCall
+from servelm.lora.slots import LoRASlots
 from servelm.scheduler.scheduler import Scheduler
 from servelm.schemas.core_stats import CoreStats, TierStats
 from servelm.structured.masks import MaskFiller
@@ -48,7 +52,7 @@ class EngineCore:
         kv_manager: KVCacheManager,
         residencies: Sequence[HostResidency] = (),
         mask_filler: MaskFiller | None = None,  # structured outputs' token masks (None: none)
-        lora_names: frozenset[str] = frozenset(),  # the LoRA adapters requests may name
+        lora: LoRASlots | None = None,  # the LoRA adapters served and the runner's slots (None: no LoRA)
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -56,7 +60,7 @@ class EngineCore:
         # CPU: the weights and the KV pool, each kept warm at its own interval (worker/host_residency.py)
         self.residencies = list(residencies)
         self.mask_filler = mask_filler
-        self.lora_names = lora_names
+        self.lora = lora
 
     def keep_warm(self) -> bool:
         """Between steps, idle or not: read the next slice of the pages due (ModelConfig.keep_warm_s:
@@ -71,10 +75,42 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; ValueError for one that cannot run here (the scheduler's checks, an
         adapter this engine does not serve)."""
-        if request.lora_name is not None and request.lora_name not in self.lora_names:
-            served = ", ".join(sorted(self.lora_names)) or "none (no --enable-lora)"
-            raise ValueError(f"LoRA adapter {request.lora_name!r} is not served here (served: {served})")
+        if request.lora_name is not None and (self.lora is None or not self.lora.registry.is_served(request.lora_name)):
+            served = ", ".join(sorted(self.lora.registry.served)) if self.lora is not None else "none (no --enable-lora)"
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is not served here (served: {served or 'none'})")
         self.scheduler.add_request(request)
+
+    # -- LoRA adapters at run time (lora/registry.py) ---------------------------------------
+
+    def start_lora_load(self, module: LoRAModule) -> LoadCall:
+        """Begin reading a run-time adapter in the background (LoRAAdapterError now for a name taken,
+        or without --enable-lora); finish_lora_load() once its read is done serves it."""
+        if self.lora is None:
+            raise LoRAAdapterError("this server does not serve LoRA adapters (start it with --enable-lora)")
+        self._settle_adapters()  # an earlier adapter of that name whose requests ended since goes now
+        return self.lora.registry.start_load(module)
+
+    def finish_lora_load(self, call: LoadCall) -> None:
+        """Serve a run-time adapter whose read is done; LoRAAdapterError saying why it cannot be."""
+        assert self.lora is not None
+        self.lora.registry.finish_load(call)
+        self.lora.forget([call.module.name])  # a slot may still hold an earlier adapter of that name
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (KeyError if not served): requests using it run to their end."""
+        if self.lora is None:
+            raise KeyError(name)
+        self.lora.registry.unload(name)
+
+    def _settle_adapters(self) -> None:
+        """Between steps: adapters read in the background come in, those no request uses any more
+        after an unload go, and requests whose adapter could not be read again fail."""
+        if self.lora is None:
+            return
+        registry = self.lora.registry
+        self.lora.forget(registry.settle(self.scheduler.running_adapters(), self.scheduler.adapters_in_use()))
+        for name, error in registry.take_failed_reads().items():
+            self.scheduler.fail_adapter_requests(name, f"LoRA adapter {name!r} could not be read: {error}")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -95,11 +131,12 @@ class EngineCore:
         return (tiers.num_loading, tiers.num_pulling, tiers.num_exports) if tiers is not None else (0, 0, 0)
 
     def step(self) -> list[EngineOutput]:
+        self._settle_adapters()
         scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.has_work and (compiling := self.scheduler.compiling_grammars()):
-            # Nothing to run but grammars to wait for: wait on them, not in a loop of empty steps
-            # (which would also take the GIL from the compile thread).
-            futures.wait(compiling, timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
+        if not scheduler_output.has_work and (awaited := self._background_work()):
+            # Nothing to run but grammars or adapters to wait for: wait on them, not in a loop of
+            # empty steps (which would also take the GIL from the thread doing that work).
+            futures.wait(awaited, timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
         try:
             model_output = self._execute(scheduler_output)
         except RankFailedError:
@@ -107,6 +144,11 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - contained: logged and isolated in _isolate_failure
             return self._isolate_failure(scheduler_output, exc)
         return self.scheduler.update(scheduler_output, model_output)
+
+    def _background_work(self) -> list[futures.Future]:
+        """Grammar compiles and adapter reads in flight that requests wait for."""
+        reads = self.lora.registry.reads_in_flight() if self.lora is not None else []
+        return [*self.scheduler.compiling_grammars(), *reads]
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """The runner runs the step while the constrained requests' token masks are filled beside it
@@ -149,6 +191,8 @@ class EngineCore:
         try:
             self._finish_saves()
         finally:
+            if self.lora is not None:
+                self.lora.registry.close()
             self.runner.close()
 
     def _finish_saves(self) -> None:

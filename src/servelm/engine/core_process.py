@@ -21,14 +21,17 @@ from servelm.datatypes import EngineOutput, EngineRequest, FinishReason
 from servelm.engine.builder import build_engine
 from servelm.engine.core import EngineCore
 from servelm.engine.kv_events import KVEventPublisher
+from servelm.engine.lora_calls import LoRACalls
 from servelm.engine.messages import (
     AbortRequests,
     AddRequest,
     CoreFailed,
     CoreReady,
     CoreStarting,
+    LoadLoRA,
     OutputBatch,
     Shutdown,
+    UnloadLoRA,
     from_core_encoder,
     to_core_decoder,
 )
@@ -100,6 +103,7 @@ def _serve(
 ) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    lora_calls = LoRACalls(core)
     if kv_events is not None:
         kv_events.register(poller)
     parent = os.getppid()
@@ -109,7 +113,8 @@ def _serve(
         # With work pending (or a keep-warm pass to go on with), only drain what is already there;
         # otherwise wait (bounded, to notice orphaning; shorter while exports wait for their pulls,
         # which only a step hears of).
-        timeout_ms = 0 if core.has_work() or warming else HOUSEKEEPING_POLL_MS if core.has_housekeeping() else 1000
+        housekeeping = core.has_housekeeping() or lora_calls.pending
+        timeout_ms = 0 if core.has_work() or warming else HOUSEKEEPING_POLL_MS if housekeeping else 1000
         while ready := dict(poller.poll(timeout_ms)):
             timeout_ms = 0
             if kv_events is not None:
@@ -125,7 +130,11 @@ def _serve(
                     rejected.append(rejection)
             elif isinstance(message, AbortRequests):
                 core.abort_requests(message.request_ids)
+            elif isinstance(message, (LoadLoRA, UnloadLoRA)) and (reply := lora_calls.handle(message)) is not None:
+                outputs.send(from_core_encoder.encode(reply))
             timeout_ms = 0
+        for reply in lora_calls.finished():
+            outputs.send(from_core_encoder.encode(reply))
         if os.getppid() != parent:
             logger.error("engine core: the API process is gone; exiting")
             return

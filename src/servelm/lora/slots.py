@@ -1,6 +1,6 @@
 """Which adapter each of the model's `max_loras` slots holds: the runner's side of LoRA.
 
-Adapters live in host memory (`LoRARegistry`, loaded at start-up from --lora-modules); a step's
+Adapters live in host memory (registry.py: --lora-modules and run-time loads); a step's
 adapters are copied into slots as it needs them, the least recently used slot giving way. The
 scheduler admits no more distinct adapters than there are slots (scheduler.py), so a step's
 adapters always fit; a copy is the adapter's matrices once per layer (a rank-16 adapter of the
@@ -11,27 +11,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from servelm.lora.adapter import LoRAAdapter
 from servelm.lora.layers import NO_ADAPTER, LoRAModel
-
-
-@dataclass
-class LoRARegistry:
-    """The adapters this engine serves, by the name requests use."""
-
-    adapters: dict[str, LoRAAdapter] = field(default_factory=dict)
-
-    def get(self, name: str) -> LoRAAdapter:
-        adapter = self.adapters.get(name)
-        if adapter is None:
-            raise KeyError(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self.adapters)})")
-        return adapter
+from servelm.lora.registry import AdapterRegistry
 
 
 class LoRASlots:
-    def __init__(self, model: LoRAModel, registry: LoRARegistry, max_loras: int) -> None:
+    def __init__(self, model: LoRAModel, registry: AdapterRegistry, max_loras: int) -> None:
         self.model = model
         self.registry = registry
         self.max_loras = max_loras
@@ -53,6 +39,11 @@ class LoRASlots:
                 self.model.set_slot(self._resident[name], self.registry.get(name))
                 self.loads += 1
         return [NO_ADAPTER if name is None else self._resident[name] for name in names]
+
+    def forget(self, names: list[str]) -> None:
+        """These adapters' slot copies are stale (unloaded, or loaded again under the name): free them."""
+        for name in names:
+            self._resident.pop(name, None)
 
     def _free_slot(self, keep: list[str]) -> int:
         used = set(self._resident.values())

@@ -43,6 +43,7 @@ from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_respo
 from servelm.openai_api.open_files import raise_open_files_limit
 from servelm.openai_api.overload import GENERATION_PATHS, OverloadOptions
 from servelm.openai_api.stall_guard import StallGuardMiddleware
+from servelm.router.adapters import LOAD_PATH, UNLOAD_PATH, record_change
 from servelm.router.health import HealthChecker
 from servelm.router.kv_index import TIERS_NEAREST_FIRST
 from servelm.router.limits import RouterLimitsMiddleware
@@ -137,6 +138,7 @@ def _replica_summary(router: Router) -> list[dict[str, Any]]:
             "kv_synced": kv.is_synced(r.url), "kv_index_blocks": kv.replica_size(r.url),
             "kv_index_tier_blocks": {medium: kv.replica_size(r.url, medium) for medium in TIERS_NEAREST_FIRST},
             "prefix_index_blocks": prefix.size(r.url),
+            "lora_adapters": sorted(r.adapters) if r.adapters is not None else None,
         })  # fmt: skip
     return summary
 
@@ -165,6 +167,15 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         return await request.app.state.proxy.get_any(request.url.path, request_headers(request))
+
+    @app.post(LOAD_PATH)
+    @app.post(UNLOAD_PATH)
+    async def lora_adapter(request: Request) -> Response:
+        response, done = await request.app.state.proxy.post_all(request)
+        body = await _json_body(request)
+        if not isinstance(body, Response):
+            record_change(done, request.url.path, body.get("lora_name"))
+        return response
 
     @app.post("/tokenize")
     @app.post("/detokenize")

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import httpx
 
+from servelm.router.adapters import fetch_adapters
 from servelm.router.background import BackgroundTask
 from servelm.router.replicas import Replica
 from servelm.router.roles import apply_role, fetch_role
@@ -58,6 +59,10 @@ async def check_replica(
             await router.mark_down(replica, f"role query failed: {type(error).__name__}: {error}")
             return
         apply_role(replica, role, router.options.block_size)
+    # Every pass: adapters come and go at run time. Not known (no list) leaves what was known.
+    adapters = await fetch_adapters(client, replica.url, timeout_s, headers)
+    if adapters is not None:
+        replica.adapters = adapters
     router.mark_up(replica)
 
 

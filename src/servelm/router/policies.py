@@ -63,6 +63,7 @@ class RequestView:
     # One prompt, n = 1, no prompt scoring (echo + logprobs): its prefill may run on another
     # replica (disagg.py); anything else is served whole where it is routed.
     single_generation: bool = True
+    lora_name: str | None = None  # the LoRA adapter its `model` names (None: the base model)
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,8 @@ class Proxy:
             body = {}
         headers = request_headers(request)
         path = request.url.path
-        view = await build_view(self.tokenizer, self.router.options.block_size, path, body, headers)
+        view = await build_view(self.tokenizer, self.router.options.block_size, path, body, headers,
+                                self.router.replicas.adapter_names())  # fmt: skip
         migrate = self.router.options.max_migrations > 0 and migratable(path, body)
         upstream_body = body
         if migrate and body.get("return_token_ids") is not True:
@@ -156,7 +157,8 @@ class Proxy:
         failures: list[_Failure] = []
         options = self.router.options
         for attempt in range(options.max_attempts):
-            candidates = [r for r in self.router.replicas.healthy() if r.url not in tried]
+            candidates = [r for r in self.router.replicas.healthy()
+                          if r.url not in tried and r.serves_model(view.lora_name)]  # fmt: skip
             reason = "retry" if attempt > 0 else first_reason
             plan = plan_request(view, candidates, self.router.policy, self.router.cached_blocks,
                                 options.disagg_settings(), options.block_size, retry=reason is not None)  # fmt: skip
@@ -303,6 +305,30 @@ class Proxy:
         content, headers, path = await request.body(), request_headers(request), request.url.path
         return await self._first_answer(lambda url: self.client.post(url + path, content=content, headers=headers))
 
+    async def post_all(self, request: Request) -> tuple[Response, list[Replica]]:
+        """POST to every healthy replica at once (run-time LoRA loads and unloads, which each must
+        hear): the first error answer if any replica refused (or could not be reached), else the
+        first 200; with the replicas that answered 200."""
+        content, headers, path = await request.body(), request_headers(request), request.url.path
+        replicas = self.router.replicas.healthy()
+        if not replicas:
+            return error_response(503, "no healthy replica", type=SERVER_ERROR, code="no_replica_available",
+                                  headers={"Retry-After": "1"}), []  # fmt: skip
+        answers = await asyncio.gather(*(self.client.post(r.url + path, content=content, headers=headers)
+                                         for r in replicas), return_exceptions=True)  # fmt: skip
+        done = [r for r, a in zip(replicas, answers, strict=True) if isinstance(a, httpx.Response) and a.status_code == 200]
+        for replica, answer in zip(replicas, answers, strict=True):
+            if isinstance(answer, BaseException):
+                await self.router.mark_down(replica, f"{type(answer).__name__}: {answer}")
+                message = f"replica {replica.url} could not be reached ({type(answer).__name__}); the others answered"
+                return error_response(502, message, type=SERVER_ERROR, code="replica_unreachable"), done
+            if answer.status_code != 200:
+                return Response(answer.content, status_code=answer.status_code,
+                                media_type=answer.headers.get("content-type")), done  # fmt: skip
+        first = answers[0]
+        assert isinstance(first, httpx.Response)
+        return Response(first.content, status_code=200, media_type=first.headers.get("content-type")), done
+
     async def _first_answer(self, send: Callable[[str], Awaitable[httpx.Response]]) -> Response:
         for replica in self.router.replicas.healthy():
             try:
@@ -395,7 +421,8 @@ class _Continuations:
 
     async def send(self, path: str, body: dict[str, Any], exclude: set[str]) -> Leg | None:
         proxy = self.proxy
-        view = await build_view(proxy.tokenizer, proxy.router.options.block_size, path, body, self.headers)
+        view = await build_view(proxy.tokenizer, proxy.router.options.block_size, path, body, self.headers,
+                                proxy.router.replicas.adapter_names())  # fmt: skip
         raw = json.dumps(body).encode()
         routed = await proxy.route(view, path, raw, body, self.headers, exclude, first_reason="migration")
         if isinstance(routed, list):

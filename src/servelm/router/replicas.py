@@ -70,6 +70,9 @@ class Replica:
     kv_role: str | None = None
     transfer_address: str | None = None
     prefills_in_flight: int = 0  # disaggregated prefill calls sent here and not returned
+    # The LoRA adapters it serves, as its /v1/models last listed them (adapters.py; the router's own
+    # load and unload calls update it at once). None: not known (it did not say): it gets any request.
+    adapters: frozenset[str] | None = None
     # Set when it leaves rotation: a request still waiting there for its answer's first byte (a
     # frozen process answers nothing) is retried elsewhere. A fresh one each time it comes back.
     out_of_rotation: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
@@ -92,6 +95,10 @@ class Replica:
     def is_consumer(self) -> bool:
         """It can decode a request whose prompt another replica computes."""
         return self.kv_role in ("decode", "both")
+
+    def serves_model(self, lora_name: str | None) -> bool:
+        """Whether it can take a request for LoRA adapter `lora_name` (None: the base model)."""
+        return lora_name is None or self.adapters is None or lora_name in self.adapters
 
     def load(self, metric: str) -> float:
         """The raw load number the policies compare: "requests" or "tokens"."""
@@ -125,3 +132,7 @@ class ReplicaSet:
 
     def all(self) -> list[Replica]:
         return list(self.replicas.values())
+
+    def adapter_names(self) -> set[str]:
+        """Every LoRA adapter some replica serves: a request whose `model` is one of them runs it."""
+        return {name for r in self.replicas.values() if r.adapters is not None for name in r.adapters}

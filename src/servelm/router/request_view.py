@@ -10,9 +10,10 @@ body is forwarded untouched.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from typing import Any
 
-from servelm.kv.block_hash import extra_key_from_salt, hash_block_tokens
+from servelm.kv.block_hash import extra_key_of, hash_block_tokens
 from servelm.openai_api.chat_messages import template_messages_from_json
 from servelm.router.policies import RequestView
 from servelm.tokenization.prompt_tokenizer import PromptTokenizer
@@ -64,9 +65,11 @@ def _max_tokens(body: dict[str, Any]) -> int:
 
 
 async def build_view(
-    tokenizer: PromptTokenizer | None, block_size: int, path: str, body: dict[str, Any], headers: dict[str, str]
+    tokenizer: PromptTokenizer | None, block_size: int, path: str, body: dict[str, Any], headers: dict[str, str],
+    adapter_names: Collection[str] = (),
 ) -> RequestView:
-    """The RequestView of a parsed body. No tokenizer: no hashes (the cache-blind policies need none)."""
+    """The RequestView of a parsed body. No tokenizer: no hashes (the cache-blind policies need none).
+    `adapter_names`: the LoRA adapters the replicas serve (a `model` naming one runs it)."""
     token_ids: list[int] = []
     if tokenizer is not None:
         try:
@@ -74,10 +77,10 @@ async def build_view(
         except (ValueError, TypeError, KeyError):
             token_ids = []  # the replica will reject the request with a proper error
     salt = body.get("cache_salt")
-    # A salted request hashes into its own namespace on the replica: hash it the same way here.
-    block_hashes = hash_block_tokens(
-        token_ids, block_size, extra_key_from_salt(salt if isinstance(salt, str) else None)
-    )
+    model = body.get("model")
+    lora_name = model if isinstance(model, str) and model in adapter_names else None
+    # A salted request, or one of an adapter, hashes into its own namespace on the replica: the same here.
+    block_hashes = hash_block_tokens(token_ids, block_size, extra_key_of(salt if isinstance(salt, str) else None, lora_name))
     routing_key = block_hashes[0] if block_hashes else hashlib.sha256(repr(token_ids or body).encode()).digest()
     user = body.get("user")
     session_id = headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)
@@ -88,4 +91,5 @@ async def build_view(
         session_id=session_id,
         routing_key=routing_key,
         single_generation=is_single_generation(body),
+        lora_name=lora_name,
     )

@@ -123,6 +123,9 @@ class Scheduler:
         num_layers: int = 0,  # the model's decoder layers, for layered prefill (0: token chunks only)
         grammars: GrammarCompiler | None = None,  # structured outputs; None: a request asking for them is refused
         max_loras: int = 0,  # LoRA: distinct adapters running at once (the runner's slots); 0: no LoRA
+        # LoRA: whether an adapter's weights are in host memory (lora/registry.py; a False starts
+        # their read in the background, and its requests wait for it without holding anyone up).
+        adapter_ready: Callable[[str], bool] | None = None,
     ) -> None:
         if scheduler_config.max_model_len is None:
             raise ValueError(
@@ -138,6 +141,7 @@ class Scheduler:
             )
         self.config = scheduler_config
         self.max_loras = max_loras
+        self._adapter_ready = adapter_ready
         self.max_model_len: int = scheduler_config.max_model_len
         self._kv = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -544,8 +548,26 @@ class Scheduler:
         max_loras distinct adapters run at once, so every step's fit the runner's slots."""
         if request.lora_name is None:
             return True
-        running = {r.lora_name for r in self._running if r.lora_name is not None}
-        return request.lora_name in running or len(running) < self.max_loras
+        running = self.running_adapters()
+        if request.lora_name not in running and len(running) >= self.max_loras:
+            return False
+        return self._adapter_ready is None or self._adapter_ready(request.lora_name)
+
+    def running_adapters(self) -> set[str]:
+        """The LoRA adapters the running requests use (the runner holds each in a slot)."""
+        return {r.lora_name for r in self._running if r.lora_name is not None}
+
+    def adapters_in_use(self) -> set[str]:
+        """The LoRA adapters any unfinished request uses, running or waiting."""
+        return {r.lora_name for r in self._requests.values() if r.lora_name is not None}
+
+    def fail_adapter_requests(self, name: str, error: str) -> None:
+        """Every unfinished request for LoRA adapter `name` fails with `error` (its weights cannot be
+        read any more); their outputs go out with the next step's."""
+        now = self._clock()
+        doomed = [r for r in self._requests.values() if r.lora_name == name]
+        self._take_off_lists(doomed)
+        self._pending_outputs.extend(self._finish_with_error(r, error, now) for r in doomed)
 
     def _admission_open(self, plan: StepPlan) -> bool:
         # New tokens always need a fresh block (a prefix hit covers full blocks only).
@@ -745,7 +767,7 @@ class Scheduler:
         if request.grammar_compile is not None:
             return False  # its grammar is still compiling: others go meanwhile
         if not self._adapter_fits(request):
-            return False  # every adapter slot is taken by running requests: it waits, others go
+            return False  # every adapter slot is taken by running requests, or its adapter is being read: it waits, others go
         hit = self._lookup(request)
         if self._tier_loads is not None:
             admission = self._tier_loads.try_start(request, hit, self.step_cost, now)

@@ -79,9 +79,17 @@ from servelm.server.errors import (
 )
 from servelm.server.kv_transfer_api import KVTransferInfo
 from servelm.server.lifecycle import ServerLifecycle
+from servelm.server.lora_api import check_runtime_lora_allowed, load_lora_adapter, unload_lora_adapter
 from servelm.server.model_files_api import ModelFiles, peer_served_name
 from servelm.server.prompt_limits import PromptLimits
-from servelm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from servelm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    TokenizeRequest,
+    UnloadLoRAAdapterRequest,
+)
 from servelm.server.serving import json_response, lora_name_of
 from servelm.server.structured_request import StructuredCheck
 from servelm.server.tenant_limits import TenantLimitsMiddleware
@@ -207,7 +215,6 @@ async def _start_context(
         supervisor=supervisor,
         structured=structured,
         tool_call_parser=None if options.tool_call_parser == "none" else options.tool_call_parser,
-        lora_modules=engine_config.lora.lora_modules,
     )
 
 
@@ -341,6 +348,16 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(_ctx(request), await _parse(request, DetokenizeRequest))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_route(request: Request) -> Response:
+        check_runtime_lora_allowed(_ctx(request))
+        return await load_lora_adapter(_ctx(request), await _parse(request, LoadLoRAAdapterRequest))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_route(request: Request) -> Response:
+        check_runtime_lora_allowed(_ctx(request))
+        return await unload_lora_adapter(_ctx(request), await _parse(request, UnloadLoRAAdapterRequest))
 
     def model_card(ctx: ServerContext, adapter: LoRAModule | None = None) -> dict[str, Any]:
         """The base model's card, or an adapter's: vLLM's shape, its `parent` the base model."""

@@ -30,11 +30,16 @@ class ServerContext:
     supervisor: EngineSupervisor  # restarts a dead engine core; says why the engine is down
     structured: StructuredCheck  # a structured output's spec compiles, or the request is a 400
     tool_call_parser: str | None = "hermes"  # reads tool calls from a tool_choice "auto" output (None: never)
-    lora_modules: tuple[LoRAModule, ...] = ()  # the adapters a request's `model` may name (--lora-modules)
 
     @property
     def tokenizer(self) -> PromptTokenizer:
         return self.engine.tokenizer
+
+    @property
+    def lora_modules(self) -> tuple[LoRAModule, ...]:
+        """The adapters a request's `model` may name: --lora-modules and those loaded at run time
+        (the engine client keeps them, so that a restarted core serves them too)."""
+        return self.engine.client.config.lora.lora_modules
 
     @property
     def max_model_len(self) -> int:

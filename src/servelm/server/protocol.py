@@ -381,3 +381,21 @@ class DetokenizeRequest(_Strict):
     # True: special tokens' text left out, as a stream shows it (the router joins a migrated stream's
     # text with it); False (default): every token's text.
     skip_special_tokens: bool = False
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's shape): serve the PEFT adapter at `lora_path` (a path on
+    the server) as the model `lora_name`."""
+
+    lora_name: Identifier
+    lora_path: Annotated[str, Field(min_length=1)]
+    base_model_name: Identifier | None = None  # what /v1/models lists as its parent (None: the served model)
+    lora_int_id: int | None = None  # vLLM's clients may send it; names are what servelm goes by
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's shape)."""
+
+    lora_name: Identifier
+    lora_int_id: int | None = None
+
