@@ -8,7 +8,12 @@ while a stream already using it runs to its end. Both answer only behind their f
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +24,9 @@ from servelm.models.hf_loader import read_hf_config
 from servelm.server.launcher import launch_server
 from servelm.testing.lora_adapters import merge_into, write_peft_adapter
 from servelm.testing.tiny_model import write_tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
+from helpers_http import child_pids
 
 PROMPT = [1500, 2600, 3700, 4800, 5900, 7000, 8100]
 KEY = "sk-lora-test"
@@ -132,3 +140,22 @@ def test_the_routes_need_the_api_key(runtime_server) -> None:
     server, _, adapters = runtime_server
     response = _post(server, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters["a"])}, headers=None)
     assert response.status_code == 401
+
+
+def test_a_restarted_core_serves_the_adapters_loaded_at_run_time(runtime_server) -> None:
+    """kill -9 of the engine core: the supervisor restarts it with the adapters served at that
+    moment (a run-time load kept, a run-time unload not undone), the same tokens as before."""
+    server, base, adapters = runtime_server
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "kept", "lora_path": str(adapters["a"])}).status_code == 200
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(adapters["b"])}).status_code == 200
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "gone"}).status_code == 200
+    [core] = child_pids(server.process.pid, "spawn_main")
+    os.kill(core, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while child_pids(server.process.pid, "spawn_main") in ([], [core]) or httpx.get(f"{server.base_url}/ready").status_code != 200:
+        assert time.monotonic() < deadline, "the core was not restarted"
+        time.sleep(0.2)
+    response = _tokens(server, "kept")
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == _reference(base, adapters["a"])
+    assert _tokens(server, "gone").status_code == 404

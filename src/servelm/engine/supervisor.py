@@ -174,8 +174,11 @@ class EngineSupervisor:
             if self.on_restart is not None:
                 self.on_restart()
             began = time.monotonic()
+            assert self._config is not None
+            # The adapters served now, run-time loads and unloads included (the client keeps them).
+            config = replace(self._config, lora=self.client.config.lora)
             try:
-                await self.client.restart(self._config)
+                await self.client.restart(config)
             except EngineDeadError:
                 ended = await self.client.wait_exit()  # logged as the next round's crash
                 continue
