@@ -58,9 +58,9 @@ def workload(served) -> tuple[list[list[int]], list[str | None], list[list[int]]
 
 def _llm(served, max_loras: int, **overrides) -> LLM:
     base, adapters = served
+    settings = {"max_num_batched_tokens": 48, **overrides}
     return LLM(str(base), enable_lora=True, lora_modules=[f"{name}={path}" for name, path in adapters.items()],
-               max_loras=max_loras, max_lora_rank=64, num_blocks=64, block_size=4, max_num_batched_tokens=48,
-               max_step_ms=0, **overrides)  # fmt: skip
+               max_loras=max_loras, max_lora_rank=64, num_blocks=64, block_size=4, max_step_ms=0, **settings)  # fmt: skip
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], names: list[str | None]) -> list[list[int]]:
@@ -68,12 +68,13 @@ def _greedy(llm: LLM, prompts: list[list[int]], names: list[str | None]) -> list
     return [r.outputs[0].token_ids for r in llm.generate(prompts, params, lora_name=names)]
 
 
-@pytest.mark.parametrize("max_loras", [4, 2])
-def test_a_mixed_batch_gives_each_request_its_merged_references_tokens(served, workload, max_loras) -> None:
+@pytest.mark.parametrize(("max_loras", "step_tokens"), [(4, 48), (2, 48), (4, 256)])
+def test_a_mixed_batch_gives_each_request_its_merged_references_tokens(served, workload, max_loras, step_tokens) -> None:
     """Four slots: every adapter resident at once. Two: the scheduler runs at most two adapters at a
-    time and the slots change hands; the tokens are the same."""
+    time and the slots change hands; the tokens are the same. Steps of up to 48 rows add the adapters
+    all slots at once (masked); 256 puts several prompts' rows in one forward, segment by segment."""
     prompts, names, expected = workload
-    with _llm(served, max_loras) as llm:
+    with _llm(served, max_loras, max_num_batched_tokens=step_tokens) as llm:
         together = _greedy(llm, prompts, names)
         alone = [_greedy(llm, [prompt], [name])[0] for prompt, name in zip(prompts, names, strict=True)]
         loads = llm.engine.core.runner.lora.loads

@@ -93,7 +93,7 @@ class EngineCore:
     def finish_lora_load(self, call: LoadCall) -> None:
         """Serve a run-time adapter whose read is done; LoRAAdapterError saying why it cannot be."""
         assert self.lora is not None
-        self.lora.registry.finish_load(call)
+        self.lora.registry.finish_load(call, self.scheduler.running_adapters())
         self.lora.forget([call.module.name])  # a slot may still hold an earlier adapter of that name
 
     def unload_lora(self, name: str) -> None:

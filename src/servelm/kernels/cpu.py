@@ -93,6 +93,8 @@ class CpuKernels:
         lib.silu_mul_rows.restype = None
         lib.rotate_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, c_int]
         lib.rotate_rows.restype = None
+        lib.lora_bgmv.argtypes = [ptr] * 7 + [i64] * 5 + [c_int]
+        lib.lora_bgmv.restype = None
         lib.block_gemm_simd_level.argtypes = []
         lib.block_gemm_simd_level.restype = c_int
         self._lib = lib
@@ -233,6 +235,27 @@ class CpuKernels:
         act = gate_up.new_empty(rows, width // 2)
         self._lib.silu_mul_rows(gate_up.data_ptr(), act.data_ptr(), rows, width // 2, torch.get_num_threads())
         return act
+
+    def lora_bgmv_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                   row_slots: torch.Tensor, widths: torch.Tensor) -> None:  # fmt: skip
+        """out[t] += (A[s, :w] . x[t]) . Bt[s, :w] for each row t of slot s = row_slots[t] >= 0, w =
+        widths[s] (csrc/lora.c). x [T, in], out [T, out] float32; A [S, W, in], Bt [S, W, out] float32;
+        row_slots [T], widths [S] int64; all contiguous."""
+        check_tensor("x", x, torch.float32, 2)
+        check_tensor("out", out, torch.float32, 2)
+        check_tensor("a", a, torch.float32, 3)
+        check_tensor("bt", bt, torch.float32, 3)
+        rows, in_features = x.shape
+        num_slots, width, _ = a.shape
+        if out.shape[0] != rows or a.shape[2] != in_features or bt.shape != (num_slots, width, out.shape[1]):
+            raise KernelArgumentError(f"lora_bgmv: x {tuple(x.shape)}, out {tuple(out.shape)}, a {tuple(a.shape)}, "
+                                      f"bt {tuple(bt.shape)} do not fit")  # fmt: skip
+        if row_slots.dtype != torch.int64 or widths.dtype != torch.int64 or row_slots.numel() != rows:
+            raise KernelArgumentError("lora_bgmv: row_slots [T] and widths [S] must be int64")
+        h = x.new_empty(rows, width)
+        self._lib.lora_bgmv(x.data_ptr(), out.data_ptr(), a.data_ptr(), bt.data_ptr(), row_slots.data_ptr(),
+                            widths.data_ptr(), h.data_ptr(), rows, in_features, out.shape[1], num_slots, width,
+                            torch.get_num_threads())  # fmt: skip
 
     def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, N, D] float32 rotated in place by cos / sin [T, 1, D/2] (HF rotate-half, apply_rotary's

@@ -70,14 +70,15 @@ class AdapterRegistry:
             raise LoRAAdapterError(f"a LoRA adapter named {module.name!r} is already loaded: unload it first")
         return LoadCall(module, self._executor_or_new().submit(self._read, module))
 
-    def finish_load(self, call: LoadCall) -> None:
-        """A run-time load's read is done: serve it (its read's error, if any, is raised)."""
+    def finish_load(self, call: LoadCall, running: set[str]) -> None:
+        """A run-time load's read is done: serve it (its read's error, if any, is raised). What it
+        evicts from host memory is never an adapter of a running request (`running`)."""
         adapter = call.read.result()
         if call.module.name in self.served:
             raise LoRAAdapterError(f"a LoRA adapter named {call.module.name!r} was loaded meanwhile")
         self.served[call.module.name] = call.module
         self.host.pop(call.module.name, None)
-        self._keep(adapter, pinned=set())
+        self._keep(adapter, pinned=running)
 
     def unload(self, name: str) -> None:
         """Stop serving `name` (KeyError if it is not served); its weights stay while requests use it."""

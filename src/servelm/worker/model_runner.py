@@ -265,7 +265,7 @@ class ModelRunner:
         """The next forward's rows, request by request (LoRA: which run which adapter slot)."""
         if self.lora is not None:
             batch = LoRABatch.of([self._adapter_slots.get(rid, NO_ADAPTER) for rid in request_ids], num_rows)
-            self.lora.model.context.batch = batch if batch.segments else None
+            self.lora.model.set_batch(batch if batch.segments else None)
 
     def _is_graph_step(self, so: SchedulerOutput, request_ids: list[str]) -> bool:
         """Whether the decode graph runner runs this step: every request a plain decode (one token, no
