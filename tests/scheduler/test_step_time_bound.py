@@ -273,10 +273,12 @@ def test_the_finishing_pace_costs_the_quickest_prompt_at_most_its_share() -> Non
     step_s = truth_s(decodes)
     for tokens_left in (1, 16, 200):
         break_even = tokens_left * (2.5 - FINISH_SLOWDOWN) * step_s / FINISH_COST_SHARE
-        assert finishing_slowdown(s.step_cost, decodes, 2.5, tokens_left, break_even * 1.01) == FINISH_SLOWDOWN
-        assert finishing_slowdown(s.step_cost, decodes, 2.5, tokens_left, break_even * 0.99) == 2.5
-    assert finishing_slowdown(s.step_cost, decodes, 2.5, 1, None) == 2.5  # no prompt to take from
-    assert finishing_slowdown(s.step_cost, decodes, 1.2, 1, 100.0) == 1.2  # already tighter
+        assert finishing_slowdown(s.step_cost, decodes, 2.5, tokens_left, [break_even * 1.01]) == FINISH_SLOWDOWN
+        assert finishing_slowdown(s.step_cost, decodes, 2.5, tokens_left, [break_even * 0.99]) == 2.5
+        # The quickest prompt decides, wherever it stands among them.
+        assert finishing_slowdown(s.step_cost, decodes, 2.5, tokens_left, [break_even * 9, break_even * 0.99]) == 2.5
+    assert finishing_slowdown(s.step_cost, decodes, 2.5, 1, []) == 2.5  # no prompt to take from
+    assert finishing_slowdown(s.step_cost, decodes, 1.2, 1, [100.0]) == 1.2  # already tighter
 
 
 def test_prompts_that_do_not_finish_whole_go_fewest_tokens_left_first() -> None:

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
 
 from servelm.config import KVTransferConfig, SchedulerConfig, SpeculativeConfig
@@ -340,21 +340,24 @@ class Scheduler:
             if paced_requests:
                 fewest_left = min(r.tokens_left(self.max_model_len) for r in paced_requests)
                 slowdown = finishing_slowdown(self.step_cost, paced, slowdown, fewest_left,
-                                              self._quickest_prompt_left_s(prefilling))  # fmt: skip
+                                              self._prompts_left_s(prefilling))  # fmt: skip
         tbt_targets = (r.slo.tbt_target_s for r in decoding)
         return paced_step_target_s(self.step_cost, self.step_target_s(), tbt_targets, paced, slowdown)
 
-    def _quickest_prompt_left_s(self, prefilling: list[Request]) -> float | None:
-        """Predicted prefill time left of the prompt nearest its first token, mid-prefill (after its
-        context) or waiting (its whole prompt: a prefix hit it may get is not known before it is
-        admitted); each as one chunk would take it. None without prompts or a fit."""
-        rests = [(r.num_prefill_tokens - r.num_computed_tokens, r.num_computed_tokens) for r in prefilling]
-        waiting_rest = min((r.num_prefill_tokens - r.num_computed_tokens for r in self._waiting), default=0)
-        if waiting_rest > 0:
-            rests.append((waiting_rest, 0))
-        predicted = [self.step_cost.predict(StepShape(dense_passes=1.0) + StepShape.chunk(rest, context))
-                     for rest, context in rests if rest > 0]  # fmt: skip
-        return min((p for p in predicted if p is not None), default=None)
+    def _prompts_left_s(self, prefilling: list[Request]) -> Iterator[float]:
+        """Predicted prefill time left of each prompt mid-prefill (after its context), then of the
+        shortest waiting one (its whole prompt: a prefix hit it may get is not known before it is
+        admitted); each as one chunk would take it. Lazy: the waiting queue is walked only if asked."""
+
+        def rests() -> Iterator[tuple[int, int]]:  # (tokens left, context before them)
+            for request in prefilling:
+                yield request.num_prefill_tokens - request.num_computed_tokens, request.num_computed_tokens
+            yield min((r.num_prefill_tokens - r.num_computed_tokens for r in self._waiting), default=0), 0
+
+        for rest, context in rests():
+            predicted = self.step_cost.predict(StepShape(dense_passes=1.0) + StepShape.chunk(rest, context)) if rest > 0 else None
+            if predicted is not None:
+                yield predicted
 
     def _chunk_cap(self) -> int:
         """The cap on one prompt's chunk before the top-up (long_prefill_token_threshold), while time

@@ -101,18 +101,24 @@ def decode_bound_s(model: StepCostModel, decodes: StepShape, slowdown: float) ->
 
 
 def finishing_slowdown(model: StepCostModel, paced_decodes: StepShape, slowdown: float, tokens_left: int,
-                       prompt_left_s: float | None) -> float:  # fmt: skip
+                       prompts_left_s: Iterable[float]) -> float:  # fmt: skip
     """The pace for a step whose `paced_decodes` hold a stream with at most `tokens_left` output
-    tokens to come, beside prompts the quickest of which has `prompt_left_s` of prefill to go:
-    FINISH_SLOWDOWN where pacing all of the stream's remaining steps so costs that prompt at most
-    FINISH_COST_SHARE of its time left, else `slowdown` (also without a fit or a prompt)."""
-    if slowdown <= FINISH_SLOWDOWN or prompt_left_s is None:
+    tokens to come, beside prompts with `prompts_left_s` of prefill to go each: FINISH_SLOWDOWN
+    where pacing all of the stream's remaining steps so costs every one of them at most
+    FINISH_COST_SHARE of its time left, else `slowdown` (also without a fit or a prompt). The
+    prompts' times are read only as far as the answer needs: pass them lazily."""
+    if slowdown <= FINISH_SLOWDOWN:
         return slowdown
     decodes_s = model.predict(paced_decodes)
     if decodes_s is None:
         return slowdown
     prompts_lose_s = tokens_left * (slowdown - FINISH_SLOWDOWN) * decodes_s
-    return FINISH_SLOWDOWN if prompts_lose_s <= FINISH_COST_SHARE * prompt_left_s else slowdown
+    any_prompt = False
+    for prompt_left_s in prompts_left_s:
+        if prompts_lose_s > FINISH_COST_SHARE * prompt_left_s:
+            return slowdown
+        any_prompt = True
+    return FINISH_SLOWDOWN if any_prompt else slowdown
 
 
 def configured_step_target_s(model: StepCostModel, max_step_ms: float | None, num_layers: int) -> float | None:
