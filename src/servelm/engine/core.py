@@ -105,8 +105,8 @@ class EngineCore:
     def _settle_adapters(self) -> None:
         """Between steps: adapters read in the background come in, those no request uses any more
         after an unload go, and requests whose adapter could not be read again fail."""
-        if self.lora is None:
-            return
+        if self.lora is None or not self.lora.registry.needs_settling():
+            return  # most steps: nothing read, unloaded or failed since (the scan of requests below is not free)
         registry = self.lora.registry
         self.lora.forget(registry.settle(self.scheduler.running_adapters(), self.scheduler.adapters_in_use()))
         for name, error in registry.take_failed_reads().items():

@@ -93,7 +93,7 @@ class CpuKernels:
         lib.silu_mul_rows.restype = None
         lib.rotate_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, c_int]
         lib.rotate_rows.restype = None
-        lib.lora_bgmv.argtypes = [ptr] * 7 + [i64] * 5 + [c_int]
+        lib.lora_bgmv.argtypes = [ptr] * 7 + [i64] * 4 + [c_int]
         lib.lora_bgmv.restype = None
         lib.block_gemm_simd_level.argtypes = []
         lib.block_gemm_simd_level.restype = c_int
@@ -254,7 +254,7 @@ class CpuKernels:
             raise KernelArgumentError("lora_bgmv: row_slots [T] and widths [S] must be int64")
         h = x.new_empty(rows, width)
         self._lib.lora_bgmv(x.data_ptr(), out.data_ptr(), a.data_ptr(), bt.data_ptr(), row_slots.data_ptr(),
-                            widths.data_ptr(), h.data_ptr(), rows, in_features, out.shape[1], num_slots, width,
+                            widths.data_ptr(), h.data_ptr(), rows, in_features, out.shape[1], width,
                             torch.get_num_threads())  # fmt: skip
 
     def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,6 @@ class AdapterRegistry:
         if call.module.name in self.served:
             raise LoRAAdapterError(f"a LoRA adapter named {call.module.name!r} was loaded meanwhile")
         self.served[call.module.name] = call.module
-        self.host.pop(call.module.name, None)
         self._keep(adapter, pinned=running)
 
     def unload(self, name: str) -> None:
@@ -106,6 +105,11 @@ class AdapterRegistry:
             raise KeyError(f"LoRA adapter {name!r} is not in host memory (served: {sorted(self.served)})")
         self.host.move_to_end(name)
         return adapter
+
+    def needs_settling(self) -> bool:
+        """Whether settle() has anything to do: reads to bring in, unloaded adapters to drop, or
+        failed re-reads to report (most steps: none of them)."""
+        return bool(self._reading or self.draining or self.failed_reads)
 
     def reads_in_flight(self) -> list[Future[LoRAAdapter]]:
         return [read for _, read in self._reading.values()]

@@ -37,9 +37,8 @@ static void lora_axpy(float* y, const float* x, float alpha, int64_t n) {
 
 /* h [T, W] is the caller's scratch. */
 void lora_bgmv(const float* x, float* out, const float* a, const float* bt, const int64_t* row_slots,
-               const int64_t* widths, float* h, int64_t T, int64_t in, int64_t out_features, int64_t num_slots,
-               int64_t W, int num_threads) {
-    (void)num_slots;
+               const int64_t* widths, float* h, int64_t T, int64_t in, int64_t out_features, int64_t W,
+               int num_threads) {
     const int threads = T < num_threads ? (int)(T > 0 ? T : 1) : num_threads;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; t++) {
