@@ -174,11 +174,8 @@ class LoRALinear:
             if width == 0:
                 continue
             a, bt = self.a[segment.slot, :width], self.bt[segment.slot, :width]
-            if segment.start == 0 and segment.end == out.shape[0]:
-                out.add_(((x.to(a.dtype) @ a.T) @ bt).to(out.dtype))
-                continue
             rows = slice(segment.start, segment.end)
-            out[rows] += ((x[rows].to(a.dtype) @ a.T) @ bt).to(out.dtype)
+            out[rows].add_(((x[rows].to(a.dtype) @ a.T) @ bt).to(out.dtype))  # a view of out: in place
 
 
 @dataclass
