@@ -3,6 +3,7 @@ checkpoint + single-sequence reference model the exactness tests share (a module
 `tiny_dir`, which then wins)."""
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from servelm.testing.tiny_model import write_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Servers the tests start keep their batch jobs here, never in the user's ~/.local/share/servelm.
+os.environ.setdefault("SERVELM_DATA_DIR", tempfile.mkdtemp(prefix="servelm-test-data-"))
 # Without a GPU the Triton kernels (the triton attention backend) run under Triton's interpreter;
 # it must be on before triton defines them (servelm imports them only when a model asks for them).
 if not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""`servelm serve | generate | bench | router | cluster | diagnose | manifest | pull`: the command line.
+"""`servelm serve | run-batch | generate | bench | router | cluster | diagnose | manifest | pull`: the command line.
 
 Engine flags are shared by every subcommand that runs an engine; each is declared once, in the
 config slice it sets (servelm.config: FLAGS), and grouped by slice in --help.
@@ -52,6 +52,12 @@ def _generate(args: argparse.Namespace) -> int:
         [result] = llm.generate([token_ids if token_ids is not None else prompt], params)
         print(result.outputs[0].text, flush=True)
     return 0
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from servelm.server.run_batch import RunBatchOptions, run_batch
+
+    return run_batch(engine_config_from_args(args), RunBatchOptions(args.input_file, args.output_file, args.data_dir))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -130,7 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--engine-restart-window-s", type=float, default=300.0,
                        help="crashes older than this many seconds no longer count against --max-engine-restarts")  # fmt: skip
+    from servelm.batch.arguments import add_batch_arguments  # argparse only
+
+    add_batch_arguments(serve)
     serve.set_defaults(handler=_serve)
+
+    run_batch = sub.add_parser("run-batch", help="an OpenAI batch input file (JSONL) through the engine offline, "
+                                                 "resumable: every line's result, in input order")  # fmt: skip
+    add_engine_arguments(run_batch)
+    run_batch.add_argument("-i", "--input-file", required=True, help="the input JSONL: a path or an http(s) URL")
+    run_batch.add_argument("-o", "--output-file", required=True, type=Path, help="where the results go")
+    run_batch.add_argument("--data-dir", type=Path, default=None,
+                           help="where progress is kept for resuming (default: the user's data directory, run-batch/)")  # fmt: skip
+    run_batch.set_defaults(handler=_run_batch)
 
     generate = sub.add_parser("generate", help="one-shot generation (prompts from --prompt or stdin)")
     add_engine_arguments(generate)

@@ -16,6 +16,8 @@ KERNELS = "SERVELM_KERNELS"
 C_COMPILER = "CC"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 CACHE_DIR = "SERVELM_CACHE_DIR"
+XDG_DATA_HOME = "XDG_DATA_HOME"
+DATA_DIR = "SERVELM_DATA_DIR"
 API_KEY = "SERVELM_API_KEY"
 PEER_API_KEY = "SERVELM_PEER_API_KEY"
 TRITON_INTERPRET = "TRITON_INTERPRET"
@@ -58,6 +60,15 @@ def cache_dir() -> Path:
     if explicit:
         return Path(explicit)
     return Path(os.environ.get(XDG_CACHE_HOME) or Path.home() / ".cache") / "servelm"
+
+
+def data_dir() -> Path:
+    """SERVELM_DATA_DIR, else $XDG_DATA_HOME/servelm (~/.local/share/servelm): what servelm keeps
+    that must outlive a restart (batch jobs and their files), each server in its own subdirectory."""
+    explicit = os.environ.get(DATA_DIR)
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get(XDG_DATA_HOME) or Path.home() / ".local" / "share") / "servelm"
 
 
 def api_key() -> str | None:

@@ -219,6 +219,35 @@ async def _kill_during_load(fleet: LocalCluster) -> tuple[list[httpx.Response], 
         return await asyncio.gather(*tasks), victim.spec.url
 
 
+def test_a_batch_through_the_router_is_spread_over_the_replicas(fleet: LocalCluster) -> None:
+    """The Batch API on the router: one batch's lines routed like any request, over both replicas."""
+    before = {url: r["num_requests"] for url, r in admin(fleet).items()}
+    lines = [{"custom_id": f"row-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"Row {i}: " + "the table has columns " * (i % 5 + 1), "max_tokens": 16,
+                       "temperature": 0, "ignore_eos": True}} for i in range(40)]  # fmt: skip
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = httpx.post(f"{router_url(fleet)}/v1/files", headers=AUTH, data={"purpose": "batch"},
+                          files={"file": ("rows.jsonl", content)}, timeout=30)  # fmt: skip
+    assert uploaded.status_code == 200, uploaded.text
+    created = httpx.post(f"{router_url(fleet)}/v1/batches", headers=AUTH, timeout=30,
+                         json={"input_file_id": uploaded.json()["id"], "endpoint": "/v1/completions",
+                               "completion_window": "24h"}).json()  # fmt: skip
+
+    def batch() -> dict:
+        return httpx.get(f"{router_url(fleet)}/v1/batches/{created['id']}", headers=AUTH, timeout=10).json()
+
+    wait_until(lambda: batch()["status"] == "completed", timeout_s=120, what="the batch to complete")
+    done = batch()
+    assert done["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    output = httpx.get(f"{router_url(fleet)}/v1/files/{done['output_file_id']}/content", headers=AUTH, timeout=30).text
+    results = [json.loads(x) for x in output.splitlines()]
+    assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]
+    direct = httpx.post(f"{router_url(fleet)}/v1/completions", headers=AUTH, json=lines[7]["body"], timeout=30).json()
+    assert results[7]["response"]["body"]["choices"][0]["text"] == direct["choices"][0]["text"]
+    after = {url: r["num_requests"] for url, r in admin(fleet).items()}
+    assert all(after[url] > before[url] for url in before), (before, after)  # both replicas served lines
+
+
 def test_killing_a_replica_mid_run_loses_no_unstarted_request(fleet: LocalCluster) -> None:
     retries_before = metric(router_url(fleet), "servelm:router_retries_total")
     responses, dead = asyncio.run(_kill_during_load(fleet))

@@ -49,6 +49,11 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            if CALLER_STATE in scope.get("state", {}):
+                # Sent in process by a batch (servelm.batch.executor), its caller already known;
+                # only this process writes a scope's state, never an HTTP client.
+                await self.app(scope, receive, send)
+                return
             caller = self.authenticate(dict(scope["headers"]).get(b"authorization", b""))
             if caller is None:
                 rejection = error_response(401, MISSING_KEY_MESSAGE, type=INVALID_REQUEST, code="invalid_api_key")

@@ -5,6 +5,7 @@
     POST /tokenize, /detokenize                   from any healthy replica
     GET  /health, /ready                          200 while at least one replica is in rotation
     GET  /metrics                                 router metrics (servelm:router_*)
+    /v1/files, /v1/batches                        the Batch API (servelm.batch.routes): lines routed as above
     GET  /admin/replicas                          every replica: health, load, index sizes
     POST /admin/replicas    {"url", "kv_events"?, "role"?}  add one at runtime (in rotation after its first
                                                    health check; "role" is checked against what it reports)
@@ -36,6 +37,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from servelm.batch.arguments import BatchOptions
+from servelm.batch.executor import AppExecutor
+from servelm.batch.pacing import BatchPacer, EngineLoad
+from servelm.batch.routes import add_batch_routes
+from servelm.batch.service import BatchService, open_batch_service
 from servelm.openai_api.auth import ApiKeyMiddleware, single_key
 from servelm.openai_api.body_limit import BodyLimitMiddleware
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
@@ -55,6 +61,7 @@ from servelm.tokenization.prompt_tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+BATCH_LINES_PER_REPLICA = 32  # batch lines in flight per replica in rotation, by default
 # Policies that look at prompt tokens; the others need the tokenizer only to size prompts for disaggregation.
 _TOKENIZING_POLICIES = {"prefix", "kv"}
 
@@ -68,6 +75,7 @@ class RouterServerOptions:
     replicas: Sequence[ReplicaSpec] = ()
     max_request_body_mb: float = 32.0  # larger generation bodies get 413, unread
     overload: OverloadOptions = OverloadOptions()
+    batch: BatchOptions = BatchOptions()  # batch jobs: their lines routed like any request
 
 
 def _load_tokenizer(model: str | None) -> PromptTokenizer:
@@ -98,9 +106,14 @@ def create_router_app(router_options: RouterOptions, options: RouterServerOption
         app.state.router = router
         app.state.health = health
         app.state.proxy = Proxy(router, client, tokenizer)
+        app.state.batches = open_batch_service(options.batch, "router", options.port)
+        if isinstance(app.state.batches, BatchService):
+            await _start_batches(app, router, options, replica_headers)
         try:
             yield
         finally:
+            if isinstance(app.state.batches, BatchService):
+                await app.state.batches.stop()  # lines in flight stay undone: the next start runs them
             await health.stop()
             await app.state.proxy.close()
             await router.close()
@@ -124,6 +137,25 @@ def create_router_app(router_options: RouterOptions, options: RouterServerOption
     app.add_middleware(RouterLimitsMiddleware, limits=limits)
     app.add_middleware(ApiKeyMiddleware, authenticate=single_key(options.api_key), open_paths=_OPEN_PATHS)
     return app
+
+
+async def _start_batches(app: FastAPI, router: Router, options: RouterServerOptions, replica_headers: dict[str, str]) -> None:
+    """Batch lines go through this router's own routes, so its policy spreads them over the
+    replicas; each replica's scheduler runs them in the batch class (their priority says so).
+    The router sees no replica's queue: it paces to a ceiling of BATCH_LINES_PER_REPLICA per
+    replica in rotation (or --batch-max-in-flight), and each replica protects its interactive
+    requests itself (batch lines are scheduled last and preempted first)."""
+    service: BatchService = app.state.batches
+
+    def ceiling() -> int:
+        fixed = options.batch.batch_max_in_flight
+        return fixed or BATCH_LINES_PER_REPLICA * sum(r.healthy for r in router.replicas.all())
+
+    def load() -> EngineLoad:
+        return EngineLoad(num_waiting=0, num_in_flight=sum(r.in_flight for r in router.replicas.all()))
+
+    headers = [(name.lower().encode(), value.encode()) for name, value in replica_headers.items()]
+    await service.start(AppExecutor(app, headers), BatchPacer(load, ceiling), lambda tenant: True)
 
 
 def _replica_summary(router: Router) -> list[dict[str, Any]]:
@@ -155,6 +187,8 @@ async def _json_body(request: Request) -> dict[str, Any] | Response:
 
 
 def _add_routes(app: FastAPI) -> None:
+    add_batch_routes(app)
+
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
     async def generate(request: Request) -> Response:

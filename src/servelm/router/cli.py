@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from servelm import envs
+from servelm.batch.arguments import BatchOptions, add_batch_arguments
 from servelm.config import CacheConfig
 from servelm.openai_api.overload import OverloadOptions, add_overload_arguments
 from servelm.router.disagg import DisaggSettings
@@ -73,6 +74,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="larger generation request bodies get 413 before they are read",
     )  # fmt: skip
     add_overload_arguments(router)
+    add_batch_arguments(router)
     router.set_defaults(handler=run_from_args)
     return router
 
@@ -99,6 +101,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise SystemExit(f"servelm router: {error}") from None
     options = RouterServerOptions(
         host=args.host, port=args.port, api_key=args.api_key or envs.api_key(), model=args.model, replicas=replicas,
-        max_request_body_mb=args.max_request_body_mb, overload=overload,
+        max_request_body_mb=args.max_request_body_mb, overload=overload, batch=BatchOptions.from_args(args),
     )  # fmt: skip
     return run_router(router_options, options)

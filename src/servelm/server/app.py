@@ -51,6 +51,11 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm import envs
+from servelm.batch.arguments import BatchOptions
+from servelm.batch.executor import AppExecutor
+from servelm.batch.pacing import BatchPacer, EngineLoad
+from servelm.batch.routes import add_batch_routes
+from servelm.batch.service import BatchService, open_batch_service
 from servelm.config import EngineConfig, LoRAModule
 from servelm.delivery.source import PEER_MODEL_PREFIX, PEER_SCHEME
 from servelm.delivery.streaming import remote_model_name
@@ -94,7 +99,7 @@ from servelm.server.serving import json_response, lora_name_of
 from servelm.server.structured_request import StructuredCheck
 from servelm.server.tenant_limits import TenantLimitsMiddleware
 from servelm.server.tokenize_api import detokenize, tokenize
-from servelm.tenancy.config import TenantsConfigError, load_tenants
+from servelm.tenancy.config import BUILTIN_CLASSES, TenantsConfigError, load_tenants
 from servelm.tenancy.limits import InFlightLimits, TenantLimits
 from servelm.tenancy.registry import TenantRegistry
 
@@ -126,6 +131,7 @@ class ServerOptions:
     ssl_ca_certs: str | None = None  # CA bundle to verify client certificates against
     max_engine_restarts: int = 3  # a dead engine core is restarted at most this often within the window
     engine_restart_window_s: float = 300.0
+    batch: BatchOptions = BatchOptions()  # batch jobs (servelm.batch); in flight at most: --max-num-seqs by default
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -134,6 +140,7 @@ class ServerOptions:
         values = {name: getattr(args, name) for name in names}
         if values.get("api_key") is None:
             values["api_key"] = envs.api_key()
+        values["batch"] = BatchOptions.from_args(args)
         for name in ("stream_stall_timeout_s", "max_stream_backlog"):
             if values.get(name) == 0:
                 values[name] = None  # 0 on the command line: off
@@ -222,7 +229,9 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
     """The ASGI app; its lifespan starts the engine core process in the background (the server
     listens meanwhile: `app.state.lifecycle` says how far it got), with the event-loop lag monitor
     once it is ready, and stops them at shutdown. TenantsConfigError for a bad --tenants file."""
-    registry = TenantRegistry.build(load_tenants(options.tenants) if options.tenants else None, options.api_key)
+    tenants = load_tenants(options.tenants) if options.tenants else None
+    registry = TenantRegistry.build(tenants, options.api_key)
+    batch_class = (tenants.classes if tenants is not None else BUILTIN_CLASSES)["batch"]
     lifecycle = ServerLifecycle()
     loop_lag: list[EventLoopLagMonitor] = []  # started once the engine is ready
 
@@ -233,15 +242,23 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
         loop_lag.append(EventLoopLagMonitor(ctx.metrics.observe_loop_lag))
         loop_lag[0].start()
         ctx.supervisor.start()
+        if isinstance(app.state.batches, BatchService):  # batch lines run from now on, the unfinished first
+            client = ctx.engine.client
+            ceiling = options.batch.batch_max_in_flight or engine_config.scheduler.max_num_seqs
+            pacer = BatchPacer(lambda: EngineLoad(client.stats.num_waiting, client.num_in_flight), lambda: ceiling)
+            await app.state.batches.start(AppExecutor(app), pacer, lambda name: registry.in_class(name, batch_class))
         return ctx
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.batches = open_batch_service(options.batch, "server", options.port)
         starting = asyncio.create_task(lifecycle.start(start), name="engine-start")
         try:
             yield
         finally:
             lifecycle.drain()
+            if isinstance(app.state.batches, BatchService):
+                await app.state.batches.stop()  # lines in flight stay undone: the next start runs them
             if not starting.done():
                 starting.cancel()  # AsyncLLM.start stops the core it spawned
             with contextlib.suppress(asyncio.CancelledError):
@@ -332,6 +349,7 @@ def body_too_large(limit: int) -> APIError:
 
 def _add_routes(app: FastAPI) -> None:
     started_at = int(time.time())  # the model card's `created`
+    add_batch_routes(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

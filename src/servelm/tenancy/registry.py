@@ -14,10 +14,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
+from dataclasses import replace
 
 from servelm.datatypes import RequestSlo
 from servelm.schemas.slo_class import priority_class
-from servelm.tenancy.config import DEFAULT_TENANT, Tenant, TenantsConfig, TenantsConfigError, key_digest
+from servelm.tenancy.config import DEFAULT_TENANT, SloClass, Tenant, TenantsConfig, TenantsConfigError, key_digest
 
 _BEARER = b"Bearer "
 
@@ -46,6 +47,12 @@ class TenantRegistry:
                 raise TenantsConfigError("--api-key is also a key in the tenants file: a key must name one tenant")
             tenants.append(Tenant(DEFAULT_TENANT, config.classes["interactive"], (key_digest(api_key),)))
         return cls(tenants)
+
+    def in_class(self, name: str, slo_class: SloClass) -> Tenant:
+        """Tenant `name` (as its requests are limited) with every request in `slo_class` at its
+        priority: how a batch's lines run, whatever class the tenant's own requests are."""
+        tenant = next((t for t in self.tenants if t.name == name), None) or Tenant(name, slo_class=None)
+        return replace(tenant, slo_class=slo_class, priority_range=None)
 
     def authenticate(self, authorization: bytes) -> Tenant | None:
         """The tenant an `Authorization` header value names (`Bearer KEY`), or None: answer 401."""
