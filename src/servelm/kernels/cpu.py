@@ -95,6 +95,8 @@ class CpuKernels:
         lib.rotate_rows.restype = None
         lib.lora_bgmv.argtypes = [ptr] * 7 + [i64] * 4 + [c_int]
         lib.lora_bgmv.restype = None
+        lib.moe_experts.argtypes = [ptr] * 9 + [i64] * 4 + [c_int]
+        lib.moe_experts.restype = i64
         lib.block_gemm_simd_level.argtypes = []
         lib.block_gemm_simd_level.restype = c_int
         self._lib = lib
@@ -257,6 +259,37 @@ class CpuKernels:
                             widths.data_ptr(), h.data_ptr(), rows, in_features, out.shape[1], width,
                             torch.get_num_threads())  # fmt: skip
 
+    def moe_experts_(self, out: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                     pair_token: torch.Tensor, pair_weight: torch.Tensor, offsets: torch.Tensor) -> None:  # fmt: skip
+        """out[t] += w_p * down_e(silu(gate_e x[t]) * up_e x[t]) over the (token, expert) pairs, sorted by
+        expert: local expert e's pairs are [offsets[e], offsets[e + 1]) (csrc/moe.c). x, out [T, H];
+        gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; pair_weight [P] float32;
+        pair_token [P], offsets [E + 1] int64; all contiguous."""
+        check_tensor("x", x, torch.float32, 2)
+        check_tensor("out", out, torch.float32, 2)
+        check_tensor("gate_up", gate_up, torch.float32, 3)
+        check_tensor("down", down, torch.float32, 3)
+        check_tensor("pair_token", pair_token, torch.int64, 1)
+        check_tensor("pair_weight", pair_weight, torch.float32, 1)
+        check_tensor("offsets", offsets, torch.int64, 1)
+        rows, hidden = x.shape
+        experts, width = down.shape[0], down.shape[2]
+        pairs = pair_token.numel()
+        if (out.shape != x.shape or gate_up.shape != (experts, 2 * width, hidden) or down.shape[1] != hidden
+                or pair_weight.numel() != pairs or offsets.numel() != experts + 1 or int(offsets[-1]) != pairs):  # fmt: skip
+            raise KernelArgumentError(f"moe_experts: x {tuple(x.shape)}, out {tuple(out.shape)}, gate_up "
+                                      f"{tuple(gate_up.shape)}, down {tuple(down.shape)}, {pairs} pairs, offsets "
+                                      f"{offsets.tolist()} do not fit")  # fmt: skip
+        scratch = x.new_empty(max(pairs, 1), 3 * width)
+        bad = self._lib.moe_experts(x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), pair_token.data_ptr(),
+                                    pair_weight.data_ptr(), offsets.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                                    scratch.data_ptr() + max(pairs, 1) * 2 * width * 4, rows, hidden, width, experts,
+                                    torch.get_num_threads())  # fmt: skip
+        if bad != -1:
+            raise KernelArgumentError(f"moe_experts: pair {bad}'s token is outside the {rows} rows" if bad >= 0 else
+                                      "moe_experts: offsets must start at 0 and never fall" if bad == -2 else
+                                      "moe_experts: out of memory")  # fmt: skip
+
     def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, N, D] float32 rotated in place by cos / sin [T, 1, D/2] (HF rotate-half, apply_rotary's
         roundings); x's heads contiguous within a row (a q|k column view of a fused qkv is fine)."""
@@ -284,7 +317,8 @@ class CpuKernels:
         )  # fmt: skip
         if bad >= 0:
             raise KernelArgumentError(
-                f"row {bad}: its seq_len, block ids or slot fall outside the pool ({prepared.num_blocks} blocks of "
+                f"row {bad}: its seq_len, block ids or slot fall outside the pool, or its LoRA slot is not one of the "
+                f"{prepared.lora_slots} ({prepared.num_blocks} blocks of "
                 f"{prepared.block_size}); seq_len {int(call.seq_lens[bad])}, slot {int(call.slots[bad])}, "
                 f"block table row {call.block_tables[bad].tolist()}"
             )

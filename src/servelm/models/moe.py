@@ -8,6 +8,9 @@ Per step, for the flattened batch x [T, hidden]:
     ([n, hidden] @ [hidden, 2I] ─▶ silu·mul ─▶ @ [I, hidden]), scaled by the pair's weight
     ─▶ summed back into each token's row (index_add)
 
+On CPU, a step of up to KERNEL_MAX_TOKENS tokens does the sorted pairs' experts in one compiled
+call instead (csrc/moe.c: the same math, no Python loop over experts).
+
 Experts that no token chose cost nothing: a step reads the weights of the experts it uses, so
 its cost follows the active parameters (a decode step of a few tokens touches at most T·k
 experts), not the total. One host sync a step reads the per-expert counts, so that the groups
@@ -22,6 +25,7 @@ experts by sigmoid, V2 by softmax, and both choose within the best groups (`rout
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.kernels import cpu as cpu_kernels
 from servelm.models.arch import DEEPSEEK_NAMINGS, ModelArchConfig, MoEConfig
 from servelm.models.moe_weights import expert_tensor_names, router_tensor_name, routing_bias_name
 from servelm.models.sharding import ModelShard
@@ -37,6 +42,11 @@ from servelm.parallel.groups import all_reduce_sum
 
 if TYPE_CHECKING:
     from servelm.models.llama import LlamaMLP
+
+# Up to this many tokens (decode steps, short chunks) the routed experts run in one compiled call on
+# CPU, each expert's weight rows read once for its few tokens; longer chunks give each expert enough
+# rows for the per-expert GEMMs to be worth their calls.
+KERNEL_MAX_TOKENS = 32
 
 
 def route(router_logits: torch.Tensor, moe: MoEConfig,
@@ -104,6 +114,8 @@ class SparseMoE(nn.Module):
         gated = shared_expert is not None and moe.naming == "qwen2_moe"
         self.shared_gate = nn.Parameter(torch.empty(1, arch.hidden_size)) if gated else None
         self.routing_bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.scoring == "sigmoid" else None
+        # A few tokens' experts in one compiled call on CPU (csrc/moe.c); None: the per-expert loop.
+        self._kernels = cpu_kernels.load()
 
     def forward(self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         # DeepSeek scores in float32 from the start, as its reference does.
@@ -117,13 +129,27 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat_experts, minlength=self.moe.num_experts).tolist()  # the one host sync
         out = torch.zeros_like(x)
         start = sum(counts[: self.experts.start])  # this rank's experts' pairs follow the lower ids'
-        for local, count in enumerate(counts[self.experts.start : self.experts.stop]):
+        local_counts = counts[self.experts.start : self.experts.stop]
+        if (self._kernels is not None and x.is_cpu and x.shape[0] <= KERNEL_MAX_TOKENS
+                and x.dtype == self.gate_up.dtype == torch.float32):  # fmt: skip
+            pairs = sum(local_counts)
+            if pairs:
+                offsets = torch.tensor([0, *itertools.accumulate(local_counts)], dtype=torch.int64)
+                self._kernels.moe_experts_(out, x.contiguous(), self.gate_up.data, self.down.data,
+                                           token_of_pair[start : start + pairs].contiguous(),
+                                           weight_of_pair[start : start + pairs].reshape(-1).float().contiguous(), offsets)  # fmt: skip
+            return self._finish(x, out, silu_mul)
+        for local, count in enumerate(local_counts):
             if count == 0:
                 continue
             tokens = token_of_pair[start : start + count]
             hidden = silu_mul(F.linear(x[tokens], self.gate_up[local]))  # [n, I]
             out.index_add_(0, tokens, (F.linear(hidden, self.down[local]) * weight_of_pair[start : start + count]).to(x.dtype))
             start += count
+        return self._finish(x, out, silu_mul)
+
+    def _finish(self, x: torch.Tensor, out: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The routed experts' sum `out`, plus the shared expert's part, summed over the ranks."""
         if self.shared_expert is not None:
             shared = self.shared_expert(x, silu_mul)  # this rank's columns' part (summed below)
             out += shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared
