@@ -24,8 +24,12 @@ from servelm.kernels.cpu import BLOCK, BLOCK_BYTES, check_block_weight
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+class FusedLoRA(ctypes.Structure):
+    _fields_ = [("a", _ptr), ("bt", _ptr), ("widths", _ptr), ("W", _i64)]
+
+
 class FusedLinear(ctypes.Structure):
-    _fields_ = [("blocks", _ptr), ("bias", _ptr), ("n", _i64), ("k", _i64), ("type", _i64)]
+    _fields_ = [("blocks", _ptr), ("bias", _ptr), ("n", _i64), ("k", _i64), ("type", _i64), ("lora", FusedLoRA)]
 
 
 class FusedLayer(ctypes.Structure):
@@ -40,6 +44,7 @@ class FusedStep(ctypes.Structure):
         ("block_tables", _ptr), ("seq_lens", _ptr), ("slots", _ptr), ("cos", _ptr), ("sin", _ptr),
         ("eps", _f32), ("scale", _f32), ("num_threads", _i64),
         ("normed", _ptr), ("qkv", _ptr), ("scores", _ptr), ("attn", _ptr), ("gate_up", _ptr), ("act", _ptr),
+        ("lora_rows", _ptr), ("lora_slots", _i64), ("lora_width", _i64), ("lora_h", _ptr),
     ]  # fmt: skip
 
 
@@ -60,12 +65,22 @@ class LayerGeometry:
 
 
 @dataclass(frozen=True)
+class StackedLoRA:
+    """A linear's LoRA adapters by slot (servelm/lora/layers.py's layout), float32, contiguous."""
+
+    a: torch.Tensor  # [slots, W, k]
+    bt: torch.Tensor  # [slots, W, n]: B^T with the scaling folded in
+    widths: torch.Tensor  # [slots] int64: the columns each slot's adapter uses
+
+
+@dataclass(frozen=True)
 class BlockMatrix:
     """One linear layer as GGUF blocks: [n, k / 32, block bytes] uint8 of ggml type `block_type`."""
 
     blocks: torch.Tensor
     block_type: int
     bias: torch.Tensor | None  # [n] float32
+    lora: StackedLoRA | None = None  # adapters whose rows the call adds after the matmul
 
 
 @dataclass(frozen=True)
@@ -86,6 +101,10 @@ class PreparedLayers:
         self.layers, self.geometry, self.array = tuple(layers), geometry, array
         pool = self.layers[0].kv_pool
         self.num_blocks, self.block_size = pool.shape[1], pool.shape[2]
+        stacked = [m.lora for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m.lora]
+        # The adapter slots every linear has (0: no LoRA), and the widest linear's W (the scratch a row needs).
+        self.lora_slots = stacked[0].a.shape[0] if stacked else 0
+        self.lora_width = max((lora.a.shape[1] for lora in stacked), default=0)
 
 
 def _linear(name: str, matrix: BlockMatrix, n: int, k: int) -> FusedLinear:
@@ -95,7 +114,15 @@ def _linear(name: str, matrix: BlockMatrix, n: int, k: int) -> FusedLinear:
     if matrix.bias is not None:
         check_shape(f"{name}.bias", check_tensor(f"{name}.bias", matrix.bias, torch.float32, 1), (n,), "[n]")
         bias = matrix.bias.data_ptr()
-    return FusedLinear(matrix.blocks.data_ptr(), bias, n, k, matrix.block_type)
+    lora = FusedLoRA()
+    if matrix.lora is not None:
+        stacked = matrix.lora
+        slots, width = stacked.a.shape[0], stacked.a.shape[1]
+        check_shape(f"{name}.lora.a", check_tensor(f"{name}.lora.a", stacked.a, torch.float32, 3), (slots, width, k), "[slots, W, k]")
+        check_shape(f"{name}.lora.bt", check_tensor(f"{name}.lora.bt", stacked.bt, torch.float32, 3), (slots, width, n), "[slots, W, n]")
+        check_shape(f"{name}.lora.widths", check_tensor(f"{name}.lora.widths", stacked.widths, torch.int64, 1), (slots,), "[slots]")
+        lora = FusedLoRA(stacked.a.data_ptr(), stacked.bt.data_ptr(), stacked.widths.data_ptr(), width)
+    return FusedLinear(matrix.blocks.data_ptr(), bias, n, k, matrix.block_type, lora)
 
 
 def prepare_layers(layers: Sequence[LayerTensors], geometry: LayerGeometry) -> PreparedLayers:
@@ -107,6 +134,9 @@ def prepare_layers(layers: Sequence[LayerTensors], geometry: LayerGeometry) -> P
         raise KernelArgumentError(f"decode layers: heads must group over KV heads and head_dim be even, got {g}")
     array = (FusedLayer * len(layers))()
     pool_shape = tuple(layers[0].kv_pool.shape)
+    slot_counts = {m.lora.a.shape[0] for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m.lora}
+    if len(slot_counts) > 1:
+        raise KernelArgumentError(f"decode layers: every linear's LoRA must have the same slots, found {sorted(slot_counts)}")
     for i, layer in enumerate(layers):
         pool = check_tensor(f"layer {i} kv_pool", layer.kv_pool, torch.float32, 5)
         check_shape(f"layer {i} kv_pool", pool, pool_shape, "layer 0's pool's")
@@ -142,6 +172,7 @@ class DecodeLayersCall:
         sin: torch.Tensor,
         scale: float,
         num_threads: int,
+        lora_rows: torch.Tensor | None = None,  # [B] int64: each row's adapter slot, -1 for the base model's
     ) -> None:
         g = prepared.geometry
         check_tensor("hidden", hidden, torch.float32, 2)
@@ -169,9 +200,17 @@ class DecodeLayersCall:
         sizes = (g.hidden_size, g.qkv_size, g.heads * max_len, g.heads * g.head_dim, 2 * g.intermediate, g.intermediate)
         parts = scratch.split([rows * size for size in sizes])
         self.scratch = scratch
+        self.lora_rows = lora_rows if prepared.lora_slots else None  # no LoRA prepared: nothing to add
+        lora_h = None
+        if self.lora_rows is not None:
+            check_shape("lora_rows", check_tensor("lora_rows", self.lora_rows, torch.int64, 1), (rows,), "[rows]")
+            self.lora_h = torch.empty(rows * prepared.lora_width)
+            lora_h = self.lora_h.data_ptr()
         self.step = FusedStep(
             rows, g.hidden_size, g.heads, g.kv_heads, g.head_dim, g.intermediate, prepared.block_size,
             block_tables.shape[1], max_len, prepared.num_blocks, block_tables.data_ptr(), seq_lens.data_ptr(),
             slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), g.eps, scale, num_threads,
             *(part.data_ptr() for part in parts),
+            self.lora_rows.data_ptr() if self.lora_rows is not None else None, prepared.lora_slots,
+            prepared.lora_width, lora_h,
         )  # fmt: skip

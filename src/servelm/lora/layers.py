@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from servelm.kernels import cpu as cpu_kernels
+from servelm.kernels.decode_layers import StackedLoRA
 from servelm.lora.adapter import LoRAAdapter
 from servelm.models.fused_decode import FusedDecodeLayers
 from servelm.models.layers import Linear
@@ -184,15 +185,16 @@ class LoRAModel:
 
     context: LoRAContext
     model: LlamaForCausalLM
-    # The model's fused decode layers (one compiled call per decode step): they cannot add adapter
-    # rows, so they run only for forwards without any (set_batch).
+    # The model's fused decode layers (one compiled call per decode step, adapter rows included): they
+    # run for forwards without adapter rows and for those whose rows are added row-wise (set_batch).
     fused_decode: FusedDecodeLayers | None = None
     layers: list[LoRALinear] = field(default_factory=list)
 
     def set_batch(self, batch: LoRABatch | None) -> None:
-        """The next forward's adapter rows (None: none: the base model's fused decode may run)."""
+        """The next forward's adapter rows (None: none). The fused decode may run unless the rows are
+        too many to add row-wise (its per-row adds are the row-wise path's)."""
         self.context.batch = batch
-        self.model.fused_decode = self.fused_decode if batch is None else None
+        self.model.fused_decode = self.fused_decode if batch is None or batch.rowwise else None
 
     def set_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         for layer in self.layers:
@@ -210,12 +212,20 @@ def attach_lora(model: LlamaForCausalLM, max_loras: int, max_rank: int) -> LoRAM
     lora = LoRAModel(LoRAContext(max_loras), model, model.fused_decode)
     device = model.embed_tokens.weight.device
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    stacked: list[tuple[StackedLoRA, StackedLoRA, StackedLoRA, StackedLoRA]] = []
     for layer in model.decoder_layers:
         attention, mlp = layer.self_attn, layer.mlp
         assert isinstance(attention, LlamaAttention) and isinstance(mlp, LlamaMLP)
+        layer_loras = []
         for linear, rows in ((attention.qkv_proj, (q, kv, kv)), (attention.o_proj, (arch.hidden_size,)),
                              (mlp.gate_up_proj, (arch.intermediate_size,) * 2), (mlp.down_proj, (arch.hidden_size,))):  # fmt: skip
             lora_linear = LoRALinear(linear, rows, max_loras, max_rank, lora.context, device)
             linear.lora = lora_linear
             lora.layers.append(lora_linear)
+            layer_loras.append(StackedLoRA(lora_linear.a, lora_linear.bt, lora_linear.widths_tensor))
+        qkv_lora, o_lora, gate_up_lora, down_lora = layer_loras
+        stacked.append((qkv_lora, o_lora, gate_up_lora, down_lora))
+    if lora.fused_decode is not None:
+        context = lora.context
+        lora.fused_decode.add_lora(stacked, lambda: context.row_slots() if context.batch is not None else None)
     return lora

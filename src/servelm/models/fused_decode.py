@@ -15,7 +15,8 @@ model is built); `accepts` decides per step. SERVELM_KERNELS=unfused (or =torch)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,7 @@ from servelm.kernels.decode_layers import (
     LayerGeometry,
     LayerTensors,
     PreparedLayers,
+    StackedLoRA,
     prepare_layers,
 )
 from servelm.models.linear_methods import MAX_BLOCK_ROWS, BlockLinearMethod
@@ -69,6 +71,21 @@ class FusedDecodeLayers:
                                       arch.rms_norm_eps)  # fmt: skip
         self.scale = attention.scale
         self._prepared: dict[tuple[int, ...], PreparedLayers] = {}  # by the pools' data pointers
+        self._lora_rows: Callable[[], torch.Tensor | None] | None = None  # each step's rows' adapter slots
+
+    def add_lora(self, stacked: Sequence[tuple[StackedLoRA, StackedLoRA, StackedLoRA, StackedLoRA]],
+                 row_slots: Callable[[], torch.Tensor | None]) -> None:  # fmt: skip
+        """Adapters stacked by slot for every layer's (qkv, o, gate_up, down) (servelm.lora), and
+        where a step finds its rows' slots (None: no adapter rows): the call then adds the adapter
+        rows' deltas after each matmul, as the op-by-op path does."""
+        self.matrices = [
+            (replace(qkv, lora=stacked_qkv), replace(o, lora=stacked_o), replace(gate_up, lora=stacked_gate_up),
+             replace(down, lora=stacked_down))
+            for (qkv, o, gate_up, down), (stacked_qkv, stacked_o, stacked_gate_up, stacked_down)
+            in zip(self.matrices, stacked, strict=True)
+        ]  # fmt: skip
+        self._lora_rows = row_slots
+        self._prepared.clear()
 
     @classmethod
     def of(cls, model: LlamaForCausalLM) -> FusedDecodeLayers | None:
@@ -143,6 +160,7 @@ class FusedDecodeLayers:
         call = DecodeLayersCall(
             prepared, hidden, None, batch.block_tables, batch.seq_lens, batch.max_len, metadata.slot_mapping,
             rope[0], rope[1], self.scale, torch.get_num_threads(),
+            self._lora_rows() if self._lora_rows is not None else None,
         )  # fmt: skip
         layers = len(prepared.layers) if num_layers is None else num_layers
         return self.kernel.decode_layers(prepared, call, layers), call.residual

@@ -18,7 +18,9 @@
        gate|up  = normed . Wgu^T;  act = silu(gate) * up
        hidden   = act . Wdown^T (+ bias)
 
-   and the caller applies the final norm to hidden + residual. Each phase computes what the
+   and the caller applies the final norm to hidden + residual. With LoRA adapter rows (lora_rows), each
+   of the four matmuls is followed by its rows' adapter deltas, as the op-by-op path adds them
+   (lora.c's per-row loop: the same values). Each phase computes what the
    op-by-op path computes, in float32: the matmul and attention passes are the same loops
    (block_gemm.c, paged_decode_attention.c), rotary's roundings are apply_rotary's, and only the
    sums inside the norms and the softmax may be ordered differently from torch's.
@@ -37,10 +39,19 @@
 
 #include "internal.h"
 
+/* A linear's LoRA adapters stacked by slot (servelm/lora/layers.py's layout); a NULL `a`: none. */
+typedef struct {
+    const float* a;        /* [slots, W, k] float32 */
+    const float* bt;       /* [slots, W, n]: B^T, scaling folded in */
+    const int64_t* widths; /* [slots]: the columns each slot's adapter uses (<= W) */
+    int64_t W;
+} fused_lora;
+
 typedef struct {
     const uint8_t* blocks; /* [n, k / 32, block bytes] GGUF blocks of `type` */
     const float* bias;     /* [n] or NULL */
     int64_t n, k, type;
+    fused_lora lora;
 } fused_linear;
 
 typedef struct {
@@ -63,11 +74,18 @@ typedef struct {
     /* scratch, [B, ...] each: normed [hidden_size], qkv [(H + 2 KVH) D], scores [H, max_len],
        attn [H D], gate_up [2 I], act [I] */
     float *normed, *qkv, *scores, *attn, *gate_up, *act;
+    /* LoRA: each row's adapter slot ([B] int64, < 0: the base model's row; NULL: no adapter rows in
+       the step), the slots there are, and scratch [B, lora_width] (lora_width >= every linear's W). */
+    const int64_t* lora_rows;
+    int64_t lora_slots, lora_width;
+    float* lora_h;
 } fused_step;
 
-/* y[B, lin.n] = x[B, lin.k] . W^T (+ bias), the threads splitting lin.n: call from every thread of the region. */
-static void linear_rows(const fused_linear* lin, const float* x, float* y, int64_t B) {
-    const int64_t tasks = (lin->n + SERVELM_N_PER_TASK - 1) / SERVELM_N_PER_TASK;
+/* y[B, lin.n] = x[B, lin.k] . W^T (+ bias), the threads splitting lin.n, then each adapter row's LoRA
+   delta (the threads splitting rows, as lora_bgmv does after the op-by-op matmul): call from every
+   thread of the region. */
+static void linear_rows(const fused_step* s, const fused_linear* lin, const float* x, float* y) {
+    const int64_t B = s->rows, tasks = (lin->n + SERVELM_N_PER_TASK - 1) / SERVELM_N_PER_TASK;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t n0 = t * SERVELM_N_PER_TASK, n1 = n0 + SERVELM_N_PER_TASK < lin->n ? n0 + SERVELM_N_PER_TASK : lin->n;
@@ -75,6 +93,15 @@ static void linear_rows(const fused_linear* lin, const float* x, float* y, int64
         if (lin->bias)
             for (int64_t b = 0; b < B; b++)
                 for (int64_t n = n0; n < n1; n++) y[b * lin->n + n] += lin->bias[n];
+    }
+    if (s->lora_rows == NULL || lin->lora.a == NULL) return; /* the same for every thread: shared data */
+    const fused_lora* l = &lin->lora;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t slot = s->lora_rows[b];
+        if (slot < 0) continue;
+        servelm_lora_row(x + b * lin->k, y + b * lin->n, l->a + slot * l->W * lin->k, l->bt + slot * l->W * lin->n,
+                         l->widths[slot], lin->k, lin->n, s->lora_h + b * s->lora_width);
     }
 }
 
@@ -94,7 +121,7 @@ static void layer_rows(const fused_step* s, const fused_layer* layer, float* hid
         }
         servelm_rms_norm_row(r, layer->input_norm, s->normed + b * HS, HS, s->eps);
     }
-    linear_rows(&layer->qkv, s->normed, s->qkv, B);
+    linear_rows(s, &layer->qkv, s->normed, s->qkv);
     const int64_t pool_half_floats = s->num_blocks * s->block_size * KVH * D;
 #pragma omp single
     for (int64_t b = 0; b < B; b++) {
@@ -117,7 +144,7 @@ static void layer_rows(const fused_step* s, const fused_layer* layer, float* hid
         for (int64_t h = kh * G; h < (kh + 1) * G; h++) servelm_softmax_row(sb + h * s->max_len, L);
         servelm_pv_one(sb, v_half, bt, L, s->attn + b * H * D, kh, kh + 1, H, KVH, D, s->block_size, s->max_len);
     }
-    linear_rows(&layer->o, s->attn, hidden, B);
+    linear_rows(s, &layer->o, s->attn, hidden);
 #pragma omp single
     for (int64_t b = 0; b < B; b++) {
         float* r = residual + b * HS;
@@ -125,7 +152,7 @@ static void layer_rows(const fused_step* s, const fused_layer* layer, float* hid
         for (int64_t i = 0; i < HS; i++) r[i] = h[i] + r[i];
         servelm_rms_norm_row(r, layer->post_norm, s->normed + b * HS, HS, s->eps);
     }
-    linear_rows(&layer->gate_up, s->normed, s->gate_up, B);
+    linear_rows(s, &layer->gate_up, s->normed, s->gate_up);
     /* Each row's intermediate split in two halves (32-aligned: I is a multiple of 32), for the threads. */
 #pragma omp for schedule(static)
     for (int64_t piece = 0; piece < 2 * B; piece++) {
@@ -133,13 +160,13 @@ static void layer_rows(const fused_step* s, const fused_layer* layer, float* hid
         const float* gate = s->gate_up + b * 2 * I;
         servelm_silu_mul_row(gate + i0, gate + I + i0, s->act + b * I + i0, i1 - i0);
     }
-    linear_rows(&layer->down, s->act, hidden, B);
+    linear_rows(s, &layer->down, s->act, hidden);
 }
 
 /* Runs `num_layers` layers over hidden (in: the embedding, or the previous layer's MLP output with
    `residual` the sum before it when has_residual; out: the last layer's MLP output and the sum
    before it). Returns -1, or (reading and writing nothing) the first row whose seq_len, used block
-   ids or slot fall outside the pool. */
+   ids or slot fall outside the pool, or whose adapter slot is not one. */
 int64_t decode_layers(const fused_step* s, const fused_layer* layers, int64_t num_layers, float* hidden,
                       float* residual, int64_t has_residual) {
     const int64_t bad = servelm_first_invalid_request(s->block_tables, s->seq_lens, s->rows, s->max_blocks,
@@ -147,6 +174,9 @@ int64_t decode_layers(const fused_step* s, const fused_layer* layers, int64_t nu
     if (bad >= 0) return bad;
     for (int64_t b = 0; b < s->rows; b++)
         if (s->slots[b] < 0 || s->slots[b] >= s->num_blocks * s->block_size) return b;
+    if (s->lora_rows != NULL)
+        for (int64_t b = 0; b < s->rows; b++)
+            if (s->lora_rows[b] >= s->lora_slots) return b;
 #pragma omp parallel num_threads((int)s->num_threads)
     for (int64_t i = 0; i < num_layers; i++) layer_rows(s, &layers[i], hidden, residual, i == 0 && !has_residual);
     return -1;

@@ -40,4 +40,10 @@ void servelm_softmax_row(float* x, int64_t n);
 /* act = silu(gate) * up = gate / (1 + e^-gate) * up, over n. */
 void servelm_silu_mul_row(const float* gate, const float* up, float* act, int64_t n);
 
+/* lora.c: one row's LoRA delta, y[:out] += sum_j (A[j] . x) * Bt[j] over the w columns its adapter
+   uses (A [w, in], Bt [w, out] of its slot); h [w] is scratch. What lora_bgmv does per row, so
+   that decode_layers.c adds the same values. */
+void servelm_lora_row(const float* x, float* y, const float* a, const float* bt, int64_t w, int64_t in, int64_t out,
+                      float* h);
+
 #endif /* SERVELM_INTERNAL_H */

@@ -11,6 +11,7 @@
    never depends on the batch it came in or the thread count. */
 #include <stdint.h>
 
+#include "internal.h"
 #include "simd.h"
 
 static float lora_dot(const float* a, const float* b, int64_t n) {
@@ -35,6 +36,12 @@ static void lora_axpy(float* y, const float* x, float alpha, int64_t n) {
     for (; i < n; i++) y[i] += alpha * x[i];
 }
 
+void servelm_lora_row(const float* x, float* y, const float* a, const float* bt, int64_t w, int64_t in, int64_t out,
+                      float* h) {
+    for (int64_t j = 0; j < w; j++) h[j] = lora_dot(a + j * in, x, in);
+    for (int64_t j = 0; j < w; j++) lora_axpy(y, bt + j * out, h[j], out);
+}
+
 /* h [T, W] is the caller's scratch. */
 void lora_bgmv(const float* x, float* out, const float* a, const float* bt, const int64_t* row_slots,
                const int64_t* widths, float* h, int64_t T, int64_t in, int64_t out_features, int64_t W,
@@ -44,8 +51,7 @@ void lora_bgmv(const float* x, float* out, const float* a, const float* bt, cons
     for (int64_t t = 0; t < T; t++) {
         const int64_t s = row_slots[t];
         if (s < 0) continue;
-        float* ht = h + t * W;
-        for (int64_t j = 0; j < widths[s]; j++) ht[j] = lora_dot(a + (s * W + j) * in, x + t * in, in);
-        for (int64_t j = 0; j < widths[s]; j++) lora_axpy(out + t * out_features, bt + (s * W + j) * out_features, ht[j], out_features);
+        servelm_lora_row(x + t * in, out + t * out_features, a + s * W * in, bt + s * W * out_features, widths[s], in,
+                         out_features, h + t * W);
     }
 }
