@@ -298,6 +298,31 @@ def test_prompts_that_do_not_finish_whole_go_fewest_tokens_left_first() -> None:
     assert s.get_request("first").num_computed_tokens < 4000 and s.get_request("second") is not None
 
 
+def test_a_longer_prompt_is_not_starved_by_shorter_ones_arriving_after_it() -> None:
+    """Streams decode while 250-token prompts of one class arrive one after another behind a
+    400-token one, about as fast as the steps prefill them, none finishing whole in a step. By wait
+    per token left the 400-token prompt finishes after one of them (step 27); shortest-first (aging
+    off, as here) kept it behind every 250-token prompt that came while it waited: 25 of them, 198
+    steps, measured on this same setup."""
+    s = bounded(max_step_ms=30.0, max_decode_slowdown=0)
+    clock = s._clock
+    for name in ("s1", "s2"):
+        s.add_request(request(name, 8, max_tokens=4000))
+    while s.get_request("s1").num_output_tokens == 0:
+        run_step(s)
+    s.add_request(request("old", 400, max_tokens=1, arrival_time=clock.now))
+    finished: list[str] = []
+    for step_index in range(400):
+        if step_index % 8 == 0:  # a 250-token prompt every 8 steps: these steps take one in ~7
+            s.add_request(request(f"new{step_index}", 250, max_tokens=1, arrival_time=clock.now))
+        _, outputs, seconds = run_step(s)
+        clock.now += seconds
+        finished += [rid for rid, out in outputs.items() if out.finish_reason is not None and rid not in ("s1", "s2")]
+        if "old" in finished:
+            break
+    assert "old" in finished and finished.index("old") <= 2, finished
+
+
 def test_a_worse_priority_stream_does_not_hold_back_a_better_prompt() -> None:
     """Batch streams (priority 1) decoding beside an interactive prompt (priority 0): their pace
     does not bound its steps (the target does); an interactive stream's would."""
