@@ -94,6 +94,8 @@ def test_lifecycle_outputs_equal_direct_requests_and_bad_lines_go_to_the_error_f
     assert batch.status == "completed", batch
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (14, 12, 2)
     assert batch.in_progress_at and batch.finalizing_at and batch.completed_at and batch.expires_at == batch.created_at + 86400
+    assert batch.usage.output_tokens == sum(item["body"]["max_tokens"] for item in good)  # the error lines used none
+    assert batch.usage.input_tokens > 12 and batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
     outputs = read_lines(client, batch.output_file_id)
     assert [o["custom_id"] for o in outputs] == [g["custom_id"] for g in good]  # input order, each once
     for item, output in zip(good, outputs, strict=True):
@@ -109,6 +111,11 @@ def test_lifecycle_outputs_equal_direct_requests_and_bad_lines_go_to_the_error_f
     assert errors[0]["error"]["code"] == "invalid_json" and errors[0]["response"] is None
     assert errors[1]["response"]["status_code"] == 400 and errors[1]["response"]["body"]["error"]["param"] == "max_tokens"
     assert batch.id in [b.id for b in client.batches.list(limit=100).data]
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    [finished] = [line for line in metrics.splitlines()
+                  if line.startswith("servelm:batch_lines_finished_total{") and 'file="output"' in line]  # fmt: skip
+    assert float(finished.rsplit(" ", 1)[1]) >= 12, metrics
+    assert "servelm:batch_lines_allowed{" in metrics and "servelm:batch_lines_in_flight{" in metrics
     output_file = client.files.retrieve(batch.output_file_id)
     assert output_file.purpose == "batch_output" and output_file.bytes == len(client.files.content(batch.output_file_id).content)
 

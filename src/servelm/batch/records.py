@@ -70,6 +70,10 @@ class BatchRecord:
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     ending: str | None = None  # the status finalizing ends in (completed, cancelled, expired): a restart needs it
+    # Tokens of the lines done (their responses' usage), as OpenAI's batch `usage` sums them.
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
 
     @property
     def expires_at(self) -> int:
@@ -85,7 +89,10 @@ class BatchRecord:
             "finalizing_at": self.finalizing_at, "completed_at": self.completed_at, "failed_at": self.failed_at,
             "expired_at": self.expired_at, "cancelling_at": self.cancelling_at, "cancelled_at": self.cancelled_at,
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
-            "metadata": self.metadata,
+            "metadata": self.metadata, "model": None,
+            "usage": {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                      "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": self.input_tokens + self.output_tokens},
         }  # fmt: skip
 
     def errors_json(self) -> str:

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 from servelm.batch.executor import AppExecutor, LineResponse
 from servelm.batch.files import FileStore
@@ -48,13 +48,13 @@ from servelm.batch.store import BatchStore, DuplicateCustomId
 from servelm.tenancy.config import BUILTIN_CLASSES
 
 logger = logging.getLogger(__name__)
-P = ParamSpec("P")
-T = TypeVar("T")
 BATCH_PRIORITY = BUILTIN_CLASSES["batch"].priority
 PAGE_LINES = 256  # pending lines read from the store at once
 PACE_TICK_S = 0.25
 RETRY_AFTER_BOUNDS_S = (0.1, 30.0)  # how long a 429/503 line waits before it is tried again
 EXPIRED_ERROR = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
+INTERNAL_ERROR = {"error": {"message": "The server failed to run this line; its log says why.", "type": "server_error",
+                            "param": None, "code": "internal_error"}}  # fmt: skip
 STREAM_REFUSED = {"error": {"message": "stream is not supported in a batch: the line's response is kept whole",
                             "type": "invalid_request_error", "param": "stream", "code": None}}  # fmt: skip
 
@@ -68,7 +68,8 @@ class LineSlots:
     def __init__(self, pacer: BatchPacer) -> None:
         self.pacer = pacer
         self.in_flight = 0
-        self._changed = asyncio.Condition()
+        self.finished_output = self.finished_error = 0  # lines ended since start-up (the metrics)
+        self._room = asyncio.Event()  # set whenever a waiter may find room: it checks again
         self._ticker: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -80,22 +81,22 @@ class LineSlots:
             await asyncio.gather(self._ticker, return_exceptions=True)
 
     async def acquire(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.in_flight < self.pacer.limit)
-            self.in_flight += 1
+        while self.in_flight >= self.pacer.limit:
+            self._room.clear()
+            await self._room.wait()
+        self.in_flight += 1
 
-    async def release(self) -> None:
-        async with self._changed:
-            self.in_flight -= 1
-            self._changed.notify_all()
+    def release(self) -> None:
+        """Synchronous, so that a cancelled line frees its slot in its `finally` whatever happens."""
+        self.in_flight -= 1
+        self._room.set()
 
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(PACE_TICK_S)
             before = self.pacer.limit
             if self.pacer.tick(self.in_flight) > before:
-                async with self._changed:
-                    self._changed.notify_all()
+                self._room.set()
 
 
 @dataclass
@@ -198,15 +199,23 @@ class BatchRunner:
 
     async def _run_line(self, batch: BatchRecord, line: PendingLine) -> None:
         try:
-            response = await self._execute(batch, line)
+            try:
+                response = await self._execute(batch, line)
+            except Exception:  # a bug on one line must not stall the batch: the line fails, logged
+                logger.exception("batch %s line %d failed inside the server", batch.id, line.line_no)
+                response = LineResponse(500, INTERNAL_ERROR, None)
             body = response.body
             request_id = body.get("id") if isinstance(body.get("id"), str) else new_result_id()
             result = result_line(new_result_id(), line.custom_id,
                                  {"status_code": response.status_code, "request_id": request_id, "body": body}, None)  # fmt: skip
-            await self.parts.off_loop(self.parts.store.finish_line, batch.id, line.line_no,
-                                      200 <= response.status_code < 300, result)  # fmt: skip
+            in_output = 200 <= response.status_code < 300
+            await self.parts.off_loop(self.parts.store.finish_line, batch.id, line.line_no, in_output, result, _usage(body))
+            if in_output:
+                self.parts.slots.finished_output += 1
+            else:
+                self.parts.slots.finished_error += 1
         finally:
-            await self.parts.slots.release()
+            self.parts.slots.release()
 
     async def _execute(self, batch: BatchRecord, line: PendingLine) -> LineResponse:
         text = await self.parts.off_loop(self.parts.files.read_at, batch.input_file_id, line.offset, line.length)
@@ -261,6 +270,19 @@ class BatchRunner:
             for line in page:
                 result = result_line(new_result_id(), line.custom_id, None, EXPIRED_ERROR)
                 await off_loop(store.finish_line, batch.id, line.line_no, False, result)
+
+
+def _usage(body: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, cached prompt, completion) tokens of a response's `usage`; zeros where it has none."""
+    raw_usage = body.get("usage")
+    usage: dict[str, Any] = raw_usage if isinstance(raw_usage, dict) else {}
+    raw_details = usage.get("prompt_tokens_details")
+    details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
+
+    def count(value: object) -> int:
+        return value if isinstance(value, int) else 0
+
+    return count(usage.get("prompt_tokens")), count(details.get("cached_tokens")), count(usage.get("completion_tokens"))
 
 
 def _result_file_id(batch_id: str, suffix: str) -> str:

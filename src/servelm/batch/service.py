@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +35,16 @@ T = TypeVar("T")
 MAX_WINDOW_S = 24 * 3600.0
 _WINDOW = re.compile(r"^(\d+)([smh])$")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+@dataclass(frozen=True)
+class PacingState:
+    """What the batch runner is doing now, for the metrics."""
+
+    in_flight: int = 0
+    allowed: int = 0
+    finished_output: int = 0
+    finished_error: int = 0
 
 
 class BatchRequestError(Exception):
@@ -109,6 +120,12 @@ class BatchService:
         self._db_thread.shutdown(wait=True)
         self.store.close()
         self._lock_file.close()  # and with it the lock
+
+    def pacing_state(self) -> PacingState:
+        if self._parts is None:
+            return PacingState()
+        slots = self._parts.slots
+        return PacingState(slots.in_flight, slots.pacer.limit, slots.finished_output, slots.finished_error)
 
     def _launch(self, batch_id: str) -> None:
         if self._parts is None:

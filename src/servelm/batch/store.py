@@ -43,7 +43,9 @@ CREATE TABLE IF NOT EXISTS batches (
     status TEXT NOT NULL, metadata TEXT, output_file_id TEXT, error_file_id TEXT, errors TEXT NOT NULL,
     total INTEGER NOT NULL, completed INTEGER NOT NULL, failed INTEGER NOT NULL,
     in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER,
-    expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER, ending TEXT);
+    expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER, ending TEXT,
+    input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT, byte_offset INTEGER NOT NULL,
     length INTEGER NOT NULL, state INTEGER NOT NULL, result TEXT, PRIMARY KEY (batch_id, line_no));
@@ -54,8 +56,12 @@ _BATCH_COLUMNS = (
     "id", "tenant", "endpoint", "input_file_id", "completion_window", "window_s", "created_at", "status",
     "metadata", "output_file_id", "error_file_id", "errors", "total", "completed", "failed", "in_progress_at",
     "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at", "ending",
+    "input_tokens", "cached_tokens", "output_tokens",
 )  # fmt: skip
 _FILE_COLUMNS = ("id", "tenant", "purpose", "filename", "bytes", "created_at")
+# Kept by the line updates (and a cancel) in their own transactions, never by save_batch.
+_LINE_KEPT = ("id", "total", "completed", "failed", "cancelling_at", "input_tokens", "cached_tokens", "output_tokens")
+SCHEMA_VERSION = 1  # PRAGMA user_version: what a later release migrates from
 
 
 class DuplicateCustomId(ValueError):
@@ -74,7 +80,12 @@ class BatchStore:
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, SCHEMA_VERSION):
+                raise RuntimeError(f"{path} was written by another servelm version (schema {version}, this one "
+                                   f"reads {SCHEMA_VERSION}): give this server another --data-dir")  # fmt: skip
             self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
         with self._lock:
@@ -125,7 +136,7 @@ class BatchStore:
     def save_batch(self, batch: BatchRecord) -> None:
         """Its status, times, files and errors. Not the counts (the lines' own: replace_lines and finish_line keep
         them) nor when it was cancelled (mark_cancelling's, which a runner's copy may predate)."""
-        columns = [c for c in _BATCH_COLUMNS if c not in ("id", "total", "completed", "failed", "cancelling_at")]
+        columns = [c for c in _BATCH_COLUMNS if c not in _LINE_KEPT]
         values = dict(zip(_BATCH_COLUMNS, _batch_row(batch), strict=True))
         with self._lock:
             self._db.execute(f"UPDATE batches SET {', '.join(f'{c} = ?' for c in columns)} WHERE id = ?",
@@ -206,8 +217,10 @@ class BatchStore:
             ).fetchall()
         return [PendingLine(*row) for row in rows]
 
-    def finish_line(self, batch_id: str, line_no: int, in_output: bool, result: str) -> bool:
-        """Keep a line's result and count it, once: False when it was done already."""
+    def finish_line(self, batch_id: str, line_no: int, in_output: bool, result: str,
+                    usage: tuple[int, int, int] = (0, 0, 0)) -> bool:  # fmt: skip
+        """Keep a line's result and count it and its `usage` (input, cached, output tokens), once:
+        False when it was done already."""
         state, counter = (LINE_OUTPUT, "completed") if in_output else (LINE_ERROR, "failed")
         with self._lock:
             self._db.execute("BEGIN")
@@ -215,7 +228,9 @@ class BatchStore:
                 done = self._db.execute("UPDATE lines SET state = ?, result = ? WHERE batch_id = ? AND line_no = ? AND state = ?",
                                         (state, result, batch_id, line_no, LINE_PENDING)).rowcount == 1  # fmt: skip
                 if done:
-                    self._db.execute(f"UPDATE batches SET {counter} = {counter} + 1 WHERE id = ?", (batch_id,))
+                    self._db.execute(f"UPDATE batches SET {counter} = {counter} + 1, input_tokens = input_tokens + ?, "
+                                     "cached_tokens = cached_tokens + ?, output_tokens = output_tokens + ? WHERE id = ?",
+                                     (*usage, batch_id))  # fmt: skip
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")

@@ -53,6 +53,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from servelm import envs
 from servelm.batch.arguments import BatchOptions
 from servelm.batch.executor import AppExecutor
+from servelm.batch.metrics import BatchCollector
 from servelm.batch.pacing import BatchPacer, EngineLoad
 from servelm.batch.routes import add_batch_routes
 from servelm.batch.service import BatchService, open_batch_service
@@ -247,6 +248,7 @@ def create_app(engine_config: EngineConfig, options: ServerOptions) -> FastAPI:
             ceiling = options.batch.batch_max_in_flight or engine_config.scheduler.max_num_seqs
             pacer = BatchPacer(lambda: EngineLoad(client.stats.num_waiting, client.num_in_flight), lambda: ceiling)
             await app.state.batches.start(AppExecutor(app), pacer, lambda name: registry.in_class(name, batch_class))
+            ctx.metrics.registry.register(BatchCollector(ctx.model_name, app.state.batches))
         return ctx
 
     @asynccontextmanager
