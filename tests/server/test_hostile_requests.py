@@ -110,13 +110,30 @@ ROUTES = {
     ("GET", "/metrics"): True,  # open unless --protect-metrics, as vLLM and Prometheus expect
     ("POST", "/v1/load_lora_adapter"): False,  # LoRA at run time: reads a path on the server
     ("POST", "/v1/unload_lora_adapter"): False,
+    # Batch jobs (servelm.batch.routes): a tenant's files and batches.
+    ("POST", "/v1/files"): False,
+    ("GET", "/v1/files"): False,
+    ("GET", "/v1/files/{file_id}"): False,
+    ("DELETE", "/v1/files/{file_id}"): False,
+    ("GET", "/v1/files/{file_id}/content"): False,
+    ("POST", "/v1/batches"): False,
+    ("GET", "/v1/batches"): False,
+    ("GET", "/v1/batches/{batch_id}"): False,
+    ("POST", "/v1/batches/{batch_id}/cancel"): False,
 }
 
 
 # Past the key: this server has no --kv-role, nor --allow-runtime-lora-updating.
-KEYED_STATUS = {"/v1/kv_transfer": 404, "/v1/load_lora_adapter": 404, "/v1/unload_lora_adapter": 404}
+# The batch routes past the key: a JSON body is no upload (400), {} no batch (400), unknown ids 404.
+KEYED_STATUS = {"/v1/kv_transfer": 404, "/v1/load_lora_adapter": 404, "/v1/unload_lora_adapter": 404,
+                "/v1/files": 200, "/v1/files/{file_id}": 404, "/v1/files/{file_id}/content": 404, "/v1/batches": 200,
+                "/v1/batches/{batch_id}": 404, "/v1/batches/{batch_id}/cancel": 404}  # fmt: skip
+KEYED_POST_STATUS = {"/v1/files": 400, "/v1/batches": 400}  # the same paths' POSTs
 REQUESTED = {"/servelm/model/{path:path}": "/servelm/model/servelm-manifest.json",
-             "/v1/models/{model_id:path}": "/v1/models/model"}  # fmt: skip  # a route's concrete path
+             "/v1/models/{model_id:path}": "/v1/models/model", "/v1/files/{file_id}": "/v1/files/file-nope",
+             "/v1/files/{file_id}/content": "/v1/files/file-nope/content",
+             "/v1/batches/{batch_id}": "/v1/batches/batch_nope",
+             "/v1/batches/{batch_id}/cancel": "/v1/batches/batch_nope/cancel"}  # fmt: skip  # a route's concrete path
 
 
 def test_every_route_but_the_probes_and_metrics_needs_the_key(restricted):
@@ -125,7 +142,7 @@ def test_every_route_but_the_probes_and_metrics_needs_the_key(restricted):
     assert registered == set(ROUTES), "a route was added or removed: decide whether it needs the key, here"
     bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/tokenize": {"prompt": "hi"},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-              "/detokenize": {"tokens": [1, 2]}}  # fmt: skip
+              "/detokenize": {"tokens": [1, 2]}, "/v1/files": {}, "/v1/batches": {}}  # fmt: skip
     with httpx.Client(base_url=restricted.base_url, timeout=30) as client:
         for (method, path), is_open in ROUTES.items():
             anonymous = client.request(method, REQUESTED.get(path, path), json=bodies.get(path))
@@ -135,7 +152,8 @@ def test_every_route_but_the_probes_and_metrics_needs_the_key(restricted):
                 assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key", path
                 keyed = client.request(method, REQUESTED.get(path, path), json=bodies.get(path),
                                        headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
-                assert keyed.status_code == KEYED_STATUS.get(path, 200), (path, keyed.text)
+                expected = KEYED_POST_STATUS.get(path) if method == "POST" and path in KEYED_POST_STATUS else None
+                assert keyed.status_code == (expected or KEYED_STATUS.get(path, 200)), (method, path, keyed.text)
         assert client.get("/no/such/route").status_code == 401, "unknown paths reveal nothing without the key"
     assert open_paths(ServerOptions(api_key=KEY, protect_metrics=True)) == {"/live", "/health", "/ready"}
 
