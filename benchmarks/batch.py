@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from servelm.server.launcher import ServerProcess, launch_server
-from servelm.testing.processes import child_pids
+from servelm.testing.processes import child_pids, kill_hard
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
 WORDS = ("the river report quarterly revenue table column growth market customer region north south "
@@ -97,15 +97,6 @@ class Api:
         return batch
 
 
-def _kill_9(server: ServerProcess) -> None:
-    children = child_pids(server.process.pid)
-    server.process.kill()
-    server.process.wait(timeout=10)
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 async def _direct_texts(base: str, bodies: list[dict[str, Any]], concurrency: int = 32) -> list[str]:
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as http:
@@ -132,7 +123,7 @@ def durability(args: argparse.Namespace) -> dict[str, Any]:
         for point in points:
             while (done := api.batch(batch_id)["request_counts"]["completed"]) < point:
                 time.sleep(0.02)
-            _kill_9(server)
+            kill_hard(server.process)
             restart = time.monotonic()
             server = launch_server(None, server_args)
             api = Api(server)

@@ -17,7 +17,7 @@ import httpx
 import openai
 
 from servelm.server.launcher import launch_server
-from servelm.testing.processes import child_pids
+from servelm.testing.processes import kill_hard
 
 ARGS = ["--num-blocks", "1024", "--max-num-seqs", "32", "--num-threads", "1"]
 
@@ -37,16 +37,6 @@ def text_of(response_body: dict) -> str:
     return response_body["choices"][0]["text"]
 
 
-def kill_hard(server) -> None:
-    """kill -9 the server, then wait for its engine core to notice and go."""
-    children = child_pids(server.process.pid)
-    server.process.kill()
-    server.process.wait(timeout=10)
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 def test_a_batch_completes_exactly_once_across_kill_9_restarts(tiny_model_dir, tmp_path):
     data_dir = tmp_path / "data"
     items = lines(80, 24)
@@ -61,7 +51,7 @@ def test_a_batch_completes_exactly_once_across_kill_9_restarts(tiny_model_dir, t
             deadline = time.monotonic() + 60
             while (done := client.batches.retrieve(batch_id).request_counts.completed) < target and time.monotonic() < deadline:
                 time.sleep(0.05)
-            kill_hard(server)
+            kill_hard(server.process)
             assert target <= done < 80  # killed mid-run
             server = launch_server(tiny_model_dir, [*ARGS, "--data-dir", str(data_dir)])
             client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)

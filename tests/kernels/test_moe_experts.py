@@ -10,23 +10,10 @@ import itertools
 import pytest
 import torch
 
-from servelm.kernels import build, cpu
+from servelm.kernels import cpu
 from servelm.kernels.arguments import KernelArgumentError
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="no C compiler: the kernels cannot be built here")
-VARIANTS = {"plain C": frozenset(), "AVX2 + FMA": frozenset({"avx2", "fma"}), "this CPU": None}
-
-
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> cpu.CpuKernels:
-    features = VARIANTS[request.param]
-    if features is None:
-        found = cpu.load()
-        assert found is not None
-        return found
-    if not features <= build.cpu_features():
-        pytest.skip(f"this CPU lacks {sorted(features - build.cpu_features())}")
-    return cpu.CpuKernels(build.build(tmp_path_factory.mktemp("kernels"), features=features))
 
 
 def _case(tokens: int, experts: int, top_k: int, hidden: int, width: int, seed: int):

@@ -22,7 +22,7 @@ from servelm.models.gguf_loader import gguf_hf_config, load_gguf_weights, open_g
 from servelm.models.hf_loader import read_hf_config
 from servelm.models.linear_methods import small_batch_kernel
 from servelm.obs.startup import StartupTimeline
-from servelm.testing.engine_run import EngineRun, greedy_requests, run_requests
+from servelm.testing.engine_run import EngineRun, assert_same_run, greedy_requests, run_requests
 from servelm.testing.lora_adapters import write_peft_adapter
 from servelm.testing.tiny_model import write_tiny_checkpoint, write_tiny_gguf
 from servelm.tokenization.loading import load_gguf_tokenizer
@@ -85,12 +85,7 @@ def test_adapter_rows_in_the_fused_call_match_the_op_by_op_path(served, monkeypa
     unfused = _engine(served)
     assert unfused.runner.model.fused_decode is None
     want = _run(unfused, names)
-    assert got.tokens == want.tokens
-    for request_id, positions in want.logprobs.items():
-        for mine, theirs in zip(got.logprobs[request_id], positions, strict=True):
-            assert [t.token_id for t in mine.top] == [t.token_id for t in theirs.top]
-            for a, b in zip(mine.top, theirs.top):
-                assert abs(a.logprob - b.logprob) <= 1e-4 * max(1.0, abs(b.logprob)), (request_id, a, b)
+    assert_same_run(got, want)
     assert sum(1 for rows in adapter_rows_per_call if rows >= 2) > 20  # adapter rows went through the fused call
     base_only = _run(_engine(served), [None] * 6)
     assert base_only.tokens != got.tokens  # the adapters change the output: the comparison above has teeth

@@ -25,7 +25,7 @@ from servelm.models.fused_decode import FusedDecodeLayers
 from servelm.models.gguf_loader import gguf_hf_config, load_gguf_weights, open_gguf
 from servelm.models.linear_methods import MAX_BLOCK_ROWS, small_batch_kernel
 from servelm.obs.startup import StartupTimeline
-from servelm.testing.engine_run import EngineRun, greedy_requests, run_requests
+from servelm.testing.engine_run import EngineRun, assert_same_run, greedy_requests, run_requests
 from servelm.testing.tiny_model import write_tiny_checkpoint, write_tiny_gguf
 from servelm.tokenization.loading import load_gguf_tokenizer
 
@@ -84,15 +84,6 @@ def _run_both(core: EngineCore, prompts: list[list[int]], max_tokens: list[int],
     return with_fused, op_by_op, calls
 
 
-def _assert_same(got: EngineRun, want: EngineRun) -> None:
-    assert got.tokens == want.tokens
-    for request_id, positions in want.logprobs.items():
-        for mine, theirs in zip(got.logprobs[request_id], positions, strict=True):
-            assert [t.token_id for t in mine.top] == [t.token_id for t in theirs.top]
-            for a, b in zip(mine.top, theirs.top):
-                assert abs(a.logprob - b.logprob) <= 1e-4 * max(1.0, abs(b.logprob)), (request_id, a, b)
-
-
 def test_fused_decode_steps_match_the_op_by_op_path(tiny_blocks: Path):
     core = _engine(tiny_blocks)
     assert core.runner.model.fused_decode is not None
@@ -100,7 +91,7 @@ def test_fused_decode_steps_match_the_op_by_op_path(tiny_blocks: Path):
     prompts = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (3, 17, 9, 30, 5)]
     prompts.append(prompts[1][:12] + [7, 8])  # a prefix hit on request 1's blocks
     got, want, fused_steps = _run_both(core, prompts, [40, 25, 33, 12, 28, 20], [0, 0, 2, 5, 5, 30])
-    _assert_same(got, want)
+    assert_same_run(got, want)
     assert len(fused_steps) > 30 and max(fused_steps) == 5  # most steps are pure decode steps of 1..5 rows
 
 
@@ -111,7 +102,7 @@ def test_preemption_and_a_self_speculative_draft_match(tiny_blocks: Path):
     prompts = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (11, 14, 8, 13)]
     core = _engine(tiny_blocks, num_blocks=24)
     got, want, fused_steps = _run_both(core, prompts, [40, 40, 40, 40], [0, 0, 0, 0])
-    _assert_same(got, want)
+    assert_same_run(got, want)
     preempted = [e for events in got.events.values() for e in events if e.type is EventType.PREEMPTED]
     assert fused_steps and preempted
     speculative = {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3, "adaptive": False}

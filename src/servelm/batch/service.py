@@ -183,10 +183,7 @@ class BatchService:
         return record
 
     async def get_file(self, tenant: str, file_id: str) -> FileRecord:
-        record = await self.off_loop(self.store.get_file, file_id)
-        if record is None or record.tenant != tenant:
-            raise BatchRequestError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
-        return record
+        return _owned(await self.off_loop(self.store.get_file, file_id), tenant, "File", file_id)
 
     async def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None, order: str) -> tuple[list[FileRecord], bool]:
         """Up to `limit` files and whether more follow."""
@@ -228,10 +225,7 @@ class BatchService:
         return batch
 
     async def get_batch(self, tenant: str, batch_id: str) -> BatchRecord:
-        batch = await self.off_loop(self.store.get_batch, batch_id)
-        if batch is None or batch.tenant != tenant:
-            raise BatchRequestError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
-        return batch
+        return _owned(await self.off_loop(self.store.get_batch, batch_id), tenant, "Batch", batch_id)
 
     async def list_batches(self, tenant: str, limit: int, after: str | None) -> tuple[list[BatchRecord], bool]:
         records = await self.off_loop(self.store.list_batches, tenant, limit + 1, after)
@@ -248,6 +242,16 @@ class BatchService:
             else:
                 self._launch(batch_id)
         return await self.get_batch(tenant, batch_id)
+
+
+Owned = TypeVar("Owned", FileRecord, BatchRecord)
+
+
+def _owned(record: Owned | None, tenant: str, kind: str, object_id: str) -> Owned:
+    """`record` if it exists and is `tenant`'s; else a 404, the same whether it is missing or another's."""
+    if record is None or record.tenant != tenant:
+        raise BatchRequestError(404, f"No such {kind} object: {object_id}", param=f"{kind.lower()}_id", code="not_found")
+    return record
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:

@@ -112,3 +112,15 @@ def record_layer_slices(scheduler: Scheduler) -> list[LayerSlice]:
 
     scheduler.schedule = recording_schedule  # type: ignore[method-assign]
     return slices
+
+
+def assert_same_run(got: EngineRun, want: EngineRun, rtol: float = 1e-4) -> None:
+    """The same greedy tokens, and at every position the same top-logprob tokens with logprobs within
+    `rtol` (relative, absolute below 1): two paths that compute the same float32 values up to the order
+    of a few sums."""
+    assert got.tokens == want.tokens
+    for request_id, positions in want.logprobs.items():
+        for mine, theirs in zip(got.logprobs[request_id], positions, strict=True):
+            assert [t.token_id for t in mine.top] == [t.token_id for t in theirs.top]
+            for a, b in zip(mine.top, theirs.top, strict=True):
+                assert abs(a.logprob - b.logprob) <= rtol * max(1.0, abs(b.logprob)), (request_id, a, b)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
+from pathlib import Path
 
 
 def child_pids(pid: int, cmdline_has: str = "") -> list[int]:
@@ -21,3 +24,13 @@ def child_pids(pid: int, cmdline_has: str = "") -> list[int]:
             if parent == pid and cmdline_has in cmdline:
                 children.append(int(entry))
     return children
+
+
+def kill_hard(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """kill -9 `process`, then wait for its children (a server's engine core) to notice and go."""
+    children = child_pids(process.pid)
+    process.kill()
+    process.wait(timeout=10)
+    deadline = time.monotonic() + timeout_s
+    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
