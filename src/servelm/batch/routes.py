@@ -25,6 +25,7 @@ from starlette.responses import FileResponse, Response
 
 from servelm.batch.service import BatchRequestError, BatchService
 from servelm.openai_api.auth import CALLER_STATE
+from servelm.openai_api.body_limit import body_too_large_message, read_within
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
 from servelm.openai_api.errors import INVALID_REQUEST, SERVER_ERROR, error_response
 from servelm.tenancy.config import DEFAULT_TENANT
@@ -85,9 +86,9 @@ def _limit(request: Request, default: int) -> int:
 async def _create_body(request: Request) -> CreateBatchRequest:
     if not is_json_content_type(request.headers.get("content-type")):
         raise BatchRequestError(415, NOT_JSON_MESSAGE, code="unsupported_media_type")
-    body = await request.body()
-    if len(body) > MAX_CREATE_BODY_BYTES:
-        raise BatchRequestError(413, f"the body is over {MAX_CREATE_BODY_BYTES} bytes", code="request_too_large")
+    body = await read_within(request, MAX_CREATE_BODY_BYTES)
+    if body is None:
+        raise BatchRequestError(413, body_too_large_message(MAX_CREATE_BODY_BYTES), code="request_too_large")
     try:
         return CreateBatchRequest.model_validate_json(body)
     except ValidationError as exc:

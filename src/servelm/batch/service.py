@@ -1,8 +1,8 @@
-"""The Files and Batch APIs' operations, for one tenant at a time; the HTTP routes (server/batch_api.py)
-only parse and render. Everything lives under `data_dir`: batch.sqlite3 (store.py) and files/.
+"""The Files and Batch APIs' operations, for one tenant at a time; the HTTP routes (routes.py) only
+parse and render. Everything lives under `data_dir`: batch.sqlite3 (store.py) and files/.
 
 A tenant sees only its own files and batches (another's id is a 404, as if it did not exist), and
-holds at most `max_files_per_tenant` files and `max_active_batches_per_tenant` unfinished batches.
+holds at most `max_files_per_tenant` files and `max_batches_per_tenant` unfinished batches.
 Batches left unfinished by the previous process are resumed by `start()`.
 """
 

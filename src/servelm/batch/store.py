@@ -253,7 +253,7 @@ class BatchStore:
             after = rows[-1][0]
 
     def counts(self, batch_id: str) -> tuple[int, int, int]:
-        """(total, completed, failed) as the lines' states say."""
+        """(total, completed, failed): what replace_lines and finish_line counted, with each line's change."""
         with self._lock:
             row = self._db.execute("SELECT total, completed, failed FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)

@@ -101,10 +101,15 @@ class PreparedLayers:
         self.layers, self.geometry, self.array = tuple(layers), geometry, array
         pool = self.layers[0].kv_pool
         self.num_blocks, self.block_size = pool.shape[1], pool.shape[2]
-        stacked = [m.lora for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m.lora]
+        stacked = _stacked_loras(self.layers)
         # The adapter slots every linear has (0: no LoRA), and the widest linear's W (the scratch a row needs).
         self.lora_slots = stacked[0].a.shape[0] if stacked else 0
         self.lora_width = max((lora.a.shape[1] for lora in stacked), default=0)
+
+
+def _stacked_loras(layers: Sequence[LayerTensors]) -> list[StackedLoRA]:
+    """The LoRA stacks of every linear of `layers` that has one."""
+    return [m.lora for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m.lora is not None]
 
 
 def _linear(name: str, matrix: BlockMatrix, n: int, k: int) -> FusedLinear:
@@ -134,7 +139,7 @@ def prepare_layers(layers: Sequence[LayerTensors], geometry: LayerGeometry) -> P
         raise KernelArgumentError(f"decode layers: heads must group over KV heads and head_dim be even, got {g}")
     array = (FusedLayer * len(layers))()
     pool_shape = tuple(layers[0].kv_pool.shape)
-    slot_counts = {m.lora.a.shape[0] for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m.lora}
+    slot_counts = {lora.a.shape[0] for lora in _stacked_loras(layers)}
     if len(slot_counts) > 1:
         raise KernelArgumentError(f"decode layers: every linear's LoRA must have the same slots, found {sorted(slot_counts)}")
     for i, layer in enumerate(layers):

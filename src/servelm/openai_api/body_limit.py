@@ -1,7 +1,8 @@
 """Request bodies larger than a front accepts: 413 in OpenAI's shape, before they are held whole.
 
-The server reads and parses its bodies itself (server/app.py `_read_body`, same message); the
-router, which forwards them, gets this middleware: it reads a generation request's body up to
+A front that reads and parses a body itself (the server's JSON routes, the Batch API's create) reads
+it with `read_within`, and answers the same message when it gives None; the router, which forwards
+generation bodies, gets this middleware: it reads a generation request's body up to
 `max_bytes` (a declared Content-Length above it is refused without reading a byte), then hands
 the app the body it read.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servelm.openai_api.errors import INVALID_REQUEST, error_response
@@ -17,6 +19,21 @@ from servelm.openai_api.errors import INVALID_REQUEST, error_response
 
 def body_too_large_message(max_bytes: int) -> str:
     return f"The request body is larger than this server accepts ({max_bytes} bytes)."
+
+
+async def read_within(request: Request, max_bytes: int) -> bytes | None:
+    """The body, or None as soon as it exceeds `max_bytes`: a declared Content-Length above it
+    without reading a byte, a streamed body at the chunk that crosses it (nothing more is read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class BodyLimitMiddleware:

@@ -67,7 +67,7 @@ from servelm.obs.metrics import ServerMetrics, starting_metrics
 from servelm.obs.request_log import RequestLogger
 from servelm.obs.startup import StartupTimeline
 from servelm.openai_api.auth import ApiKeyMiddleware
-from servelm.openai_api.body_limit import body_too_large_message
+from servelm.openai_api.body_limit import body_too_large_message, read_within
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
 from servelm.openai_api.open_files import raise_open_files_limit
 from servelm.openai_api.overload import DEFAULT_STALL_TIMEOUT_S, GENERATION_PATHS, OverloadOptions
@@ -321,7 +321,10 @@ async def _parse(request: Request, model: type[M]) -> M:
     """The body as `model`: 415 unless JSON, 413 when too large, 400 naming the bad field."""
     if not is_json_content_type(request.headers.get("content-type")):
         raise APIError(415, NOT_JSON_MESSAGE, code="unsupported_media_type")
-    body = await _read_body(request, request.app.state.max_body_bytes)
+    limit = request.app.state.max_body_bytes
+    body = await read_within(request, limit)
+    if body is None:
+        raise body_too_large(limit)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -329,20 +332,6 @@ async def _parse(request: Request, model: type[M]) -> M:
         if errors and errors[0].get("type") == "json_invalid":
             raise from_invalid_json(body, errors[0]) from exc
         raise from_validation_errors(errors) from exc
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it exceeds `limit` bytes (declared or streamed)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise body_too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def body_too_large(limit: int) -> APIError:
