@@ -64,6 +64,10 @@ class RequestSlo(msgspec.Struct, frozen=True, kw_only=True):
     # How long its KV blocks stay in the tiers beyond the pool (KV_RETENTIONS): its class's, or the
     # request's `kv_retention` hint.
     kv_retention: str = "normal"
+    # Whether waiting lifts it a priority per aging_s (scheduler/ranking.py). False for the batch
+    # class, which fills the capacity interactive traffic leaves idle: lifted, a line that waited
+    # would take steps from voice requests that waited less, and a batch has hours to finish.
+    ages: bool = True
 
 
 DEFAULT_SLO = RequestSlo()

@@ -12,6 +12,7 @@ from servelm.datatypes import (
     FinishReason,
     ModelOutput,
     PositionLogprobs,
+    RequestSlo,
     SchedulerOutput,
     TokenLogprob,
 )
@@ -340,6 +341,21 @@ def test_aging_lifts_a_waiting_batch_request() -> None:
     s.add_request(request("chat", 3, priority=0, arrival_time=1014.0, max_tokens=1))
     so, _ = step(s)
     assert list(so.num_scheduled_tokens) == ["batch"]
+
+
+def test_a_class_that_does_not_age_stays_behind_interactive_requests() -> None:
+    """The batch class (RequestSlo.ages False) fills idle capacity: however long a line waited,
+    a request of a better priority goes first, admission and prefill alike."""
+    clock = Clock(1100.0)
+    s = make_scheduler(max_num_seqs=1, aging_s=10.0, clock=clock)
+    line = request("line", 3, priority=1, arrival_time=1000.0, max_tokens=1)  # waited 10 aging periods
+    line.slo = RequestSlo(slo_class="batch", ages=False)
+    s.add_request(line)
+    s.add_request(request("chat", 3, priority=0, arrival_time=1099.0, max_tokens=1))
+    so, _ = step(s)
+    assert list(so.num_scheduled_tokens) == ["chat"]
+    so, _ = step(s)
+    assert list(so.num_scheduled_tokens) == ["line"]
 
 
 def test_unset_arrival_time_uses_the_core_clock() -> None:

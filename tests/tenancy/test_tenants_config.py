@@ -47,6 +47,8 @@ def test_the_example_file_loads_with_builtin_and_own_classes():
         ("tenants: {a: {api_keys: [], class: batch}}", r"tenants\.a\.api_keys: expected a non-empty list"),
         ("classes: {gold: {priority: 0, kv_retention: forever}}\ntenants: {a: {api_keys: [k], class: gold}}",
          r"classes\.gold\.kv_retention: 'forever'; expected one of \['low', 'normal', 'high'\]"),
+        ("classes: {gold: {priority: 0, ages: 'no'}}\ntenants: {a: {api_keys: [k], class: gold}}",
+         r"classes\.gold\.ages: expected true or false, got 'no'"),
         ("tenant: {}", r"the file: unknown field\(s\) \['tenant'\]"),
         ("tenants: [", "cannot read the tenants file"),
     ],
@@ -64,6 +66,19 @@ def test_a_class_kv_retention_reaches_its_requests_slo(tmp_path):
     tenants = {t.name: t for t in config.tenants}
     assert request_slo(tenants["a"], 0)[1].kv_retention == "low"
     assert request_slo(tenants["b"], 0)[1].kv_retention == "normal"
+
+
+def test_the_batch_class_does_not_age_unless_a_file_says_so(tmp_path):
+    """Batch lines fill idle capacity: aging must not lift them past interactive traffic. A file
+    overriding `batch` keeps that unless it sets `ages`; its own classes age by default."""
+    config = _load(tmp_path, "classes: {docs: {priority: 1}, batch: {priority: 2, ttft_s: 60}, slow: {priority: 3, ages: false}}\n"
+                             "tenants: {a: {api_keys: [k], class: docs}, b: {api_keys: [k2], class: batch},"
+                             " c: {api_keys: [k3], class: interactive}, d: {api_keys: [k4], class: slow}}")  # fmt: skip
+    tenants = {t.name: t for t in config.tenants}
+    assert [request_slo(tenants[n], 0)[1].ages for n in "abcd"] == [True, False, True, False]
+    assert BUILTIN_CLASSES["batch"].ages is False
+    again = _load(tmp_path, "classes: {batch: {priority: 1, ages: true}}\ntenants: {b: {api_keys: [k], class: batch}}")
+    assert request_slo(again.tenants[0], 0)[1].ages is True
 
 
 def test_keys_name_their_tenant_and_the_priority_is_clamped(tmp_path):

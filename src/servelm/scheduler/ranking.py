@@ -4,6 +4,7 @@ Every request has a rank, lower first:
 
     rank               = (effective priority, deadline, arrival seq)
     effective priority = priority - floor(waited / aging_s)          aging: nothing starves
+                         (priority, for a class that does not age: batch lines fill idle capacity)
     deadline           = arrival_time + its class's TTFT target       least slack first
 
 The scheduler ranks with it everywhere: the running list is sorted by rank each step (decodes
@@ -75,7 +76,7 @@ class Ranking:
     aging_s: float  # 0: no aging
 
     def effective_priority(self, request: Request, now: float) -> int:
-        if self.aging_s <= 0:
+        if self.aging_s <= 0 or not request.slo.ages:
             return request.priority
         waited = max(0.0, now - request.arrival_time)  # clamp: another host's clock may run ahead
         return request.priority - math.floor(waited / self.aging_s)

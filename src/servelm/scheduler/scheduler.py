@@ -779,7 +779,8 @@ class Scheduler:
             self._waiting.add(request)
 
     def _is_starving(self, request: Request, now: float) -> bool:
-        return self.config.aging_s > 0 and now - request.arrival_time >= self.config.aging_s
+        # A class that does not age (batch) waits for interactive traffic by design: never starving.
+        return self.config.aging_s > 0 and request.slo.ages and now - request.arrival_time >= self.config.aging_s
 
     def _try_admit(self, request: Request, plan: StepPlan, now: float) -> bool:
         if request.grammar_compile is not None:

@@ -2,6 +2,7 @@
 
     classes:                      # optional: built-in realtime / interactive / batch, overridable
       voice-bot: {ttft_s: 0.3, tbt_s: 0.1, priority: 0}
+      batch: {ttft_s: 60, priority: 2}   # optional `ages` (true; false for the built-in batch class)
     tenants:
       voice:
         api_keys: [sk-voice-1]    # secrets: kept here only as sha256 digests, never logged
@@ -42,12 +43,14 @@ class SloClass:
     ttft_s: float | None = None  # time-to-first-token target; None: no promise
     tbt_s: float | None = None  # time-between-tokens target; None: no promise
     kv_retention: str = "normal"  # its requests' KV in the host/disk tiers (datatypes.KV_RETENTIONS)
+    ages: bool = True  # waiting lifts its requests a priority per --aging-s (datatypes.RequestSlo.ages)
 
 
 BUILTIN_CLASSES: Mapping[str, SloClass] = {
     "realtime": SloClass("realtime", priority=0, ttft_s=0.3, tbt_s=0.1),
     "interactive": SloClass("interactive", priority=0, ttft_s=1.0, tbt_s=0.2),
-    "batch": SloClass("batch", priority=1, ttft_s=30.0, tbt_s=1.0),
+    # Batch lines fill idle capacity: they never age past interactive traffic.
+    "batch": SloClass("batch", priority=1, ttft_s=30.0, tbt_s=1.0, ages=False),
 }
 
 
@@ -116,18 +119,24 @@ def parse_tenants(raw: Any, source: str) -> TenantsConfig:
 
 def _slo_class(name: str, spec: Any, source: str) -> SloClass:
     where = f"classes.{name}"
-    fields = _mapping(spec, source, where, {"ttft_s", "tbt_s", "priority", "kv_retention"})
+    fields = _mapping(spec, source, where, {"ttft_s", "tbt_s", "priority", "kv_retention", "ages"})
     if "priority" not in fields:
         raise TenantsConfigError(f"{source}: {where}.priority: missing (an integer, lower runs first)")
     kv_retention = fields.get("kv_retention", "normal")
     if kv_retention not in KV_RETENTIONS:
         raise TenantsConfigError(f"{source}: {where}.kv_retention: {kv_retention!r}; expected one of {list(KV_RETENTIONS)}")
+    # A class overriding a built-in one keeps its aging unless it says otherwise (batch: none).
+    builtin = BUILTIN_CLASSES.get(name)
+    ages = fields.get("ages", builtin.ages if builtin is not None else True)
+    if not isinstance(ages, bool):
+        raise TenantsConfigError(f"{source}: {where}.ages: expected true or false, got {ages!r}")
     return SloClass(
         name,
         priority=_int(fields["priority"], source, f"{where}.priority", minimum=None),
         ttft_s=_seconds(fields.get("ttft_s"), source, f"{where}.ttft_s"),
         tbt_s=_seconds(fields.get("tbt_s"), source, f"{where}.tbt_s"),
         kv_retention=kv_retention,
+        ages=ages,
     )
 
 

@@ -77,5 +77,6 @@ def request_slo(tenant: Tenant, priority: int) -> tuple[int, RequestSlo]:
     allowed = tenant.priority_range
     clamped = allowed.clamp(priority) if allowed is not None else slo_class.priority
     slo = RequestSlo(tenant=tenant.name, slo_class=slo_class.name, ttft_target_s=slo_class.ttft_s,
-                     tbt_target_s=slo_class.tbt_s, weight=tenant.weight, kv_retention=slo_class.kv_retention)  # fmt: skip
+                     tbt_target_s=slo_class.tbt_s, weight=tenant.weight, kv_retention=slo_class.kv_retention,
+                     ages=slo_class.ages)  # fmt: skip
     return clamped, slo
