@@ -34,9 +34,14 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# Test processes `make test` runs at once (pytest-xdist). Two on this project's 2-core hosts: much
+# of the suite waits on servers, sockets and subprocesses. A file's tests stay on one worker
+# (--dist loadfile), so its module fixtures (a model, a server) are built once.
+TEST_WORKERS ?= 2
+
 # What CI runs (.ci/run): the gates first, then every test.
 test: setup lint
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # The quick loop: everything but the tests marked slow (real default model, long runs); no gates.
 test-fast: setup

@@ -70,18 +70,26 @@ def test_tiny_model_greedy_matches_reference(tiny_dir, reference_model, method, 
     assert stats.num_used_blocks == 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
-def test_default_model_greedy_unchanged(method):
+@pytest.fixture(scope="module")
+def default_model_plain_run() -> tuple[list[list[int]], SamplingParams, list[list[int]]]:
+    """(prompts, params, greedy tokens) of the default model without speculation: computed once,
+    the reference every proposer's run is compared with."""
     source = open(__file__).read()[:1500]  # a real file, asked back: output repeats the prompt
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    plain = LLM(None, num_blocks=256, max_num_batched_tokens=256)
-    spec = LLM(None, num_blocks=256, max_num_batched_tokens=256, speculative_config=_spec(method))
-    prompts = [
-        plain.chat_prompt([{"role": "user", "content": "Repeat this file exactly:\n" + source}]),
-        plain.chat_prompt([{"role": "user", "content": "Count from 1 to 40, comma separated."}]),
-    ]
-    want = [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
-    got = [r.outputs[0].token_ids for r in spec.generate(prompts, params)]
-    assert got == want
-    assert spec.engine.core.stats().spec_num_accepted_tokens > 0
+    with LLM(None, num_blocks=256, max_num_batched_tokens=256) as plain:
+        prompts = [
+            plain.chat_prompt([{"role": "user", "content": "Repeat this file exactly:\n" + source}]),
+            plain.chat_prompt([{"role": "user", "content": "Count from 1 to 40, comma separated."}]),
+        ]
+        want = [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
+    return prompts, params, want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_default_model_greedy_unchanged(default_model_plain_run, method):
+    prompts, params, want = default_model_plain_run
+    with LLM(None, num_blocks=256, max_num_batched_tokens=256, speculative_config=_spec(method)) as spec:
+        got = [r.outputs[0].token_ids for r in spec.generate(prompts, params)]
+        assert got == want
+        assert spec.engine.core.stats().spec_num_accepted_tokens > 0
