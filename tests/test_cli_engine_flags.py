@@ -111,3 +111,16 @@ def test_each_flag_is_declared_once_in_the_slice_it_sets() -> None:
         args = parser.parse_args([command, "--kv-events-port", "5557", "--no-prefix-caching"])
         config = engine_config_from_args(args)
         assert config.kv_events.kv_events_port == 5557 and not config.cache.enable_prefix_caching
+
+
+def test_flag_arguments_give_back_the_settings_they_were_made_from() -> None:
+    """config.flag_arguments is cli's reading of the flags run backwards: `servelm simulate
+    calibrate` starts a real server with the settings it built its engine from."""
+    from servelm.cli import engine_settings
+    from servelm.config import flag_arguments
+
+    given = ["serve", "--max-step-ms", "250", "--max-num-seqs", "8", "--no-prefix-caching", "--no-layered-prefill",
+             "--num-blocks", "96", "--enforce-eager"]  # fmt: skip
+    settings = engine_settings(build_parser().parse_args(given))
+    again = engine_settings(build_parser().parse_args(["serve", *flag_arguments(settings)]))
+    assert again == settings and settings["max_step_ms"] == 250.0 and settings["enable_prefix_caching"] is False

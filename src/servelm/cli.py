@@ -1,4 +1,4 @@
-"""`servelm serve | run-batch | generate | bench | router | cluster | diagnose | manifest | pull`: the command line.
+"""`servelm serve | run-batch | generate | bench | router | cluster | diagnose | simulate | manifest | pull`: the command line.
 
 Engine flags are shared by every subcommand that runs an engine; each is declared once, in the
 config slice it sets (servelm.config: FLAGS), and grouped by slice in --help.
@@ -34,10 +34,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flag.names, **options)
 
 
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags given (add_engine_arguments) as EngineConfig.from_flat keywords."""
+    settings = (flag.setting for _, config_slice in FLAG_SLICES for flag in config_slice.FLAGS)
+    return {name: value for name in settings if (value := getattr(args, name, None)) is not None}
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the engine flags given (add_engine_arguments), each to its slice."""
-    settings = (flag.setting for _, config_slice in FLAG_SLICES for flag in config_slice.FLAGS)
-    return EngineConfig.from_flat(**{name: value for name in settings if (value := getattr(args, name, None)) is not None})
+    return EngineConfig.from_flat(**engine_settings(args))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -170,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     add_cluster_parser(sub)
     add_diagnose_parser(sub)
+
+    from servelm.simulate.cli import add_simulate_parser  # argparse only, like bench
+
+    add_simulate_parser(sub, add_engine_arguments, engine_settings)
 
     from servelm.delivery import commands as delivery  # argparse only, like bench
 

@@ -7,7 +7,7 @@ field (never `assert`, which `python -O` strips).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
@@ -709,6 +709,28 @@ FLAG_SLICES: tuple[tuple[str, Any], ...] = (
     ("structured outputs", StructuredOutputsConfig),
     ("LoRA adapters", LoRAConfig),
 )
+
+
+
+def flag_arguments(settings: Mapping[str, Any]) -> list[str]:
+    """The command-line arguments that set `settings` (from_flat keywords, as cli.py reads them
+    back from the flags): how a process that has the settings starts `servelm serve` with them."""
+    arguments: list[str] = []
+    for _, config_slice in FLAG_SLICES:
+        for flag in config_slice.FLAGS:
+            value = settings.get(flag.setting)
+            if value is None:
+                continue
+            name = flag.names[0]
+            if flag.action is not None:  # a switch: given when it sets what its action stores
+                if value is (flag.action == "store_true"):
+                    arguments.append(name)
+            elif flag.nargs is not None and isinstance(value, tuple | list):
+                arguments += [name, *map(str, value)]
+            else:
+                arguments += [name, ",".join(map(str, value)) if isinstance(value, tuple | list) else str(value)]
+    return arguments
+
 
 _RESOLVED_BY_BUILDER: dict[type, set[str]] = {SchedulerConfig: {"max_model_len"}}
 

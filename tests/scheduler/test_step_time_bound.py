@@ -51,7 +51,7 @@ def bounded(max_step_ms: float | None = 100.0, num_layers: int = NUM_LAYERS, **c
 
 
 def planned_s(s: Scheduler, so) -> float:
-    shape, _ = s._executed_shape(so)
+    shape, _ = s.executed_shape(so)
     return truth_s(shape)
 
 

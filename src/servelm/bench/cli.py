@@ -35,6 +35,11 @@ def _floats(spec: str) -> list[float]:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
+    _add_server(parser)
+    add_workload_arguments(parser)
+
+
+def _add_server(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("server")
     target.add_argument("--base-url", default="http://127.0.0.1:8000", help="any OpenAI-compatible server")
     target.add_argument("--api-key", default=None)
@@ -53,6 +58,16 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="let outputs end at EOS (default: run to max_tokens)")  # fmt: skip
     target.add_argument("--temperature", type=float, default=0.0)
     target.add_argument("--request-timeout-s", type=float, default=600.0)
+
+
+# What `_add_server` would set, for a command that sends nothing over HTTP (`servelm simulate run`).
+NO_SERVER_DEFAULTS = {"base_url": "simulated", "api_key": None, "api_keys": None, "model": None, "tokenizer": None,
+                      "endpoint": "completions", "priority": "on", "timeline": "off", "ignore_eos": True,
+                      "temperature": 0.0, "request_timeout_s": 600.0}  # fmt: skip
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload (profile, lengths, arrivals, SLOs) and output flags of `bench run` and `bench sweep`."""
     work = parser.add_argument_group("workload")
     work.add_argument("--profile", choices=["voice", "code", "analytics", "chat", "longchat", "mixed"],
                       default="mixed")  # fmt: skip
@@ -154,7 +169,8 @@ def _range(spec: str | None, flag: str) -> tuple[int, int] | None:
     return parse_range(spec, flag) if spec else None
 
 
-def _config(args: argparse.Namespace):
+def bench_config(args: argparse.Namespace):
+    """The BenchConfig of parsed `bench run | sweep` flags (or a command's own with the same names)."""
     from servelm.bench.execute import BenchConfig
     from servelm.bench.profiles import parse_api_keys, parse_weights
     from servelm.bench.workload import DEFAULT_SLOS, parse_slo
@@ -208,7 +224,7 @@ def _quietly(handler):
 def _run(args: argparse.Namespace) -> int:
     from servelm.bench.execute import Load, prepare, run_once
 
-    config = _config(args)
+    config = bench_config(args)
     if args.trace is not None:
         load = Load("trace")
     elif args.concurrency is not None:
@@ -228,7 +244,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     if args.concurrencies and any(c != int(c) for c in args.concurrencies):
         raise SystemExit("--concurrencies must be whole numbers")
-    config = _config(args)
+    config = bench_config(args)
     mode, loads = ("rate", args.rates) if args.rates else ("concurrency", args.concurrencies)
     sweep = run_sweep(prepare(config), config, mode, loads, args.target_attainment, config.out_dir)
     print((config.out_dir / "sweep.md").read_text())

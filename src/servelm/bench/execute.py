@@ -148,15 +148,22 @@ def prepare(config: BenchConfig) -> Target:
 
 
 def build_requests(target: Target, config: BenchConfig, load: Load, salt: int = 0) -> list[WorkloadRequest]:
+    return workload_requests(target.tokens, target.limits, config, load, salt, target.chat_lengths)
+
+
+def workload_requests(tokens: TokenSource, limits: LengthLimits, config: BenchConfig, load: Load, salt: int = 0,
+                      chat_lengths: list[tuple[int, int]] | None = None) -> list[WorkloadRequest]:  # fmt: skip
+    """The run's requests with their arrival times (none: closed loop), from the profile or the
+    trace; no server needed (`servelm simulate` replays the same)."""
     if load.kind == "trace":
         if config.trace is None:
             raise ValueError("a trace load needs --trace")
         entries = load_trace(config.trace, max_entries=config.num_requests)
-        replay = TraceReplay(target.tokens, target.limits, config.seed, config.trace_block_size, config.time_scale,
+        replay = TraceReplay(tokens, limits, config.seed, config.trace_block_size, config.time_scale,
                              config.trace_time_unit_s, salt)  # fmt: skip
         return replay.workload(entries)
-    requests = build_workload(config.profile, config.num_requests, target.tokens, target.limits, config.seed,
-                              config.weights, target.chat_lengths, salt, config.document_tokens,
+    requests = build_workload(config.profile, config.num_requests, tokens, limits, config.seed,
+                              config.weights, chat_lengths, salt, config.document_tokens,
                               config.voice_output_tokens, config.sessions)  # fmt: skip
     mark_slow_readers(requests, config.slow_readers, config.seed)
     if load.kind == "concurrency":

@@ -53,6 +53,12 @@ from servelm.schemas.kv_events import (
 HEARTBEAT_INTERVAL_S = 1.0
 
 
+def event_record(event: KVCacheEvent) -> KVEventRecord:
+    """The wire record of one pool or tier event (a simulated replica's router reads the same)."""
+    kind = STORED if event.type is KVEventType.STORED else REMOVED
+    return KVEventRecord(kind, event.block_hash, event.medium.value)
+
+
 class KVEventPublisher:
     """Publishes the core's KV events; answers snapshot requests. Owned by the core loop alone.
 
@@ -89,16 +95,13 @@ class KVEventPublisher:
         """Drain and send one batch (call after each step). No events: a heartbeat, at most once a second."""
         events = self._drain()
         if events:
-            records = []
-            for event in events:
-                medium = event.medium.value
-                held = self._held.setdefault(medium, set())
-                if event.type is KVEventType.STORED:
-                    held.add(event.block_hash)
-                    records.append(KVEventRecord(STORED, event.block_hash, medium))
+            records = [event_record(event) for event in events]
+            for record in records:
+                held = self._held.setdefault(record.medium, set())
+                if record.kind == STORED:
+                    held.add(record.block_hash)
                 else:
-                    held.discard(event.block_hash)
-                    records.append(KVEventRecord(REMOVED, event.block_hash, medium))
+                    held.discard(record.block_hash)
             self._send(records)
         elif time.monotonic() - self._last_sent >= HEARTBEAT_INTERVAL_S:
             self._send_batch(self.seq, [])

@@ -189,6 +189,12 @@ class Scheduler:
         return self._requests.get(request_id)
 
     @property
+    def layered_prefill_layers(self) -> int:
+        """The model layers a layered chunk is run in (0: token chunks only), as passed at construction
+        (a simulated replica builds its scheduler with the same: servelm.simulate)."""
+        return self._num_layers
+
+    @property
     def num_prefilling(self) -> int:
         """Running prompts mid-prefill (partial prefills)."""
         return sum(1 for r in self._running if r.is_prefilling)
@@ -852,7 +858,7 @@ class Scheduler:
         now = self._clock()
         # The fit is of the target's step; the proposer's time is charged to drafts (drafts.py).
         forward_seconds = model_output.execute_seconds - model_output.propose_seconds
-        shape, kind = self._executed_shape(scheduler_output)
+        shape, kind = self.executed_shape(scheduler_output)
         predicted = self.step_cost.predict(shape)  # what the step was planned against
         self.step_cost.observe(shape, forward_seconds)
         self.step_log.record_prediction(kind, predicted, forward_seconds)
@@ -883,7 +889,7 @@ class Scheduler:
             self._running = [r for r in self._running if not r.status.is_finished]
         return outputs
 
-    def _executed_shape(self, scheduler_output: SchedulerOutput) -> tuple[StepShape, str]:
+    def executed_shape(self, scheduler_output: SchedulerOutput) -> tuple[StepShape, str]:
         """What a step computed and its kind (step_pricing.executed_shape), before update() advances it."""
         return executed_shape(scheduler_output, self._requests, self.step_cost, self._num_layers)
 

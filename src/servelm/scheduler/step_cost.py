@@ -135,6 +135,11 @@ class StepCostModel:
     def calibrated(self) -> bool:
         return bool(self._prior)
 
+    def calibration(self) -> list[tuple[StepShape, float]]:
+        """The calibration's timed steps, as `calibrate` took them (a simulated replica's scheduler is
+        calibrated with the same prior as the engine it models: servelm.simulate)."""
+        return [(StepShape(*features[1:]), seconds) for features, seconds in self._prior]
+
     @property
     def calibrated_fixed_s(self) -> float | None:
         """The fixed part of a prompt step (fixed + one dense pass) as the calibration alone measured

@@ -31,7 +31,7 @@ class StepLog:
 
     def record_prediction(self, kind: str, predicted_s: float | None, measured_s: float) -> None:
         """What the step-cost model predicted for an executed step and what it took (kinds:
-        Scheduler._executed_shape); nothing while the model had no prediction."""
+        Scheduler.executed_shape); nothing while the model had no prediction."""
         if predicted_s is not None and predicted_s > 0 and measured_s > 0:
             self._predictions.append((kind, predicted_s, measured_s))
 

@@ -1,0 +1,14 @@
+"""`servelm simulate`: servelm's own scheduler, KV cache and router policies on a virtual clock.
+
+    profile.json ──▶ SimReplica × N (the real Scheduler + KVCacheManager; the forward replaced by
+                     the profile's step cost)  ◀── Fleet (events in time order; the real routing
+                     policy over router.replicas.Replica records)  ◀── a `servelm bench` workload
+                 ──▶ bench records ──▶ run.json / summary.md, as `servelm bench run` writes them
+
+profile.py    CostProfile: what a step costs on one machine (calibrated, or a labelled roofline)
+calibrate.py  `servelm simulate calibrate`: the real engine timed on this host, the profile fitted
+replica.py    SimReplica: one engine's scheduling, step by step, in virtual time
+fleet.py      Fleet: arrivals, routing, replicas' steps, request records
+workload.py   the bench's profiles and arrival processes, without a server
+cli.py        `servelm simulate calibrate | run`
+"""
