@@ -230,6 +230,25 @@ def _bench(server: ServerProcess, out: Path, *load: str, requests: int, seed: in
             "req_s": overall["request_throughput"], "duration_s": summary["duration_s"]}  # fmt: skip
 
 
+def _step_buckets(server: ServerProcess) -> dict[float, float]:
+    """The server's servelm:engine_step_seconds histogram: cumulative count per bucket bound."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[float, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics", timeout=30).text):
+        if family.name == "servelm:engine_step_seconds":
+            counts.update((float(s.labels["le"]), s.value) for s in family.samples if s.name.endswith("_bucket"))
+    return counts
+
+
+def _steps_over(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
+    """Of the steps run between two scrapes, the share longer than 25, 50, 75 and 100 ms (why a
+    token gap grew: the engine's steps, or the way out of it)."""
+    total = after[float("inf")] - before.get(float("inf"), 0.0)
+    return {f"over_{round(le * 1000)}ms": round(1 - (after[le] - before.get(le, 0.0)) / total, 4) if total else 0.0
+            for le in (0.025, 0.05, 0.075, 0.1)} | {"steps": total}  # fmt: skip
+
+
 def _analytics_lines(count: int, seed: int) -> tuple[list[dict[str, Any]], float]:
     """The analytics profile's real lengths as token-id prompts; returns the lines and the mean tokens per line."""
     rng = random.Random(seed)
@@ -263,7 +282,9 @@ def isolation(args: argparse.Namespace) -> dict[str, Any]:
         api = Api(server)
         capacity = _bench(server, work / "capacity", "--concurrency", "16", requests=args.voice_requests, seed=3)["req_s"]
         rate = 0.6 * capacity
+        before = _step_buckets(server)
         voice_alone = _bench(server, work / "voice-alone", "--rate", f"{rate:.3f}", requests=args.voice_requests, seed=4)
+        voice_alone["engine_steps"] = _steps_over(before, _step_buckets(server))
         window = voice_alone["duration_s"] or 60.0
         lines, tokens_per_line = _analytics_lines(args.batch_lines, seed=5)
         path = _write(work / "analytics.jsonl", lines)
@@ -275,8 +296,10 @@ def isolation(args: argparse.Namespace) -> dict[str, Any]:
         voice_beside: dict[str, Any] = {}
 
         def voice() -> None:
+            before = _step_buckets(server)
             voice_beside.update(_bench(server, work / "voice-beside", "--rate", f"{rate:.3f}",
                                        requests=args.voice_requests, seed=4))  # fmt: skip
+            voice_beside["engine_steps"] = _steps_over(before, _step_buckets(server))
 
         beside_lines, beside_s = _batch_window(api, beside_id, None, during=voice)
         api.cancel(beside_id)

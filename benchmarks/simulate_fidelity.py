@@ -67,18 +67,18 @@ def main() -> None:
         config = BenchConfig(base_url=server.base_url, out_dir=out, profile=args.profile, num_requests=args.num_requests,
                              seed=7, duration_s=1800, progress=False, plots=False)  # fmt: skip
         target = prepare(config)
-        runs: list[tuple[str, Load]] = [("capacity", Load("concurrency", 16.0))]
-        measured_capacity = None
-        for name, load in runs:
-            measured = run_once(target, config, load, out / name / "measured")
-            measured_capacity = measured["summary"]["overall"]["request_throughput"]
-        assert measured_capacity is not None
-        runs += [(f"{float(f):.0%}", Load("rate", float(f) * measured_capacity)) for f in args.fractions.split(",")]
-        for name, load in runs:
-            measured_report = json.loads((out / name / "measured" / "run.json").read_text()) if name == "capacity" \
-                else run_once(target, config, load, out / name / "measured")  # fmt: skip
+        # Each run its own salt (bench's, as a sweep's steps): the same lengths and sharing, other
+        # tokens, so no run finds the one before it in the server's prefix cache; the simulation
+        # replays the same salted requests on an empty cache, as the server has for them.
+        capacity = run_once(target, config, Load("concurrency", 16.0), out / "capacity" / "measured", salt=1)
+        measured_capacity = capacity["summary"]["overall"]["request_throughput"]
+        runs: list[tuple[str, Load, dict[str, Any] | None]] = [("capacity", Load("concurrency", 16.0), capacity)]
+        runs += [(f"{float(f):.0%}", Load("rate", float(f) * measured_capacity), None) for f in args.fractions.split(",")]
+        for salt, (name, load, measured_report) in enumerate(runs, start=1):
+            if measured_report is None:
+                measured_report = run_once(target, config, load, out / name / "measured", salt=salt)
             simulated_report = simulate_once(profile, config, load, FleetConfig(), out / name / "simulated",
-                                             tokens=target.tokens)  # fmt: skip
+                                             tokens=target.tokens, salt=salt)  # fmt: skip
             measured, predicted = _figures(measured_report), _figures(simulated_report)
             ratios = _ratios(predicted, measured)
             within = all(ratios[f"{m}_{q}"] is not None and abs(ratios[f"{m}_{q}"] - 1) <= TOLERANCE for m, q in METRICS)

@@ -186,3 +186,34 @@ def test_calibrate_then_run_write_a_profile_and_benchs_reports(tiny_dir, tmp_pat
     assert (out / "summary.md").read_text().startswith("> **simulated (calibrated on")
     missing = _servelm("simulate", "run", "--cost-profile", str(tmp_path / "none.json"), "--out", str(out))
     assert missing.returncode == 2 and "cannot read a cost profile" in missing.stderr
+
+
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}  # fmt: skip
+
+
+def test_a_roofline_profile_is_the_devices_arithmetic_and_says_it_is_an_estimate(tmp_path):
+    from servelm.simulate.roofline import BANDWIDTH_EFFICIENCY, DEVICES, STEP_LAUNCH_S, roofline_profile
+
+    profile = roofline_profile("H200", LLAMA_8B, "llama-8b")
+    assert profile.label == "simulated (roofline estimate for NVIDIA H200 SXM, llama-8b)" and "not measured" in profile.notes
+    h200 = DEVICES["h200"]
+    weights = 2 * 8.03e9  # bf16 bytes of Llama-3-8B's 8.03B parameters
+    decode = profile.forward_s(StepShape.decode(1, 0))
+    assert decode == pytest.approx(weights / (h200.bandwidth * BANDWIDTH_EFFICIENCY) + STEP_LAUNCH_S, rel=0.02)
+    kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128, bf16
+    assert profile.engine.num_blocks * 16 * kv_per_token == pytest.approx(0.9 * (141e9 - weights), rel=0.01)
+    assert profile.engine.max_model_len == 32768
+    assert roofline_profile("h100", LLAMA_8B).forward_s(StepShape.decode(1, 0)) > decode  # less bandwidth
+    requests = workload([list(range(100, 400))] * 4, max_tokens=16, arrivals=[0.0, 0.01, 0.02, 0.03])
+    result = Fleet(profile, FleetConfig(num_replicas=2, policy="kv")).run(requests)
+    assert all(r.status == "ok" for r in result.records)
+    assert max(r.ttft_s for r in result.records) < 0.1  # a 300-token prompt on an H200: milliseconds
+    with pytest.raises(ValueError, match="unknown device"):
+        roofline_profile("tpu", LLAMA_8B)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    done = _servelm("simulate", "roofline", "--device", "h100", "--model-config", str(tmp_path), "--out",
+                    str(tmp_path / "h100.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert CostProfile.load(tmp_path / "h100.json").kind == "roofline"

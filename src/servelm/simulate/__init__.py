@@ -7,8 +7,11 @@
 
 profile.py    CostProfile: what a step costs on one machine (calibrated, or a labelled roofline)
 calibrate.py  `servelm simulate calibrate`: the real engine timed on this host, the profile fitted
+server_probe.py  ... and a real server's costs outside the engine loop
+roofline.py   an estimated profile for a device not at hand (H100, H200), labelled as one
+run.py        `servelm simulate run`: workload → fleet → bench's reports, labelled simulated
 replica.py    SimReplica: one engine's scheduling, step by step, in virtual time
 fleet.py      Fleet: arrivals, routing, replicas' steps, request records
 workload.py   the bench's profiles and arrival processes, without a server
-cli.py        `servelm simulate calibrate | run`
+cli.py        `servelm simulate calibrate | roofline | run`
 """

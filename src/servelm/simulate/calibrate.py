@@ -31,10 +31,12 @@ from typing import Any
 
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineRequest
+from servelm.default_model import DEFAULT_MODEL_FILE
 from servelm.engine.builder import BuiltEngine, build_engine
 from servelm.sampling_params import SamplingParams
 from servelm.scheduler.step_cost import StepCostModel, StepShape
 from servelm.simulate.profile import CALIBRATED, CostProfile, EngineShape
+from servelm.simulate.server_probe import ServerCosts
 
 logger = logging.getLogger(__name__)
 LONG_PROMPT = 1024  # prompts this long are timed once whatever the plan's repeats
@@ -66,10 +68,10 @@ class TimedStep:
 
 
 def calibrate_profile(engine_flags: dict[str, Any], plan: CalibrationPlan = CalibrationPlan(),
-                      probe: Callable[[CostProfile], tuple[float, float]] | None = None) -> CostProfile:  # fmt: skip
+                      probe: Callable[[CostProfile], ServerCosts] | None = None) -> CostProfile:  # fmt: skip
     """The profile of the engine `engine_flags` (EngineConfig.from_flat keywords) builds here.
-    `probe`: measures (request overhead, per-step overhead) of a real server against a profile
-    without them (server_probe.py); None leaves both 0."""
+    `probe`: measures what a real server adds to a profile without it (server_probe.py); None
+    adds nothing."""
     built = build_engine(EngineConfig.from_flat(**engine_flags))
     try:
         steps = run_plan(built, plan)
@@ -84,7 +86,7 @@ def calibrate_profile(engine_flags: dict[str, Any], plan: CalibrationPlan = Cali
     step_overhead, row_overhead = _fit_overhead(steps)
     errors = [abs(fitted.predict(s.shape) or 0.0) / s.forward_s - 1.0 for s in steps if s.forward_s > 0]
     engine = EngineShape(
-        model=str(engine_flags.get("model") or "default"), num_blocks=built.num_blocks,
+        model=str(engine_flags.get("model") or DEFAULT_MODEL_FILE), num_blocks=built.num_blocks,
         block_size=built.core.kv_manager.block_size, max_model_len=built.max_model_len,
         layered_prefill_layers=scheduler.layered_prefill_layers,
         engine_flags={k: v for k, v in engine_flags.items() if k != "model"},
@@ -98,11 +100,13 @@ def calibrate_profile(engine_flags: dict[str, Any], plan: CalibrationPlan = Cali
     )  # fmt: skip
     if probe is None:
         return profile
-    request_overhead, server_step_overhead = probe(profile)
-    return CostProfile(**{**profile.__dict__, "request_overhead_s": request_overhead,
-                          "step_overhead_s": profile.step_overhead_s + server_step_overhead,
-                          "notes": profile.notes + f"; server probe: request +{request_overhead * 1e3:.1f} ms, "
-                                                   f"step +{server_step_overhead * 1e3:.2f} ms"})  # fmt: skip
+    server = probe(profile)
+    return CostProfile(**{**profile.__dict__, "request_overhead_s": server.request_s,
+                          "step_overhead_s": profile.step_overhead_s + server.step_s,
+                          "row_overhead_s": profile.row_overhead_s + server.row_s,
+                          "notes": profile.notes + f"; server probe: request +{server.request_s * 1e3:.1f} ms, "
+                                                   f"step +{server.step_s * 1e3:.2f} ms, "
+                                                   f"row +{server.row_s * 1e3:.2f} ms"})  # fmt: skip
 
 
 def run_plan(built: BuiltEngine, plan: CalibrationPlan) -> list[TimedStep]:

@@ -1,6 +1,7 @@
-"""`servelm simulate calibrate | run`.
+"""`servelm simulate calibrate | roofline | run`.
 
     servelm simulate calibrate --out cpu.json [engine flags, as servelm serve takes them]
+    servelm simulate roofline --device h200 --model-config llama-8b/config.json --out h200.json
     servelm simulate run --cost-profile cpu.json --profile voice --rate 2 --num-requests 500 --out sim/
     servelm simulate run --cost-profile cpu.json --replicas 4 --policy kv --profile mixed --rate 8 ...
 
@@ -38,6 +39,12 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction,
                                 "the engine loop are then 0)")  # fmt: skip
     calibrate.set_defaults(handler=_calibrate, engine_settings=engine_settings)
 
+    roofline = sub.add_parser("roofline", help="an estimated profile for a device not at hand, from its published peaks")
+    roofline.add_argument("--device", required=True, help="h100 | h200")
+    roofline.add_argument("--model-config", type=Path, required=True, help="the model's config.json (or its directory)")
+    roofline.add_argument("--out", type=Path, default=Path("roofline-profile.json"))
+    roofline.set_defaults(handler=_roofline)
+
     run = sub.add_parser("run", help="a bench workload through simulated replicas: bench's reports, labelled simulated")
     run.add_argument("--cost-profile", type=Path, required=True, help="from `servelm simulate calibrate`")
     run.add_argument("--replicas", type=int, default=1, help="replicas (more than one: behind the router)")
@@ -62,6 +69,20 @@ def _calibrate(args: argparse.Namespace) -> int:
     settings = args.engine_settings(args)
     probe = (lambda profile: probe_server(settings, profile)) if args.server_probe else None
     profile = calibrate_profile(settings, QUICK_PLAN if args.quick else CalibrationPlan(), probe)
+    profile.save(args.out)
+    print(f"{profile.label}: {profile.notes}\nwritten to {args.out}")
+    return 0
+
+
+def _roofline(args: argparse.Namespace) -> int:
+    from servelm.models.plan import load_config
+    from servelm.simulate.roofline import roofline_profile
+
+    try:
+        profile = roofline_profile(args.device, load_config(args.model_config), args.model_config.name)
+    except (ValueError, OSError) as exc:
+        print(f"servelm simulate: error: {exc}", file=sys.stderr)
+        return 2
     profile.save(args.out)
     print(f"{profile.label}: {profile.notes}\nwritten to {args.out}")
     return 0

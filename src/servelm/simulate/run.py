@@ -38,11 +38,12 @@ class Pricing:
 
 
 def simulate_once(profile: CostProfile, config: BenchConfig, load: Load, fleet: FleetConfig, out_dir: Path,
-                  tokens: TokenSource | None = None, pricing: Pricing | None = None) -> dict[str, Any]:  # fmt: skip
-    """Build the workload, run it through the fleet, write run.json / summary.md (/ plots); the report."""
+                  tokens: TokenSource | None = None, pricing: Pricing | None = None, salt: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Build the workload, run it through the fleet, write run.json / summary.md (/ plots); the report.
+    `salt`: bench's (the same lengths and sharing with other tokens), to replay a measured run's requests."""
     tokens = tokens or load_token_source(config.tokenizer)
     limits = LengthLimits(config.max_context or profile.engine.max_model_len, config.prompt_scale, config.max_output_tokens)
-    requests = workload_requests(tokens, limits, config, load)
+    requests = workload_requests(tokens, limits, config, load, salt)
     concurrency = int(load.value or 1) if load.kind == "concurrency" else None
     fleet = replace(fleet, concurrency=concurrency, duration_s=config.duration_s)
     result = Fleet(profile, fleet).run(requests)
@@ -64,7 +65,7 @@ def simulate_once(profile: CostProfile, config: BenchConfig, load: Load, fleet: 
     outcome = {"duration_s": result.duration_s, "started_unix": 0.0, "interrupted": False,
                "hit_time_limit": any(r.status == "cancelled" for r in result.records),
                "num_not_sent": result.num_not_sent}  # fmt: skip
-    described = {"load": load.describe(config), "load_kind": load.kind, "load_value": load.value, "salt": 0}
+    described = {"load": load.describe(config), "load_kind": load.kind, "load_value": load.value, "salt": salt}
     report = run_report(config={**config.to_dict(), **described}, server=server, slos=config.slos, result=outcome,
                         summary=summary, records=result.records)  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
