@@ -142,6 +142,21 @@ def test_arrival_gaps_have_the_rate_and_burstiness(kind: str, burstiness: float,
     assert statistics.pstdev(gaps) / mean == pytest.approx(cv, rel=0.15)
 
 
+def test_daily_arrivals_follow_the_days_curve():
+    """1M a day (11.57/s on average): four times the trough's requests in the hour at noon as in the
+    hour after midnight (rate x (1 ∓ 0.6)), and the day's count about its mean."""
+    from servelm.bench.arrivals import DAY_S, daily_rate
+
+    rate = 1_000_000 / DAY_S / 100  # 10,000 a day: a small sample of the same curve
+    times = arrival_times(ArrivalConfig("daily", rate=rate), 10_000, seed=3)
+    assert times == sorted(times) and times[-1] == pytest.approx(DAY_S, rel=0.05)
+    night = sum(1 for t in times if t < 3600)
+    noon = sum(1 for t in times if 11.5 * 3600 <= t < 12.5 * 3600)
+    assert night == pytest.approx(3600 * daily_rate(rate, 1800), rel=0.25)
+    assert noon == pytest.approx(3600 * daily_rate(rate, DAY_S / 2), rel=0.1)
+    assert noon / night == pytest.approx(1.6 / 0.4, rel=0.3)
+
+
 def _write_trace(path: Path, entries: list[dict]) -> Path:
     path.write_text("\n".join(json.dumps(e) for e in entries) + "\n")
     return path

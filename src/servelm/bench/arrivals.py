@@ -3,6 +3,9 @@
     poisson   exponential gaps with mean 1/rate
     gamma     gamma gaps with mean 1/rate and shape = burstiness (vLLM's convention):
               burstiness 1 is Poisson, < 1 burstier (clumps and lulls), > 1 more even
+    daily     Poisson whose rate follows a day: rate x (1 - DAILY_SWING cos(2 pi t / 1 day)), so
+              `rate` on average, its trough at t = 0 (midnight) and its peak at noon (1M requests
+              a day: --rate 11.57); drawn by thinning a Poisson process at the peak rate
     closed    no times: `concurrency` requests in flight, the next sent when one finishes
     trace     the trace's own timestamps, scaled (see bench.trace)
 
@@ -12,17 +15,20 @@ the server does, which is the point of measuring at a rate.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
 from servelm.bench.workload import WorkloadRequest
 
-ARRIVALS = ("poisson", "gamma")
+ARRIVALS = ("poisson", "gamma", "daily")
+DAY_S = 86400.0
+DAILY_SWING = 0.6  # the peak is 1.6x the day's mean rate, the trough 0.4x
 
 
 @dataclass(frozen=True)
 class ArrivalConfig:
-    kind: str = "poisson"  # poisson | gamma
+    kind: str = "poisson"  # poisson | gamma | daily
     rate: float = 1.0  # requests per second
     burstiness: float = 1.0  # gamma shape
 
@@ -38,12 +44,29 @@ class ArrivalConfig:
 def arrival_times(config: ArrivalConfig, num_requests: int, seed: int = 0) -> list[float]:
     """Seconds after the start; the first request goes at 0."""
     rng = random.Random(f"{seed}:arrivals")
+    if config.kind == "daily":
+        return _daily_times(rng, config.rate, num_requests)
     times, now = [], 0.0
     for i in range(num_requests):
         if i:
             now += _gap(rng, config)
         times.append(now)
     return times
+
+
+def daily_rate(mean_rate: float, t: float) -> float:
+    """The daily curve's rate at `t` seconds after midnight."""
+    return mean_rate * (1.0 - DAILY_SWING * math.cos(2.0 * math.pi * t / DAY_S))
+
+
+def _daily_times(rng: random.Random, mean_rate: float, num_requests: int) -> list[float]:
+    peak = mean_rate * (1.0 + DAILY_SWING)
+    times, now = [0.0], 0.0
+    while len(times) < num_requests:
+        now += rng.expovariate(peak)
+        if rng.random() * peak <= daily_rate(mean_rate, now):
+            times.append(now)
+    return times[:num_requests]
 
 
 def _gap(rng: random.Random, config: ArrivalConfig) -> float:

@@ -81,7 +81,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--slo", action="append", default=[], metavar="CLASS:ttft=S,tbt=S,e2e=S,p=PCT",
                       help="override a class's SLO (repeatable)")  # fmt: skip
     work.add_argument("--chat-dataset", type=Path, default=None, help="ShareGPT JSON: chat lengths drawn from it")
-    work.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    work.add_argument("--arrival", choices=["poisson", "gamma", "daily"], default="poisson",
+                      help="daily: Poisson at a rate following a day's curve, --rate on average (1M a day: 11.57)")  # fmt: skip
     work.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, < 1 burstier")
     work.add_argument("--document-tokens", default=None, metavar="LOW-HIGH",
                       help="analytics documents' prompt lengths (default 500-2000)")  # fmt: skip

@@ -5,7 +5,8 @@
     2. run a profiling plan through the real scheduler and runner, timing every step: prompts of
        several lengths alone (tokens, the pass over the weights, attention pairs, chunks deep in a
        long prompt under the step-time target), decode batches of several sizes over short and
-       long contexts (rows, context read), and a long prompt chunked beside decoding streams
+       long contexts (rows, context read), a conversation's next turn (a prompt whose first
+       tokens are cached: a chunk after context), and a long prompt chunked beside decoding streams
     3. fit the step-cost model's coefficients to the forwards (scheduler/step_cost.py's
        non-negative least squares on relative error) and the loop around each step to
        a + b x rows
@@ -52,11 +53,15 @@ class CalibrationPlan:
     long_beside: int = 2048  # a prompt chunked beside `beside_streams` decoding ones (0: none)
     beside_streams: int = 4
     repeats: int = 2  # each prompt-alone length this many times (CPU timings jitter)
+    # A conversation's next turn: a prompt whose first `depth` tokens are cached, then `chunk` new ones.
+    hit_depths: tuple[int, ...] = (256, 1024, 2048)
+    hit_chunks: tuple[int, ...] = (16, 64, 256)
 
 
 # The CI size: a tiny model, a few seconds.
 QUICK_PLAN = CalibrationPlan(prompt_lengths=(16, 64, 256), decode_batches=(1, 4, 8), decode_contexts=(32, 200),
-                             decode_tokens=6, long_beside=400, beside_streams=2, repeats=1)  # fmt: skip
+                             decode_tokens=6, long_beside=400, beside_streams=2, repeats=1, hit_depths=(128,),
+                             hit_chunks=(16, 64))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,13 @@ def run_plan(built: BuiltEngine, plan: CalibrationPlan) -> list[TimedStep]:
         for batch in plan.decode_batches:
             for _ in range(batch):
                 send(shared + prompt(DISTINCT_TAIL), plan.decode_tokens)
+            drain()
+    for depth in plan.hit_depths:
+        cached = prompt(min(depth, longest - max(plan.hit_chunks, default=0)))
+        send(cached, 1)
+        drain()
+        for chunk in plan.hit_chunks:
+            send(cached + prompt(chunk), 1)
             drain()
     if plan.long_beside:
         for _ in range(plan.beside_streams):
