@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -20,11 +19,9 @@ from pathlib import Path
 
 import httpx
 
+from servelm.ports import free_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["ServerProcess", "free_port", "launch_server", "wait_until_ready"]  # free_port: callers import it here too
 
 
 @dataclass

@@ -32,7 +32,6 @@ import logging
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from servelm.parallel.context_backend import ContextParallelBackend
 from servelm.parallel.context_layout import AttentionHeads
 from servelm.parallel.groups import ParallelGroups, ParallelLayout, default_backend
 from servelm.parallel.shm_collectives import process_alive
+from servelm.ports import free_port
 from servelm.worker.kv_cache import allocate_kv_caches, resolve_kv_dtype
 from servelm.zmq_contexts import non_lingering_context
 
@@ -166,7 +166,7 @@ class StepBroadcaster:
         self._processes: list[subprocess.Popen[bytes]] = []
         self._failure: str | None = None
         self._directory = tempfile.mkdtemp(prefix="servelm-ranks-")
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(1, self.layout.world_size):
             address = f"ipc://{self._directory}/rank-{rank}"
             launch = RankLaunch(config, rank, self.init_method, address, num_blocks, max_model_len, os.getpid())
@@ -227,12 +227,6 @@ def _start_follower(launch: RankLaunch) -> subprocess.Popen[bytes]:
     stdin.write(pickle.dumps(launch))
     stdin.close()
     return process
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # -- every rank ----------------------------------------------------------------------------
