@@ -36,12 +36,14 @@ lint: setup
 
 # Test processes `make test` runs at once (pytest-xdist). Two on this project's 2-core hosts: much
 # of the suite waits on servers, sockets and subprocesses. A file's tests stay on one worker
-# (--dist loadfile), so its module fixtures (a model, a server) are built once.
+# (--dist loadfile), so its module fixtures (a model, a server) are built once. The tests marked
+# `serial` depend on the machine's speed and run afterwards, alone.
 TEST_WORKERS ?= 2
 
 # What CI runs (.ci/run): the gates first, then every test.
 test: setup lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(ARGS)
+	$(PY) -m pytest -q -m serial $(ARGS)
 
 # The quick loop: everything but the tests marked slow (real default model, long runs); no gates.
 test-fast: setup

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from servelm.bench.cli import _config as bench_config
+from servelm.bench.cli import bench_config
 from servelm.bench.client import ClientConfig, request_body
 from servelm.bench.profiles import TEMPLATE_TOKENS_PER_MESSAGE, build_workload
 from servelm.bench.runner import RunLimits, run_workload
