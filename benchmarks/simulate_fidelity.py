@@ -1,7 +1,7 @@
 """Issue 44's fidelity target on this host: the simulator's predictions against measured runs.
 
-    1. `servelm simulate calibrate` on the default model at `make serve` defaults (the real
-       engine timed in process, then a real server probed): the cost profile
+    1. `servelm simulate calibrate` on the default model at `make serve` defaults (a real server's
+       every step traced under the profiling plan): the cost profile
     2. a real `servelm serve` at the same defaults; its capacity C for the workload profile =
        requests/s of a closed loop at 16 in flight (as benchmarks/batch.py defines it)
     3. at 30%, 60% and 85% of C (Poisson, the same seed for both): `servelm bench run` against
@@ -24,11 +24,11 @@ from typing import Any
 
 from servelm.bench.execute import BenchConfig, Load, prepare, run_once
 from servelm.server.launcher import launch_server
-from servelm.simulate.calibrate import CalibrationPlan, calibrate_profile
+from servelm.simulate.calibrate import calibrate_profile
 from servelm.simulate.fleet import FleetConfig
+from servelm.simulate.plan_driver import CalibrationPlan
 from servelm.simulate.profile import CostProfile
 from servelm.simulate.run import simulate_once
-from servelm.simulate.server_probe import probe_server
 
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tbt_s", "p50"), ("tbt_s", "p99"))
 TOLERANCE = 0.15
@@ -58,7 +58,7 @@ def main() -> None:
     if args.cost_profile is not None:
         profile = CostProfile.load(args.cost_profile)
     else:
-        profile = calibrate_profile({}, CalibrationPlan(), lambda p: probe_server({}, p))
+        profile = calibrate_profile({}, CalibrationPlan())
         profile.save(out / "profile.json")
     print(f"profile: {profile.label}: {profile.notes}", flush=True)
     results: dict[str, Any] = {"profile": profile.to_dict() | {"calibration": len(profile.calibration)}, "runs": {}}

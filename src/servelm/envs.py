@@ -21,6 +21,7 @@ DATA_DIR = "SERVELM_DATA_DIR"
 API_KEY = "SERVELM_API_KEY"
 PEER_API_KEY = "SERVELM_PEER_API_KEY"
 TRITON_INTERPRET = "TRITON_INTERPRET"
+STEP_TRACE = "SERVELM_STEP_TRACE"
 
 
 class KernelsMode(str, enum.Enum):
@@ -86,3 +87,11 @@ def triton_interpret() -> bool:
     """TRITON_INTERPRET: Triton's own switch (it reads it when a kernel is defined) that runs its
     kernels under the interpreter on CPU tensors; true for 1/true/yes/on, as Triton reads it."""
     return os.environ.get(TRITON_INTERPRET, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def step_trace_path() -> Path | None:
+    """SERVELM_STEP_TRACE: a file the engine core appends every step's shape and times to, as JSON
+    lines (engine/step_trace.py; `servelm simulate calibrate` fits its cost profile from them).
+    Unset: no trace."""
+    path = os.environ.get(STEP_TRACE)
+    return Path(path) if path else None

@@ -162,8 +162,8 @@ def _servelm(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_calibrate_then_run_write_a_profile_and_benchs_reports(tiny_dir, tmp_path):
-    """The commands end to end on the tiny model: the calibration times the real engine (and a
-    real server: the probe), the run replays a voice workload and reports it as bench does."""
+    """The commands end to end on the tiny model: the calibration traces a real server's steps
+    under its plan, the run replays a voice workload and reports it as bench does."""
     profile_path = tmp_path / "tiny.json"
     done = _servelm("simulate", "calibrate", "--model", str(tiny_dir), "--quick", "--num-threads", "1",
                     "--num-blocks", "512", "--out", str(profile_path))  # fmt: skip
@@ -171,7 +171,8 @@ def test_calibrate_then_run_write_a_profile_and_benchs_reports(tiny_dir, tmp_pat
     profile = CostProfile.load(profile_path)
     assert profile.kind == CALIBRATED and profile.engine.num_blocks == 512 and profile.calibration
     assert profile.engine.engine_flags == {"num_threads": 1, "num_blocks": 512}
-    assert profile.coefficients[0] > 0 and "server probe" in profile.notes
+    assert profile.coefficients[0] > 0 and "steps of a traced server" in profile.notes
+    assert profile.engine.max_model_len > 0 and len(profile.calibration) >= 5  # the server's own start-up calibration
     out = tmp_path / "run"
     done = _servelm("simulate", "run", "--cost-profile", str(profile_path), "--profile", "voice", "--rate", "4",
                     "--num-requests", "40", "--out", str(out), "--no-plots",

@@ -16,6 +16,7 @@ import traceback
 
 import zmq
 
+from servelm import envs
 from servelm.config import EngineConfig
 from servelm.datatypes import EngineOutput, EngineRequest, FinishReason
 from servelm.engine.builder import build_engine
@@ -35,6 +36,7 @@ from servelm.engine.messages import (
     from_core_encoder,
     to_core_decoder,
 )
+from servelm.engine.step_trace import StepTrace
 from servelm.obs.startup import StartupTimeline
 from servelm.worker.host_residency import enable_huge_pages
 
@@ -84,7 +86,13 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                 )
             )
         )
-        _serve(built.core, inputs, outputs, kv_events)
+        trace_path = envs.step_trace_path()
+        trace = StepTrace(trace_path, built) if trace_path is not None else None
+        try:
+            _serve(built.core, inputs, outputs, kv_events, trace)
+        finally:
+            if trace is not None:
+                trace.close()
     except Exception:
         outputs.send(from_core_encoder.encode(CoreFailed(error=traceback.format_exc(limit=8))))
         raise
@@ -99,7 +107,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 
 def _serve(
-    core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, kv_events: KVEventPublisher | None = None
+    core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, kv_events: KVEventPublisher | None = None,
+    trace: StepTrace | None = None,
 ) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
@@ -139,6 +148,7 @@ def _serve(
             logger.error("engine core: the API process is gone; exiting")
             return
         gauges = core.transfer_gauges()
+        started = time.perf_counter()
         step_outputs = rejected
         if core.has_work() or core.has_housekeeping():  # housekeeping: an empty step
             step_outputs = rejected + core.step()
@@ -152,6 +162,8 @@ def _serve(
             stats.recent_mask_fills = core.take_mask_fills()
             batch = OutputBatch(outputs=step_outputs, stats=stats, timestamp=time.time())
             outputs.send(from_core_encoder.encode(batch))
+        if trace is not None:
+            trace.write(core, time.perf_counter() - started)
         # After the outputs went out: a slice (~2 ms) delays the next step, not this one.
         warming = core.keep_warm()
 

@@ -867,6 +867,8 @@ class Scheduler:
             num_drafts_made = sum(len(drafts) for drafts in model_output.draft_token_ids.values())
             self._drafts.proposed(model_output.propose_seconds, num_drafts_made)
         self.step_log.record(scheduler_output, model_output)
+        if scheduler_output.has_work:
+            self.step_log.record_shape(shape, forward_seconds, len(scheduler_output.num_scheduled_tokens))
         self._fair_share.decay(now)
         outputs, self._pending_outputs = self._pending_outputs, []
         if self._tier_loads is not None:

@@ -9,10 +9,21 @@ servelm:num_preemptions_total, servelm:step_time_prediction_ratio). Torch-free a
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from servelm.datatypes import ModelOutput, SchedulerOutput
+from servelm.scheduler.step_cost import StepShape
 
 MAX_STEP_RECORDS = 4096  # bounded for callers that never take them (the offline LLM)
+
+
+@dataclass(frozen=True)
+class ExecutedStep:
+    """The last step that ran work, as the cost model saw it (engine/step_trace.py writes it out)."""
+
+    shape: StepShape
+    forward_s: float
+    rows: int  # requests in it
 
 
 class StepLog:
@@ -21,6 +32,7 @@ class StepLog:
         self._records: deque[tuple[int, float]] = deque(maxlen=max_records)
         # (kind, predicted seconds, measured seconds) of steps the cost model had a prediction for
         self._predictions: deque[tuple[str, float, float]] = deque(maxlen=max_records)
+        self.last_step: ExecutedStep | None = None  # set by every step with work; a trace takes it
 
     def record(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> None:
         """One executed step. Empty steps (nothing to compute) count their preemptions only; a step of
@@ -28,6 +40,9 @@ class StepLog:
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
         if scheduler_output.has_work:
             self._records.append((scheduler_output.total_num_scheduled_tokens, model_output.execute_seconds))
+
+    def record_shape(self, shape: StepShape, forward_s: float, rows: int) -> None:
+        self.last_step = ExecutedStep(shape, forward_s, rows)
 
     def record_prediction(self, kind: str, predicted_s: float | None, measured_s: float) -> None:
         """What the step-cost model predicted for an executed step and what it took (kinds:

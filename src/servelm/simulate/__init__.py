@@ -6,8 +6,8 @@
                  ──▶ bench records ──▶ run.json / summary.md, as `servelm bench run` writes them
 
 profile.py    CostProfile: what a step costs on one machine (calibrated, or a labelled roofline)
-calibrate.py  `servelm simulate calibrate`: the real engine timed on this host, the profile fitted
-server_probe.py  ... and a real server's costs outside the engine loop
+calibrate.py  `servelm simulate calibrate`: a real server's steps traced on this host, the profile fitted
+plan_driver.py  the profiling traffic calibrate sends it
 roofline.py   an estimated profile for a device not at hand (H100, H200), labelled as one
 run.py        `servelm simulate run`: workload → fleet → bench's reports, labelled simulated
 replica.py    SimReplica: one engine's scheduling, step by step, in virtual time

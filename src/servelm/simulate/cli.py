@@ -30,13 +30,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction,
         "simulate", help="servelm's own scheduler and router on a virtual clock, from a measured cost profile")
     sub = simulate.add_subparsers(dest="simulate_command", required=True)
 
-    calibrate = sub.add_parser("calibrate", help="time the real engine on this host; write its cost profile")
+    calibrate = sub.add_parser("calibrate", help="time a real server on this host (its every step traced); "
+                                                 "write its cost profile")  # fmt: skip
     add_engine_arguments(calibrate)
     calibrate.add_argument("--out", type=Path, default=Path("cost-profile.json"), help="where the profile goes")
     calibrate.add_argument("--quick", action="store_true", help="a short profiling plan (tiny models, CI)")
-    calibrate.add_argument("--no-server-probe", action="store_false", dest="server_probe",
-                           help="skip timing a real `servelm serve` (the request's and each step's cost outside "
-                                "the engine loop are then 0)")  # fmt: skip
     calibrate.set_defaults(handler=_calibrate, engine_settings=engine_settings)
 
     roofline = sub.add_parser("roofline", help="an estimated profile for a device not at hand, from its published peaks")
@@ -63,12 +61,10 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction,
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from servelm.simulate.calibrate import QUICK_PLAN, CalibrationPlan, calibrate_profile
-    from servelm.simulate.server_probe import probe_server
+    from servelm.simulate.calibrate import calibrate_profile
+    from servelm.simulate.plan_driver import QUICK_PLAN, CalibrationPlan
 
-    settings = args.engine_settings(args)
-    probe = (lambda profile: probe_server(settings, profile)) if args.server_probe else None
-    profile = calibrate_profile(settings, QUICK_PLAN if args.quick else CalibrationPlan(), probe)
+    profile = calibrate_profile(args.engine_settings(args), QUICK_PLAN if args.quick else CalibrationPlan())
     profile.save(args.out)
     print(f"{profile.label}: {profile.notes}\nwritten to {args.out}")
     return 0
