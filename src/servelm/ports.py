@@ -17,7 +17,9 @@ from pathlib import Path
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default; elsewhere the file is missing
-LOWEST = 10000  # below this, well-known and registered services
+# Below this: well-known and registered services, and Ray's default worker ports (10002-19999),
+# which a Ray cluster servelm starts or joins hands to its workers (a GCS port picked there failed).
+LOWEST = 20000
 MIN_ROOM = 2000  # ports a side of the ephemeral range must offer to be used
 
 
