@@ -223,16 +223,10 @@ def _quietly(handler):
 
 @_quietly
 def _run(args: argparse.Namespace) -> int:
-    from servelm.bench.execute import Load, prepare, run_once
+    from servelm.bench.execute import load_of, prepare, run_once
 
     config = bench_config(args)
-    if args.trace is not None:
-        load = Load("trace")
-    elif args.concurrency is not None:
-        load = Load("concurrency", float(args.concurrency))
-    else:
-        load = Load("rate", args.rate if args.rate is not None else 1.0)
-    report = run_once(prepare(config), config, load, config.out_dir)
+    report = run_once(prepare(config), config, load_of(args), config.out_dir)
     print((config.out_dir / "summary.md").read_text())
     print(f"reports in {config.out_dir}/ (run.json, summary.md, plots)", file=sys.stderr)
     return 130 if report["result"]["interrupted"] else 0

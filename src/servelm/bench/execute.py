@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from servelm.bench.arrivals import ArrivalConfig, arrival_times, assign_arrivals
-from servelm.bench.client import ClientConfig
+from servelm.bench.client import ClientConfig, RequestRecord
 from servelm.bench.profiles import build_workload, load_sharegpt_lengths
 from servelm.bench.report import run_markdown, run_report, write_json
 from servelm.bench.runner import RunLimits, RunResult, run_workload
@@ -205,14 +206,29 @@ def run_once(target: Target, config: BenchConfig, load: Load, out_dir: Path, sal
         config={**config.to_dict(), **described}, server=server, slos=config.slos, result=outcome, summary=summary,
         records=result.records,
     )  # fmt: skip
+    write_run(report, result.records, out_dir, config.plots)
+    return report
+
+
+def write_run(report: dict[str, Any], records: list[RequestRecord], out_dir: Path, plots: bool,
+              markdown: Callable[[dict[str, Any], list[Path]], str] = run_markdown) -> None:  # fmt: skip
+    """run.json, the plots (if asked) and summary.md (`markdown` of the report and the plots) into out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(report, out_dir / "run.json")
-    plots: list[Path] = []
-    if config.plots:
+    made: list[Path] = []
+    if plots:
         # Imported here: runs without plots (the scenarios) need no matplotlib, which the GPU
         # device image lacks (benchmarks/gpu_scenario.sh).
         from servelm.bench.plots import plot_run
 
-        plots = plot_run(result.records, report["summary"], out_dir)
-    (out_dir / "summary.md").write_text(run_markdown(report, plots))
-    return report
+        made = plot_run(records, report["summary"], out_dir)
+    (out_dir / "summary.md").write_text(markdown(report, made))
+
+
+def load_of(args: Any) -> Load:
+    """The load `bench run`'s flags ask for: --trace, --concurrency, else --rate (default 1 req/s)."""
+    if args.trace is not None:
+        return Load("trace")
+    if args.concurrency is not None:
+        return Load("concurrency", float(args.concurrency))
+    return Load("rate", args.rate if args.rate is not None else 1.0)

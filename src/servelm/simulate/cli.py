@@ -86,7 +86,7 @@ def _roofline(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from servelm.bench.cli import bench_config
-    from servelm.bench.execute import Load
+    from servelm.bench.execute import load_of
     from servelm.simulate.fleet import FleetConfig
     from servelm.simulate.profile import CostProfile
     from servelm.simulate.run import Pricing, simulate_once
@@ -94,14 +94,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         profile = CostProfile.load(args.cost_profile)
         config = bench_config(args)
-        if args.trace is not None:
-            load = Load("trace")
-        elif args.concurrency is not None:
-            load = Load("concurrency", float(args.concurrency))
-        else:
-            load = Load("rate", args.rate if args.rate is not None else 1.0)
         pricing = Pricing(args.price_per_device_hour) if args.price_per_device_hour is not None else None
-        simulate_once(profile, config, load, FleetConfig(args.replicas, args.policy), config.out_dir, pricing=pricing)
+        simulate_once(profile, config, load_of(args), FleetConfig(args.replicas, args.policy), config.out_dir,
+                      pricing=pricing)  # fmt: skip
     except (ValueError, OSError) as exc:
         print(f"servelm simulate: error: {exc}", file=sys.stderr)
         return 2

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from servelm.bench.execute import BenchConfig, Load, workload_requests
-from servelm.bench.report import run_markdown, run_report, write_json
+from servelm.bench.execute import BenchConfig, Load, workload_requests, write_run
+from servelm.bench.report import run_markdown, run_report
 from servelm.bench.stats import summarize
 from servelm.bench.tokens import TokenSource, load_token_source
 from servelm.bench.workload import LengthLimits
@@ -68,14 +68,7 @@ def simulate_once(profile: CostProfile, config: BenchConfig, load: Load, fleet: 
     described = {"load": load.describe(config), "load_kind": load.kind, "load_value": load.value, "salt": salt}
     report = run_report(config={**config.to_dict(), **described}, server=server, slos=config.slos, result=outcome,
                         summary=summary, records=result.records)  # fmt: skip
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(report, out_dir / "run.json")
-    plots: list[Path] = []
-    if config.plots:
-        from servelm.bench.plots import plot_run
-
-        plots = plot_run(result.records, report["summary"], out_dir)
-    (out_dir / "summary.md").write_text(simulated_markdown(report, plots))
+    write_run(report, result.records, out_dir, config.plots, simulated_markdown)
     return report
 
 
