@@ -218,3 +218,25 @@ def test_a_roofline_profile_is_the_devices_arithmetic_and_says_it_is_an_estimate
                     str(tmp_path / "h100.json"))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert CostProfile.load(tmp_path / "h100.json").kind == "roofline"
+
+
+def test_with_a_tenants_file_requests_run_in_their_tenants_classes(tmp_path):
+    """As the server would: voice's key names a realtime tenant, analytics' a batch tenant (priority
+    1, never aged past voice); a class whose key no tenant has is refused before anything runs."""
+    from servelm.tenancy.config import load_tenants
+    from servelm.tenancy.registry import TenantRegistry
+
+    (tmp_path / "tenants.yaml").write_text("tenants:\n  bot: {api_keys: [kv], class: realtime}\n"
+                                           "  docs: {api_keys: [ka], class: batch}\n")  # fmt: skip
+    registry = TenantRegistry.build(load_tenants(tmp_path / "tenants.yaml"), None)
+    voice, document = workload([list(range(100, 140)), list(range(200, 900))], max_tokens=4, arrivals=[0.0, 0.0])
+    document.traffic_class = "analytics"
+    config = FleetConfig(tenants=registry, class_keys={"voice": "kv", "analytics": "ka"})
+    fleet = Fleet(arithmetic_profile(), config)
+    voice_request, document_request = fleet._engine_request(voice), fleet._engine_request(document)
+    assert (voice_request.priority, voice_request.slo.slo_class, voice_request.slo.ttft_target_s) == (0, "realtime", 0.3)
+    assert (document_request.priority, document_request.slo.slo_class, document_request.slo.ages) == (1, "batch", False)
+    assert all(r.status == "ok" for r in fleet.run([voice, document]).records)
+    unknown = Fleet(arithmetic_profile(), FleetConfig(tenants=registry, class_keys={"voice": "nope"}))
+    with pytest.raises(ValueError, match="no tenant has the API key the 'voice' requests send"):
+        unknown.run([voice])

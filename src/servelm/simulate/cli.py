@@ -47,6 +47,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction,
     run.add_argument("--cost-profile", type=Path, required=True, help="from `servelm simulate calibrate`")
     run.add_argument("--replicas", type=int, default=1, help="replicas (more than one: behind the router)")
     run.add_argument("--policy", default="kv", choices=sorted(POLICIES), help="the router's policy")
+    run.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                     help="the replicas' tenants file: each class runs as the tenant its --api-keys key names, at "
+                          "that tenant's class and priority (the batch class does not age)")  # fmt: skip
+    run.add_argument("--api-keys", default=None, metavar="PROFILE=KEY,...", help="a key per traffic class (with --tenants)")
+    run.add_argument("--api-key", default=None, help="the key of classes without one of their own (with --tenants)")
     run.add_argument("--price-per-device-hour", type=float, default=None,
                      help="a replica's device an hour: the report then says what a million tokens cost")  # fmt: skip
     add_workload_arguments(run)
@@ -90,14 +95,18 @@ def _run(args: argparse.Namespace) -> int:
     from servelm.simulate.fleet import FleetConfig
     from servelm.simulate.profile import CostProfile
     from servelm.simulate.run import Pricing, simulate_once
+    from servelm.tenancy.config import TenantsConfigError, load_tenants
+    from servelm.tenancy.registry import TenantRegistry
 
     try:
         profile = CostProfile.load(args.cost_profile)
         config = bench_config(args)
         pricing = Pricing(args.price_per_device_hour) if args.price_per_device_hour is not None else None
-        simulate_once(profile, config, load_of(args), FleetConfig(args.replicas, args.policy), config.out_dir,
-                      pricing=pricing)  # fmt: skip
-    except (ValueError, OSError) as exc:
+        tenants = TenantRegistry.build(load_tenants(args.tenants), None) if args.tenants is not None else None
+        fleet = FleetConfig(args.replicas, args.policy, tenants=tenants, class_keys=config.api_keys,
+                            default_key=config.api_key)  # fmt: skip
+        simulate_once(profile, config, load_of(args), fleet, config.out_dir, pricing=pricing)
+    except (ValueError, OSError, TenantsConfigError) as exc:
         print(f"servelm simulate: error: {exc}", file=sys.stderr)
         return 2
     print((config.out_dir / "summary.md").read_text())

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from servelm.bench.client import RequestRecord
@@ -36,6 +36,7 @@ from servelm.sampling_params import SamplingParams
 from servelm.schemas.kv_events import KVEventBatch
 from servelm.simulate.profile import CostProfile
 from servelm.simulate.replica import SimReplica
+from servelm.tenancy.config import Tenant
 from servelm.tenancy.registry import TenantRegistry, request_slo
 
 # A step with nothing to run while requests remain (all waiting for blocks that a finishing
@@ -52,6 +53,12 @@ class FleetConfig:
     policy: str = "round_robin"  # the router's --policy (more than one replica)
     duration_s: float = 3600.0  # virtual seconds: requests still in flight then are cancelled, as bench's limit does
     concurrency: int | None = None  # closed loop at this concurrency; None: the requests' arrival times
+    # The replicas' --tenants: a request runs as the tenant its traffic class's key names (bench's
+    # --api-keys; `default_key` for classes without one), at the priority and in the SLO class the
+    # server would give it. None: no tenants file, the request's own priority.
+    tenants: TenantRegistry | None = None
+    class_keys: Mapping[str, str] = field(default_factory=dict)
+    default_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -105,7 +112,7 @@ class Fleet:
         self._events: list[tuple[float, int, str, int]] = []  # (time, seq, kind, index)
         self._seq = itertools.count()
         self._kv_seq = [0] * config.num_replicas
-        self._tenant = TenantRegistry.build(None, None).tenants[0]  # no tenants file: the client's priority
+        self._registry = config.tenants or TenantRegistry.build(None, None)  # no file: the client's priority
 
     def clock(self) -> float:
         return self.now
@@ -229,10 +236,18 @@ class Fleet:
         return self.routes.index(chosen)
 
     def _engine_request(self, request: WorkloadRequest) -> EngineRequest:
-        priority, slo = request_slo(self._tenant, request.priority)
+        priority, slo = request_slo(self._tenant_of(request), request.priority)
         params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
         return EngineRequest(request_id=str(request.index), prompt_token_ids=prompt_token_ids(request),
                              sampling_params=params, priority=priority, arrival_time=self.now, slo=slo)  # fmt: skip
+
+    def _tenant_of(self, request: WorkloadRequest) -> Tenant:
+        """Who the server would take the request to be, from the key its class sends (ValueError: none)."""
+        key = self.config.class_keys.get(request.traffic_class, self.config.default_key)
+        tenant = self._registry.authenticate(f"Bearer {key}".encode() if key else b"")
+        if tenant is None:
+            raise ValueError(f"no tenant has the API key the {request.traffic_class!r} requests send (--api-keys, --api-key)")
+        return tenant
 
     def _record_output(self, flight: _Flight, output: EngineOutput) -> bool:
         """The output's tokens as one stream chunk at now; True when the request has ended."""
