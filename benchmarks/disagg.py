@@ -64,7 +64,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from servelm.cluster.ports import free_port_range
+from servelm.ports import free_port_range
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("pd", "agg")

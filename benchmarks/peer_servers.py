@@ -17,7 +17,8 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from servelm.server.launcher import free_port, launch_server, wait_until_ready
+from servelm.ports import free_port
+from servelm.server.launcher import launch_server, wait_until_ready
 
 HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = HERE / "vllm_cpu" / ".venv" / "bin" / "python"

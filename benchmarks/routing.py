@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 
 from servelm.bench.tokens import TokenSource, load_token_source
-from servelm.cluster.ports import free_port_range
+from servelm.ports import free_port_range
 from servelm.server.launcher import ServerProcess, launch_server, wait_until_ready
 
 BLOCK_SIZE = 16

@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 
 from delivery import checkpoint  # noqa: E402 - benchmarks/ is not a package; the shared checkpoint writer
 
-from servelm.server.launcher import free_port  # noqa: E402
+from servelm.ports import free_port  # noqa: E402
 
 _BUILD = """
 import json, sys, time

@@ -711,7 +711,6 @@ FLAG_SLICES: tuple[tuple[str, Any], ...] = (
 )
 
 
-
 def flag_arguments(settings: Mapping[str, Any]) -> list[str]:
     """The command-line arguments that set `settings` (from_flat keywords, as cli.py reads them
     back from the flags): how a process that has the settings starts `servelm serve` with them."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from servelm.cluster.ports import free_port_range
+from servelm.ports import free_port_range
 from servelm.testing.process_tree import alive
 from servelm.testing.tiny_model import write_tiny_checkpoint
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servelm.cluster.ports import free_port_range
+from servelm.ports import free_port_range
 from servelm.testing.delivery_cluster import wait_until
 from servelm.testing.process_tree import alive, descendants
 from servelm.testing.tiny_model import write_tiny_checkpoint

@@ -21,7 +21,7 @@ from servelm.delivery.source import NotYetAvailableError
 from servelm.delivery.store import ChunkStore
 from servelm.delivery.swarm import SwarmConfig, SwarmNode, owner_of
 from servelm.delivery.swarm_peers import PeerTable, bitmap_has
-from servelm.server.launcher import free_port
+from servelm.ports import free_port
 
 
 def test_each_chunk_has_one_owner_and_a_gone_nodes_share_spreads_evenly():

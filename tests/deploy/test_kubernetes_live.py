@@ -43,7 +43,8 @@ from k8s_manifests import (
 )
 from promql_refs import Exposition, parse_exposition, parse_refs, problems
 
-from servelm.server.launcher import ServerProcess, free_port, launch_server, wait_until_ready
+from servelm.ports import free_port
+from servelm.server.launcher import ServerProcess, launch_server, wait_until_ready
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
 KEY = "sk-from-the-secret"

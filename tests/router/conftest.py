@@ -10,8 +10,8 @@ import pytest
 
 from router_helpers import ROUTER_KEY
 from servelm.cluster.local import LocalCluster
-from servelm.cluster.ports import free_port_range
 from servelm.cluster.spec import ClusterConfig, ReplicasConfig, RouterConfig
+from servelm.ports import free_port_range
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
 NUM_REPLICAS = 2

@@ -5,8 +5,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from servelm.cluster.local import LocalCluster
-from servelm.cluster.ports import free_port_range
 from servelm.cluster.spec import ClusterConfig, ReplicasConfig, RouterConfig
+from servelm.ports import free_port_range
 from servelm.testing.tiny_model import write_tiny_checkpoint
 
 ROUTER_KEY = "router-key-1"  # the e2e router's API key (replicas run without one)

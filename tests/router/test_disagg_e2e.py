@@ -14,8 +14,8 @@ import pytest
 
 from servelm.cli import build_parser
 from servelm.cluster.local import LocalCluster
-from servelm.cluster.ports import free_port_range
 from servelm.cluster.spec import ClusterConfig, ReplicasConfig, RouterConfig
+from servelm.ports import free_port_range
 from servelm.server.launcher import ServerProcess, launch_server
 from servelm.testing.tiny_model import write_tiny_checkpoint
 

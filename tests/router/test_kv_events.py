@@ -23,10 +23,10 @@ from servelm.engine.kv_events import KVEventPublisher
 from servelm.kv.block_hash import hash_block_tokens
 from servelm.kv.kv_cache_manager import KVCacheManager
 from servelm.kv.tiers import KVTiers
+from servelm.ports import free_port
 from servelm.router.kv_index import KVIndex
 from servelm.router.kv_subscriber import KVSubscriber
 from servelm.schemas.kv_events import HOST, event_addresses
-from servelm.server.launcher import free_port
 
 BLOCK = 4
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from servelm.cluster.local import LocalCluster
-from servelm.cluster.ports import free_port_range
 from servelm.cluster.spec import ClusterConfig, ReplicasConfig, RouterConfig
+from servelm.ports import free_port_range
 from servelm.router.policies import rendezvous
 from servelm.router.request_view import build_view
 from servelm.testing.tiny_model import write_tiny_checkpoint

@@ -56,7 +56,7 @@ def test_a_simulated_replica_schedules_every_step_as_the_real_engine_does(tiny_d
     shape = EngineShape(str(tiny_dir), built.num_blocks, 16, built.max_model_len, real.layered_prefill_layers, flags)
     profile = CostProfile(**{**arithmetic_profile().__dict__, "engine": shape})
     now = [0.0]
-    simulated = SimReplica("sim", profile, lambda: now[0])
+    simulated = SimReplica(profile, lambda: now[0])
     rng = random.Random(3)
     shared = [rng.randrange(100, 1000) for _ in range(40)]
     prompts = [(shared if i % 3 == 0 else []) + [rng.randrange(100, 1000) for _ in range(rng.randint(5, 60))]

@@ -21,8 +21,6 @@ import httpx
 
 from servelm.ports import free_port
 
-__all__ = ["ServerProcess", "free_port", "launch_server", "wait_until_ready"]  # free_port: callers import it here too
-
 
 @dataclass
 class ServerProcess:

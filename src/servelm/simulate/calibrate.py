@@ -25,7 +25,7 @@ import platform
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from servelm import envs
 from servelm.config import flag_arguments
 from servelm.default_model import DEFAULT_MODEL_FILE
 from servelm.scheduler.step_cost import StepCostModel, StepShape
+from servelm.schemas.ttft import percentile
 from servelm.server.launcher import launch_server
 from servelm.simulate.plan_driver import CalibrationPlan, OneStepPrompt, drive_plan
 from servelm.simulate.profile import CALIBRATED, CostProfile, EngineShape
@@ -105,9 +106,9 @@ def fit_profile(trace: StepTraceFile, one_step: list[OneStepPrompt], model: str,
     beyond = [p.ttft_s - profile.step_s(StepShape(dense_passes=1.0) + StepShape.chunk(p.num_tokens, 0), 1) for p in one_step]
     request_overhead = max(0.0, statistics.median(beyond)) if beyond else 0.0
     notes = (f"{len(steps)} steps of a traced server; the fit's relative error on their forwards: median "
-             f"{statistics.median(errors):.3f}, p90 {_p90(errors):.3f}; a step's loop {step_overhead * 1e3:.2f} ms "
+             f"{statistics.median(errors):.3f}, p90 {percentile(errors, 90) or 0.0:.3f}; a step's loop {step_overhead * 1e3:.2f} ms "
              f"+ {row_overhead * 1e3:.3f} ms a row beyond its forward; a request +{request_overhead * 1e3:.1f} ms")  # fmt: skip
-    return CostProfile(**{**profile.__dict__, "request_overhead_s": request_overhead, "notes": notes})
+    return replace(profile, request_overhead_s=request_overhead, notes=notes)
 
 
 def _wait_for_header(path: Path) -> dict[str, int]:
@@ -127,11 +128,6 @@ def _fit_overhead(steps: list[TimedStep]) -> tuple[float, float]:
     spread = sum((x - mean_x) ** 2 for x in xs)
     slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0)
     return max(0.0, mean_y - slope * mean_x), slope
-
-
-def _p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else 0.0
 
 
 def host_name() -> str:

@@ -104,8 +104,8 @@ class Fleet:
         self.config = config
         self.now = 0.0
         routed = config.num_replicas > 1
-        self.replicas = [SimReplica(f"sim-{i}", profile, self.clock, kv_events=routed and config.policy == "kv")
-                         for i in range(config.num_replicas)]  # fmt: skip
+        self.replicas = [SimReplica(profile, self.clock, kv_events=routed and config.policy == "kv")
+                         for _ in range(config.num_replicas)]  # fmt: skip
         self.routes = [Replica(ReplicaSpec(f"http://sim-{i}"), healthy=True) for i in range(config.num_replicas)]
         self.context = PolicyContext(prefix_index=PrefixIndex(clock=self.clock))
         self.policy: RoutingPolicy | None = make_policy(config.policy, self.context) if routed else None
@@ -173,7 +173,7 @@ class Fleet:
                         ended[flight.request.index] = last_end = self.now
                         self.routes[flight.replica].in_flight -= 1
                         self.routes[flight.replica].outstanding_tokens -= flight.tokens
-                        prompt_tokens += output.num_prompt_tokens or flight.request.num_prompt_tokens
+                        prompt_tokens += flight.record.num_prompt_tokens or 0
                         cached_tokens += flight.record.num_cached_tokens or 0
                         for follower in waiting_on.pop(flight.request.index, []):
                             due(by_index[follower], self.now)

@@ -37,10 +37,9 @@ class PlannedStep:
 
 
 class SimReplica:
-    def __init__(self, name: str, profile: CostProfile, clock: Callable[[], float], kv_events: bool = False) -> None:
+    def __init__(self, profile: CostProfile, clock: Callable[[], float], kv_events: bool = False) -> None:
         engine = profile.engine
         config = EngineConfig.from_flat(None, **engine.engine_flags)
-        self.name = name
         self.profile = profile
         self.kv = KVCacheManager(engine.num_blocks, engine.block_size, config.cache.enable_prefix_caching, kv_events)
         self.scheduler = Scheduler(config.scheduler_for(engine.max_model_len), self.kv, eos_token_ids=(), clock=clock,

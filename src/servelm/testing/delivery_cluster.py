@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from servelm.server.launcher import free_port
+from servelm.ports import free_port
 
 
 def peer_urls(count: int) -> list[str]:

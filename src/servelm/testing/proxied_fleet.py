@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from servelm.server.launcher import ServerProcess, free_port, launch_server, wait_until_ready
+from servelm.ports import free_port
+from servelm.server.launcher import ServerProcess, launch_server, wait_until_ready
 from servelm.testing.cut_proxy import CutProxy
 from servelm.testing.processes import child_pids
 
