@@ -34,6 +34,31 @@ def test_each_row_adds_its_own_adapters_delta(kernels: cpu.CpuKernels, rows: int
     assert torch.equal(out[base_rows].double(), want[base_rows])  # untouched, bit for bit
 
 
+@pytest.mark.parametrize("rows", [4, 8, 11])
+def test_runs_of_one_adapters_rows_equal_each_row_alone_bit_for_bit(kernels: cpu.CpuKernels, rows: int) -> None:
+    """Decode rows of one adapter are taken four at a time (sharing the loads of its weights): each
+    row's value is still exactly what it gets alone, whatever run it falls in (an odd width and
+    SIMD tails in both dimensions; a base-model row breaking a run)."""
+    generator = torch.Generator().manual_seed(100 + rows)
+    slots, width, in_features, out_features = 2, 17, 70, 45
+    a = torch.randn(slots, width, in_features, generator=generator)
+    bt = torch.randn(slots, width, out_features, generator=generator)
+    widths = torch.tensor([16, 17], dtype=torch.int64)
+    row_slots = torch.ones(rows, dtype=torch.int64)
+    if rows > 8:
+        row_slots[5] = -1
+    x = torch.randn(rows, in_features, generator=generator)
+    out = torch.randn(rows, out_features, generator=generator)
+    before, alone = out.clone(), out.clone()
+    for t in range(rows):
+        kernels.lora_bgmv_(alone[t : t + 1], x[t : t + 1].contiguous(), a, bt, row_slots[t : t + 1].contiguous(), widths)
+    kernels.lora_bgmv_(out, x, a, bt, row_slots, widths)
+    assert torch.equal(out, alone)
+    delta = (x.double() @ a[1].double().T) @ bt[1].double()
+    want = before.double() + delta * (row_slots >= 0).double().unsqueeze(1)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_shapes_that_do_not_fit_are_refused(kernels: cpu.CpuKernels) -> None:
     a, bt = torch.zeros(2, 8, 16), torch.zeros(2, 8, 10)
     slots, widths = torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)

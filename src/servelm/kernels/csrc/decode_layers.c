@@ -96,12 +96,13 @@ static void linear_rows(const fused_step* s, const fused_linear* lin, const floa
     }
     if (s->lora_rows == NULL || lin->lora.a == NULL) return; /* the same for every thread: shared data */
     const fused_lora* l = &lin->lora;
+    const int64_t lora_tasks = (B + SERVELM_LORA_ROWS_PER_TASK - 1) / SERVELM_LORA_ROWS_PER_TASK;
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t slot = s->lora_rows[b];
-        if (slot < 0) continue;
-        servelm_lora_row(x + b * lin->k, y + b * lin->n, l->a + slot * l->W * lin->k, l->bt + slot * l->W * lin->n,
-                         l->widths[slot], lin->k, lin->n, s->lora_h + b * s->lora_width);
+    for (int64_t t = 0; t < lora_tasks; t++) {
+        const int64_t b0 = t * SERVELM_LORA_ROWS_PER_TASK;
+        const int64_t b1 = b0 + SERVELM_LORA_ROWS_PER_TASK < B ? b0 + SERVELM_LORA_ROWS_PER_TASK : B;
+        servelm_lora_rows(x, y, l->a, l->bt, s->lora_rows, l->widths, l->W, lin->k, lin->n, s->lora_h, s->lora_width,
+                          b0, b1);
     }
 }
 

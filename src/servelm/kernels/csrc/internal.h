@@ -46,4 +46,13 @@ void servelm_silu_mul_row(const float* gate, const float* up, float* act, int64_
 void servelm_lora_row(const float* x, float* y, const float* a, const float* bt, int64_t w, int64_t in, int64_t out,
                       float* h);
 
+/* lora.c: rows b0..b1-1 of a batch (x [.., in], y [.., out]), each row b of slot row_slots[b] >= 0
+   (negative: untouched), A [slots, W, in], Bt [slots, W, out], h rows `hs` apart. Runs of four rows of
+   one slot share the loads of its weights; every value is the one-row kernel's. */
+void servelm_lora_rows(const float* x, float* y, const float* a, const float* bt, const int64_t* row_slots,
+                       const int64_t* widths, int64_t W, int64_t in, int64_t out, float* h, int64_t hs, int64_t b0,
+                       int64_t b1);
+/* Rows one thread takes at a time: a run of one adapter's rows that size shares its weights' loads. */
+#define SERVELM_LORA_ROWS_PER_TASK 4
+
 #endif /* SERVELM_INTERNAL_H */
