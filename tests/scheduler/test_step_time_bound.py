@@ -323,6 +323,30 @@ def test_a_longer_prompt_is_not_starved_by_shorter_ones_arriving_after_it() -> N
     assert "old" in finished and finished.index("old") <= 2, finished
 
 
+def test_a_prompt_arriving_beside_a_deep_long_prompt_that_waited_is_not_held_for_its_whole_rest() -> None:
+    """A 6,000-token prompt that waited 20 s and is halfway through; a 300-token prompt of its class
+    arrives. Ranked by wait per second of work left, the newcomer is done 0.7 s later (3.5x its own
+    prefill time). Ranked by wait per token left, the long prompt's last 3,000 tokens (its dearest:
+    each attends over all before it) kept outranking it, the long one's ratio growing as its tokens
+    left shrank: 3.8 s (18x), and in the simulated mixed profile a voice turn waited 11 s for a
+    whole code prompt that way."""
+    s = bounded(max_step_ms=30.0)
+    clock = s._clock
+    s.add_request(request("long", 6000, max_tokens=1, arrival_time=clock.now - 20.0))
+    long = s.get_request("long")
+    while long.num_computed_tokens < 3000:
+        _, _, seconds = run_step(s)
+        clock.now += seconds
+    s.add_request(request("short", 300, max_tokens=1, arrival_time=clock.now))
+    sent = clock.now
+    own_s = truth_s(StepShape(dense_passes=1) + StepShape.chunk(300, 0))
+    while s.get_request("short") is not None:
+        _, _, seconds = run_step(s)
+        clock.now += seconds
+    assert s.get_request("long") is not None  # the newcomer did not wait for the whole long prompt
+    assert clock.now - sent <= 10 * own_s, (clock.now - sent, own_s)
+
+
 def test_a_worse_priority_stream_does_not_hold_back_a_better_prompt() -> None:
     """Batch streams (priority 1) decoding beside an interactive prompt (priority 0): their pace
     does not bound its steps (the target does); an interactive stream's would."""

@@ -541,23 +541,30 @@ class Scheduler:
 
     def _schedule_deferred(self, deferred: list[tuple[bool, Request]], plan: StepPlan, now: float,
                            admitted: list[Request]) -> None:  # fmt: skip
-        """One level's prompts that do not finish whole this step, by their wait per token left,
-        highest first (highest response ratio next): (time since arrival + one step) / tokens left.
-        Fresh, the fewest tokens left go first: a 600-token prompt that arrived behind two 4k-token
+        """One level's prompts that do not finish whole this step, by their wait per second of
+        prefill left, highest first (highest response ratio next): (time since arrival + one step)
+        / the cost model's time for the tokens left at their depth (tokens left, without a fit).
+        Fresh, the quickest to finish go first: a 600-token prompt that arrived behind two 4k-token
         prompts of its class finishes in a few steps instead of after them. Waiting, a longer prompt
-        catches up in proportion to its length: a 400-token chat prompt is never starved by the
+        catches up in proportion to its work: a 400-token chat prompt is never starved by the
         250-token ones that keep arriving after it (it waits about a step per 250 tokens of
         difference, where shortest-first held it until aging moved it up a level: 10 s, the chat
-        workload's TTFT p99 on 2 cores). Rank order among equals (the sort is stable)."""
+        workload's TTFT p99 on 2 cores). Time, not tokens, because a long prompt's last tokens are
+        its dearest (each attends over all before it): counted in tokens, a 4k-token code prompt
+        that had waited 6 s and had 1.5k tokens left at depth 2.5k kept outranking a 394-token voice
+        turn that arrived then, its ratio growing as its tokens left shrank, and the turn waited 11 s
+        for the whole prompt (the mixed profile, simulated on the 2-core host's profile). Rank order
+        among equals (the sort is stable)."""
         pricing = plan.pricing
         step_s = pricing.target_s if pricing is not None and pricing.target_s else DEFERRED_STEP_S
 
-        def wait_per_token(item: tuple[bool, Request]) -> float:
+        def wait_per_work_left(item: tuple[bool, Request]) -> float:
             request = item[1]
             left = max(1, request.num_tokens - request.num_computed_tokens)
-            return (max(0.0, now - request.arrival_time) + step_s) / left
+            work_s = self.step_cost.prompt_left_s(left, request.num_computed_tokens)
+            return (max(0.0, now - request.arrival_time) + step_s) / (work_s if work_s else left)
 
-        deferred = sorted(deferred, key=wait_per_token, reverse=True)
+        deferred = sorted(deferred, key=wait_per_work_left, reverse=True)
         for is_waiting, request in deferred:
             if plan.budget <= 0 and not request.layered_tokens:
                 break

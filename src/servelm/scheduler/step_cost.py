@@ -193,6 +193,16 @@ class StepCostModel:
         coefficients = self.coefficients()
         return None if coefficients is None else (coefficients[0] + coefficients[2], coefficients[4])
 
+    def prompt_left_s(self, num_tokens: int, context: int) -> float | None:
+        """What the `num_tokens` a prompt has left after `context` of its tokens cost to compute:
+        their tokens, their attention pairs at that depth and one re-read of the context (no fixed
+        part, no dense pass: the steps run anyway). None while the model has no fit."""
+        coefficients = self.coefficients()
+        if coefficients is None:
+            return None
+        per_token, per_pair, per_context = coefficients[4], coefficients[5], coefficients[6]
+        return per_token * num_tokens + per_pair * chunk_pairs(num_tokens, context) + per_context * context
+
     def prompt_blocks_s(self, block_size: int, first_depth: int, num_blocks: int) -> list[float] | None:
         """What computing each of `num_blocks` prompt blocks adds to a step, the first starting
         after `first_depth` tokens of its prompt: its tokens and its attention pairs at its depth
