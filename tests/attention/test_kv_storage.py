@@ -9,7 +9,15 @@ import torch
 
 from servelm.attention import torch_backend
 from servelm.attention.backend import CommonAttentionInputs
-from servelm.attention.kv_storage import QuantizedKV, block_tensors, dequantize, gather_kv, quantize, write_kv
+from servelm.attention.kv_storage import (
+    QuantizedKV,
+    block_tensors,
+    dequantize,
+    gather_kv,
+    gather_kv_blocks,
+    quantize,
+    write_kv,
+)
 from servelm.attention.torch_backend import TorchAttentionBackend
 from servelm.kernels import cpu as cpu_kernels
 
@@ -61,6 +69,29 @@ def test_written_slots_read_back_dequantized_and_others_stay_untouched(dtype):
     # A [R, L] slot grid reads a [R, L, KVH, D] batch, as the decode and chunk paths ask for it.
     grid = slots[:4].view(2, 2)
     assert gather_kv(pool, 1, grid, torch.bfloat16).shape == (2, 2, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *QUANTIZED])
+@pytest.mark.parametrize("planes", [2, 1])  # K and V; one latent plane read as both
+def test_a_requests_blocks_read_what_its_positions_slots_read(dtype, planes):
+    """A chunk's context is read a block at a time (gather_kv_blocks): the same values, in the
+    same order, as reading its positions' slots one by one, a partly filled last block cut."""
+    num_blocks, block_size, kv_heads, head_dim = 7, 4, 2, 8
+    shape = (planes, num_blocks, block_size, kv_heads, head_dim)
+    if dtype == torch.float32:
+        pool = _values(shape, seed=4)
+    else:
+        pool = QuantizedKV(torch.zeros(shape, dtype=dtype), torch.zeros(shape[:-1]))
+        everything = torch.arange(num_blocks * block_size)
+        write_kv(pool, _values((everything.numel(), kv_heads, head_dim), seed=5),
+                 _values((everything.numel(), kv_heads, head_dim), seed=6), everything)  # fmt: skip
+    blocks = torch.tensor([5, 0, 3])
+    num_tokens = 10  # two full blocks and half of the third
+    positions = torch.arange(num_tokens)
+    slots = blocks[positions // block_size] * block_size + positions % block_size
+    for which in (0, 1):
+        got = gather_kv_blocks(pool, which, blocks, num_tokens, torch.float32)
+        assert torch.equal(got, gather_kv(pool, which, slots, torch.float32))
 
 
 def test_quantized_pool_refuses_mismatched_tensors():

@@ -129,10 +129,10 @@ def test_paged_backend_equals_dense_reference(monkeypatch, batch, use_kernel, bl
         as_rows = [False] * len(requests)
         assert metadata.decodes is None
     chunked = [r for r, row in zip(requests, as_rows) if not row]
-    assert [(c.end - c.start, c.context_slots is None) for c in metadata.chunks] == [(n, n == s) for n, s in chunked]
+    assert [(c.end - c.start, c.context_blocks is None) for c in metadata.chunks] == [(n, n == s) for n, s in chunked]
 
     for chunk in metadata.chunks:  # a mask only where one call attends queries after context
-        masked_call = chunk.context_slots is not None and 1 < chunk.end - chunk.start < SPLIT_ATTENTION_MIN_QUERIES
+        masked_call = chunk.context_blocks is not None and 1 < chunk.end - chunk.start < SPLIT_ATTENTION_MIN_QUERIES
         assert (chunk.context_mask is not None) == masked_call
 
     out = backend.forward(q, k, v, pool, metadata, SCALE)

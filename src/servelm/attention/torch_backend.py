@@ -36,7 +36,7 @@ from servelm.attention.backend import (
     register_backend,
     slots_of,
 )
-from servelm.attention.kv_storage import LayerKVCache, QuantizedKV, gather_kv, write_kv
+from servelm.attention.kv_storage import LayerKVCache, QuantizedKV, gather_kv, gather_kv_blocks, write_kv
 from servelm.kernels import cpu as cpu_kernels
 
 
@@ -258,9 +258,11 @@ class PrefillChunk:
 
     start: int  # first token row of the chunk in the flattened batch
     end: int  # one past its last row
-    # [seq_len] long, on device: pool slots of positions 0..seq_len-1 (context, then the chunk);
-    # None when nothing is cached before the chunk and it attends to its own fresh K/V.
-    context_slots: torch.Tensor | None
+    # [ceil(seq_len / block_size)] long, on device: the request's blocks, in order, holding positions
+    # 0..seq_len-1 (context, then the chunk); None when nothing is cached before the chunk and it
+    # attends to its own fresh K/V.
+    context_blocks: torch.Tensor | None
+    seq_len: int = 0  # keys the chunk attends to (with context_blocks)
     # With context: which keys each query sees ([end - start, seq_len] bool), made once for every layer
     # (made per layer it was ~2% of a long prompt's prefill).
     context_mask: torch.Tensor | None = None
@@ -268,17 +270,17 @@ class PrefillChunk:
 
     def attend(self, query, key, value, kv_cache: LayerKVCache | None, scale: float) -> torch.Tensor:
         s, e = self.start, self.end
-        if self.context_slots is None:
+        if self.context_blocks is None:
             return _attend(query[s:e], key[s:e], value[s:e], scale, compute_dtype=self.compute_dtype)
         assert kv_cache is not None  # TorchAttentionBackend.forward checked
-        k = gather_kv(kv_cache, 0, self.context_slots, query.dtype)  # [seq_len, KVH, D]
-        v = gather_kv(kv_cache, 1, self.context_slots, query.dtype)
+        k = gather_kv_blocks(kv_cache, 0, self.context_blocks, self.seq_len, query.dtype)  # [seq_len, KVH, D]
+        v = gather_kv_blocks(kv_cache, 1, self.context_blocks, self.seq_len, query.dtype)
         return _attend(query[s:e], k, v, scale, self.context_mask, self.compute_dtype)
 
 
 def _build_chunks(common: CommonAttentionInputs, indices: list[int],
                   compute_dtype: torch.dtype | None = None) -> tuple[PrefillChunk, ...]:  # fmt: skip
-    """Chunks of requests `indices`; the context slots of all of them reach the device in one copy."""
+    """Chunks of requests `indices`; the context blocks of all of them reach the device in one copy."""
     starts = common.query_start_loc.tolist()
     seq_lens = common.seq_lens.tolist()
     with_context = [i for i in indices if seq_lens[i] > starts[i + 1] - starts[i]]
@@ -287,18 +289,17 @@ def _build_chunks(common: CommonAttentionInputs, indices: list[int],
     context: dict[int, torch.Tensor] = {}
     if with_context:
         assert common.block_table is not None
-        per_request = [
-            slots_of(common.block_table, torch.tensor(i), torch.arange(seq_lens[i]), common.block_size)
-            for i in with_context
-        ]
+        num_blocks = [-(-seq_lens[i] // common.block_size) for i in with_context]
+        per_request = [common.block_table[i, :n].long() for i, n in zip(with_context, num_blocks)]
         on_device = torch.cat(per_request).to(common.device, non_blocking=True)
-        context = dict(zip(with_context, on_device.split([seq_lens[i] for i in with_context])))
+        context = dict(zip(with_context, on_device.split(num_blocks)))
     masks = {
         i: _causal_mask(starts[i + 1] - starts[i], seq_lens[i], common.device)
         for i in context
         if not _splits_at_context(starts[i + 1] - starts[i], common.device)  # no mask then (_attend)
     }
-    return tuple(PrefillChunk(starts[i], starts[i + 1], context.get(i), masks.get(i), compute_dtype) for i in indices)
+    return tuple(PrefillChunk(starts[i], starts[i + 1], context.get(i), seq_lens[i], masks.get(i), compute_dtype)
+                 for i in indices)  # fmt: skip
 
 
 # -- the backend ---------------------------------------------------------------------------
@@ -314,7 +315,7 @@ class TorchAttentionMetadata(AttentionMetadata):
 
     @property
     def reads_kv_pool(self) -> bool:
-        return self.decodes is not None or any(c.context_slots is not None for c in self.chunks)
+        return self.decodes is not None or any(c.context_blocks is not None for c in self.chunks)
 
 
 class TorchAttentionBackend:
