@@ -93,7 +93,6 @@ from servelm.scheduler.step_plan import ChunkPlan, StepPlan
 from servelm.scheduler.step_pricing import (
     LAYER_SHARE,
     LONE_LAYER_SHARE,
-    LOWER_CLASS_SLOWDOWN,
     StepPricing,
     configured_step_target_s,
     executed_shape,
@@ -338,20 +337,13 @@ class Scheduler:
         """The step-time target with these requests decoding and these prompts mid-prefill (and the
         waiting ones), and whether the pace bound binds (step_pricing.paced_step_target_s). The pace
         is kept for the decodes whose priority is as good as the best prompt's: a batch stream's
-        pace never holds back an interactive prompt. Where every prompt is of a worse class than
-        some streams, those streams' pace binds, at LOWER_CLASS_SLOWDOWN."""
+        pace never holds back an interactive prompt."""
         # max_step_ms 0 asks for unbounded steps: no pace bound either (a class's TBT target still binds).
         slowdown = self.config.max_decode_slowdown if self.config.max_step_ms != 0 else 0.0
         best_prompt = min((p for p in (self._waiting.best_priority(), *(r.priority for r in prefilling))
                            if p is not None), default=None)  # fmt: skip
         paced = None
-        better = [r for r in decoding if best_prompt is not None and r.priority < best_prompt]
-        if slowdown > 0 and better:
-            # Only a worse class's prompts wait (a batch line beside interactive streams): the pace of
-            # the better class's streams, at the lower class's slowdown (step_pricing.py).
-            paced = sum((StepShape.decode(1, r.num_computed_tokens) for r in better), StepShape())
-            slowdown = min(slowdown, LOWER_CLASS_SLOWDOWN)
-        elif slowdown > 0 and best_prompt is not None:
+        if slowdown > 0 and best_prompt is not None:
             paced_requests = [r for r in decoding if r.priority <= best_prompt]
             paced = sum((StepShape.decode(1, r.num_computed_tokens) for r in paced_requests), StepShape())
             if paced_requests:

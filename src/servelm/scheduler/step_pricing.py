@@ -75,15 +75,6 @@ LONE_LAYER_SHARE = 0.5
 # per stream (all of its remaining steps), so a stream cannot take the share again step by step.
 FINISH_SLOWDOWN = 1.5
 FINISH_COST_SHARE = 0.05
-# Streams of a better class beside prompt work of worse classes only (a batch line's prompt while
-# interactive streams decode): the step takes at most this many times what those streams' decodes
-# alone take (or max_decode_slowdown if lower), so their token gaps stay below what their own class's
-# prompts cause them (max_decode_slowdown) and a batch shows in neither their TBT nor the TTFT of
-# their next turns. Paced at max_decode_slowdown over all the step's decodes (the batch's included),
-# a batch beside voice at 60% of its capacity took voice's TTFT p90 to 1.30x and its TBT p99 to 1.58x
-# of voice alone (2 AMD cores, the default model); simulated on that host's profile, this bound gave
-# 1.13x and 0.99x with the batch's share of the idle capacity unchanged.
-LOWER_CLASS_SLOWDOWN = 1.5
 
 
 def auto_step_target_s(model: StepCostModel, num_layers: int) -> float | None:
