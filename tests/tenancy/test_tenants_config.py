@@ -49,6 +49,8 @@ def test_the_example_file_loads_with_builtin_and_own_classes():
          r"classes\.gold\.kv_retention: 'forever'; expected one of \['low', 'normal', 'high'\]"),
         ("classes: {gold: {priority: 0, ages: 'no'}}\ntenants: {a: {api_keys: [k], class: gold}}",
          r"classes\.gold\.ages: expected true or false, got 'no'"),
+        ("tenants: {a: {api_keys: [k], class: batch, models: []}}", r"tenants\.a\.models: expected a non-empty list of model names"),
+        ("tenants: {a: {api_keys: [k], class: batch, models: sql}}", r"tenants\.a\.models: expected a non-empty list"),
         ("tenant: {}", r"the file: unknown field\(s\) \['tenant'\]"),
         ("tenants: [", "cannot read the tenants file"),
     ],
@@ -58,6 +60,15 @@ def test_mistakes_name_the_file_and_the_field(tmp_path, text, message):
         _load(tmp_path, text)
     assert str(tmp_path / "tenants.yaml") in str(error.value)
     assert "k1" not in str(error.value)  # a duplicate key is named by position, never shown
+
+
+def test_a_tenant_may_be_limited_to_named_models(tmp_path):
+    config = _load(tmp_path, "tenants: {fin: {api_keys: [k1], class: interactive, models: [base, fin-sql]}, "
+                             "open: {api_keys: [k2], class: interactive}}")  # fmt: skip
+    tenants = {t.name: t for t in config.tenants}
+    assert tenants["fin"].may_use("fin-sql") and tenants["fin"].may_use("base")
+    assert not tenants["fin"].may_use("legal")
+    assert tenants["open"].models is None and tenants["open"].may_use("legal")
 
 
 def test_a_class_kv_retention_reaches_its_requests_slo(tmp_path):

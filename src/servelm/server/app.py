@@ -66,7 +66,7 @@ from servelm.obs.loop_lag import EventLoopLagMonitor
 from servelm.obs.metrics import ServerMetrics, starting_metrics
 from servelm.obs.request_log import RequestLogger
 from servelm.obs.startup import StartupTimeline
-from servelm.openai_api.auth import ApiKeyMiddleware
+from servelm.openai_api.auth import CALLER_STATE, ApiKeyMiddleware
 from servelm.openai_api.body_limit import body_too_large_message, read_within
 from servelm.openai_api.content_type import NOT_JSON_MESSAGE, is_json_content_type
 from servelm.openai_api.open_files import raise_open_files_limit
@@ -96,7 +96,7 @@ from servelm.server.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
-from servelm.server.serving import json_response, lora_name_of
+from servelm.server.serving import check_model, json_response, lora_name_of
 from servelm.server.structured_request import StructuredCheck
 from servelm.server.tenant_limits import TenantLimitsMiddleware
 from servelm.server.tokenize_api import detokenize, tokenize
@@ -352,11 +352,11 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        return await tokenize(_ctx(request), await _parse(request, TokenizeRequest))
+        return await tokenize(_ctx(request), await _parse(request, TokenizeRequest), request)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        return await detokenize(_ctx(request), await _parse(request, DetokenizeRequest))
+        return await detokenize(_ctx(request), await _parse(request, DetokenizeRequest), request)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_route(request: Request) -> Response:
@@ -381,11 +381,13 @@ def _add_routes(app: FastAPI) -> None:
     async def models(request: Request) -> Response:
         ctx = _ctx(request)
         cards = [model_card(ctx), *(model_card(ctx, adapter) for adapter in ctx.lora_modules)]
-        return json_response({"object": "list", "data": cards})
+        caller = getattr(request.state, CALLER_STATE, None)  # a tenant sees only the models it may use
+        return json_response({"object": "list", "data": [c for c in cards if caller is None or caller.may_use(c["id"])]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         ctx = _ctx(request)
+        check_model(ctx, model_id, request)
         adapter = lora_name_of(ctx, model_id)
         return json_response(model_card(ctx, next((m for m in ctx.lora_modules if m.name == adapter), None)))
 

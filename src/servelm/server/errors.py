@@ -62,8 +62,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def model_not_found(model: str) -> APIError:
+    # OpenAI's words, the same whether the model is served to no one or only not to this caller's
+    # tenant (a tenants file's `models`): an answer must not tell a tenant what others may use.
     return APIError(
-        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        404, f"The model `{model}` does not exist or you do not have access to it.", param="model",
+        code="model_not_found",
     )
 
 

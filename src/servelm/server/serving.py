@@ -92,7 +92,7 @@ def begin_request(
 ) -> tuple[str, RequestTimeline, SamplingParams]:
     """The checks every generation request passes before its prompt is tokenized."""
     request_id, timeline = new_request(http_request, prefix, body.stream)
-    check_model(ctx, body.model)
+    check_model(ctx, body.model, http_request)
     body.check()
     params = body.to_sampling_params()
     check_token_ids(ctx, params.stop_token_ids, "stop_token_ids")
@@ -137,9 +137,14 @@ def reserve_tokens(http_request: Request, gen: GenerationStream, max_model_len: 
     lease.count_generated(lambda: gen.num_generated_tokens)
 
 
-def check_model(ctx: ServerContext, model: str | None) -> None:
-    """404 model_not_found unless `model` is absent, the served model or one of its adapters."""
+def check_model(ctx: ServerContext, model: str | None, http_request: Request | None = None) -> None:
+    """404 model_not_found unless `model` is absent, the served model or one of its adapters, and
+    (given the request) one its caller's tenant may use (the base model when absent)."""
     lora_name_of(ctx, model)
+    caller = getattr(http_request.state, CALLER_STATE, None) if http_request is not None else None
+    name = model if model is not None else ctx.model_name
+    if caller is not None and not caller.may_use(name):
+        raise model_not_found(name)
 
 
 def lora_name_of(ctx: ServerContext, model: str | None) -> str | None:

@@ -7,6 +7,7 @@ completion endpoints run it (inline when short, the tokenizer pool when long).
 
 from __future__ import annotations
 
+from starlette.requests import Request
 from starlette.responses import Response
 
 from servelm.server.context import ServerContext
@@ -14,8 +15,8 @@ from servelm.server.protocol import DetokenizeRequest, TokenizeRequest
 from servelm.server.serving import check_model, check_token_ids, json_response, render_chat
 
 
-async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> Response:
-    check_model(ctx, body.model)
+async def tokenize(ctx: ServerContext, body: TokenizeRequest, http_request: Request) -> Response:
+    check_model(ctx, body.model, http_request)
     body.check()
     if body.messages is not None:
         tokens = await render_chat(ctx, [m.template_entry() for m in body.messages], body.add_generation_prompt)
@@ -28,7 +29,7 @@ async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> Response:
     return json_response(payload)
 
 
-async def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> Response:
-    check_model(ctx, body.model)
+async def detokenize(ctx: ServerContext, body: DetokenizeRequest, http_request: Request) -> Response:
+    check_model(ctx, body.model, http_request)
     check_token_ids(ctx, body.tokens, "tokens")
     return json_response({"prompt": await ctx.tokenizer.decode(body.tokens, body.skip_special_tokens)})

@@ -11,6 +11,8 @@
         tokens_per_minute: 200000             # optional: prompt + max_tokens, refunded when unused
         priority: {min: 0, max: 1}            # optional: the client's `priority` is clamped into it
         weight: 2                             # optional (1): the tenant's fair share, for the scheduler
+        models: [voice-ft]                    # optional: the models (served name, LoRA adapters) it may
+                                              # use; others answer 404 model_not_found (default: all)
 
 A class's `priority` is what its requests run at unless the tenant allows a range; lower runs
 first (vLLM's convention). Its targets (seconds) are what `servelm:request_slo_met` judges and
@@ -72,7 +74,10 @@ class Tenant:
     tokens_per_minute: int | None = None  # None: unlimited
     priority_range: PriorityRange | None = None  # None: exactly the class's priority
     weight: float = 1.0
+    models: frozenset[str] | None = None  # the model names it may use (the base's, adapters'); None: all
 
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ def _slo_class(name: str, spec: Any, source: str) -> SloClass:
     )
 
 
-_TENANT_FIELDS = {"api_keys", "class", "max_concurrent_requests", "tokens_per_minute", "priority", "weight"}
+_TENANT_FIELDS = {"api_keys", "class", "max_concurrent_requests", "tokens_per_minute", "priority", "weight", "models"}
 
 
 def _tenant(name: str, spec: Any, classes: Mapping[str, SloClass], source: str) -> Tenant:
@@ -173,7 +178,16 @@ def _tenant(name: str, spec: Any, classes: Mapping[str, SloClass], source: str) 
         tokens_per_minute=_optional_int(fields, "tokens_per_minute", source, where),
         priority_range=_priority_range(fields.get("priority"), source, f"{where}.priority"),
         weight=float(weight),
+        models=_models(fields.get("models"), source, f"{where}.models"),
     )
+
+
+def _models(spec: Any, source: str, where: str) -> frozenset[str] | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, list) or not spec or not all(isinstance(m, str) and m.strip() for m in spec):
+        raise TenantsConfigError(f"{source}: {where}: expected a non-empty list of model names, got {spec!r}")
+    return frozenset(spec)
 
 
 def _priority_range(spec: Any, source: str, where: str) -> PriorityRange | None:
