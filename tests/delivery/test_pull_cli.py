@@ -132,9 +132,13 @@ def test_pull_from_an_origin_that_ignores_range_reads_each_file_whole(
     assert same_files(origin, dest, BIG) and read_manifest(dest) == read_manifest(origin)
     process.kill()
     _, log = process.communicate(timeout=10)
-    for name in BIG:  # 24 chunks each: a few ranged tries (one per connection at most), then one pass
+    # 24 chunks each: a few ranged tries (one per connection at most), then one pass, not a whole file
+    # per chunk. A thread that falls behind on a loaded machine may ask for a chunk after its bytes
+    # left the shared window, which costs a fresh pass (whole_file.py: correct, only slower): the
+    # suite on two workers once saw 6 GETs of a file where 5 was the bound; two such passes allowed.
+    for name in BIG:
         gets = sum(1 for line in log.splitlines() if f'"GET /{name} ' in line)
-        assert 1 <= gets <= CONNECTIONS + 1, (name, gets)
+        assert 1 <= gets <= CONNECTIONS + 1 + 2, (name, gets)
 
 
 def test_manifest_of_a_directory_without_weights_is_refused(tmp_path: Path) -> None:

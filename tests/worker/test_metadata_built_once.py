@@ -49,8 +49,12 @@ def test_one_build_per_step_and_one_forward_per_layer(tmp_path):
     model = build_model(checkpoint.arch, checkpoint.weights, torch.float32, "cpu", "test-counting-torch")
     backend = model.layers[0].self_attn.backend
     assert isinstance(backend, CountingTorchBackend)
+    # Steps of whole tokens: without a time target (max_step_ms 0) no prompt runs as layered slices, whose
+    # layers build their own metadata. With the calibrated default, a start on a loaded machine (the
+    # suite on two workers) once priced this tiny model's steps so that some prompts ran by layers, and
+    # 46 builds met 42 steps.
     config = EngineConfig.from_flat(
-        model="unused", num_blocks=64, block_size=4, max_num_batched_tokens=24, enable_prefix_caching=True
+        model="unused", num_blocks=64, block_size=4, max_num_batched_tokens=24, enable_prefix_caching=True, max_step_ms=0
     )
     core = assemble_engine(config, model, checkpoint.arch, checkpoint.tokenizer, "test").core
     num_warmup_steps = len(backend.built)  # the start-up warm-up's steps (worker/warmup.py) are steps too

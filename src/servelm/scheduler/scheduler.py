@@ -558,11 +558,13 @@ class Scheduler:
         pricing = plan.pricing
         step_s = pricing.target_s if pricing is not None and pricing.target_s else DEFERRED_STEP_S
 
+        priced = self.step_cost.coefficients() is not None  # one unit for every prompt of the sort
+
         def wait_per_work_left(item: tuple[bool, Request]) -> float:
             request = item[1]
             left = max(1, request.num_tokens - request.num_computed_tokens)
-            work_s = self.step_cost.prompt_left_s(left, request.num_computed_tokens)
-            return (max(0.0, now - request.arrival_time) + step_s) / (work_s if work_s else left)
+            work = max(self.step_cost.prompt_left_s(left, request.num_computed_tokens) or 0.0, 1e-9) if priced else left
+            return (max(0.0, now - request.arrival_time) + step_s) / work
 
         deferred = sorted(deferred, key=wait_per_work_left, reverse=True)
         for is_waiting, request in deferred:

@@ -1,5 +1,5 @@
-/* Batched LoRA, one row at a time (Punica's BGMV): every row of a forward adds its own adapter's
-   delta, in one call for the whole batch whatever the number of adapters in it.
+/* Batched LoRA, row by row (Punica's BGMV): every row of a forward adds its own adapter's delta, in
+   one call for the whole batch whatever the number of adapters in it.
 
    For each row t whose slot s = row_slots[t] is >= 0 (negative: a base-model row, untouched):
        h[:w]    = A[s, :w] . x[t]                  A  [slots, W, in]: w dots over `in`
@@ -7,8 +7,9 @@
    with w = widths[s] (the columns the slot's adapter uses) and the scaling folded into Bt. Only the
    columns a row's adapter uses are computed: what the adapters need, nothing for the other slots
    (servelm/lora/layers.py keeps a per-segment torch path for long prompts). Rows are independent:
-   threads split them. A dot accumulates in eight lanes summed in a fixed order, so a row's result
-   never depends on the batch it came in or the thread count. */
+   threads split them, SERVELM_LORA_ROWS_PER_TASK at a time, and a run of four rows of one adapter
+   shares each load of its weights. A dot accumulates in eight lanes summed in a fixed order, so a
+   row's result never depends on the batch it came in, the run it fell in or the thread count. */
 #include <stdint.h>
 
 #include "internal.h"
