@@ -96,7 +96,7 @@ from servelm.server.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
-from servelm.server.serving import check_model, json_response, lora_name_of
+from servelm.server.serving import check_model, json_response
 from servelm.server.structured_request import StructuredCheck
 from servelm.server.tenant_limits import TenantLimitsMiddleware
 from servelm.server.tokenize_api import detokenize, tokenize
@@ -387,8 +387,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         ctx = _ctx(request)
-        check_model(ctx, model_id, request)
-        adapter = lora_name_of(ctx, model_id)
+        adapter = check_model(ctx, model_id, request)
         return json_response(model_card(ctx, next((m for m in ctx.lora_modules if m.name == adapter), None)))
 
     @app.get("/v1/kv_transfer")

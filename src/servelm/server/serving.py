@@ -137,14 +137,16 @@ def reserve_tokens(http_request: Request, gen: GenerationStream, max_model_len: 
     lease.count_generated(lambda: gen.num_generated_tokens)
 
 
-def check_model(ctx: ServerContext, model: str | None, http_request: Request | None = None) -> None:
+def check_model(ctx: ServerContext, model: str | None, http_request: Request | None = None) -> str | None:
     """404 model_not_found unless `model` is absent, the served model or one of its adapters, and
-    (given the request) one its caller's tenant may use (the base model when absent)."""
-    lora_name_of(ctx, model)
+    (given the request) one its caller's tenant may use (the base model when absent). Returns the
+    adapter it names (lora_name_of)."""
+    adapter = lora_name_of(ctx, model)
     caller = getattr(http_request.state, CALLER_STATE, None) if http_request is not None else None
     name = model if model is not None else ctx.model_name
     if caller is not None and not caller.may_use(name):
         raise model_not_found(name)
+    return adapter
 
 
 def lora_name_of(ctx: ServerContext, model: str | None) -> str | None:

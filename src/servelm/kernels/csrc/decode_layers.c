@@ -96,14 +96,10 @@ static void linear_rows(const fused_step* s, const fused_linear* lin, const floa
     }
     if (s->lora_rows == NULL || lin->lora.a == NULL) return; /* the same for every thread: shared data */
     const fused_lora* l = &lin->lora;
-    const int64_t lora_tasks = (B + SERVELM_LORA_ROWS_PER_TASK - 1) / SERVELM_LORA_ROWS_PER_TASK;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < lora_tasks; t++) {
-        const int64_t b0 = t * SERVELM_LORA_ROWS_PER_TASK;
-        const int64_t b1 = b0 + SERVELM_LORA_ROWS_PER_TASK < B ? b0 + SERVELM_LORA_ROWS_PER_TASK : B;
-        servelm_lora_rows(x, y, l->a, l->bt, s->lora_rows, l->widths, l->W, lin->k, lin->n, s->lora_h, s->lora_width,
-                          b0, b1);
-    }
+    for (int64_t t = 0; t < SERVELM_LORA_TASKS(B); t++)
+        servelm_lora_task(x, y, l->a, l->bt, s->lora_rows, l->widths, l->W, lin->k, lin->n, s->lora_h, s->lora_width, t,
+                          B);
 }
 
 /* One layer for all rows; every thread of the enclosing region calls it. */

@@ -40,19 +40,15 @@ void servelm_softmax_row(float* x, int64_t n);
 /* act = silu(gate) * up = gate / (1 + e^-gate) * up, over n. */
 void servelm_silu_mul_row(const float* gate, const float* up, float* act, int64_t n);
 
-/* lora.c: one row's LoRA delta, y[:out] += sum_j (A[j] . x) * Bt[j] over the w columns its adapter
-   uses (A [w, in], Bt [w, out] of its slot); h [w] is scratch. What lora_bgmv does per row, so
-   that decode_layers.c adds the same values. */
-void servelm_lora_row(const float* x, float* y, const float* a, const float* bt, int64_t w, int64_t in, int64_t out,
-                      float* h);
-
-/* lora.c: rows b0..b1-1 of a batch (x [.., in], y [.., out]), each row b of slot row_slots[b] >= 0
-   (negative: untouched), A [slots, W, in], Bt [slots, W, out], h rows `hs` apart. Runs of four rows of
-   one slot share the loads of its weights; every value is the one-row kernel's. */
-void servelm_lora_rows(const float* x, float* y, const float* a, const float* bt, const int64_t* row_slots,
-                       const int64_t* widths, int64_t W, int64_t in, int64_t out, float* h, int64_t hs, int64_t b0,
-                       int64_t b1);
-/* Rows one thread takes at a time: a run of one adapter's rows that size shares its weights' loads. */
+/* lora.c: the LoRA deltas of a batch's rows (x [num_rows, in], y [num_rows, out]) that task `task`
+   takes: SERVELM_LORA_ROWS_PER_TASK consecutive rows, each row b of slot row_slots[b] >= 0 (negative:
+   untouched), A [slots, W, in], Bt [slots, W, out], h rows `hs` apart. A run of four rows of one slot
+   shares the loads of its weights; every value is the one-row kernel's. lora_bgmv and decode_layers.c
+   both split rows so, and add the same values. */
+void servelm_lora_task(const float* x, float* y, const float* a, const float* bt, const int64_t* row_slots,
+                       const int64_t* widths, int64_t W, int64_t in, int64_t out, float* h, int64_t hs, int64_t task,
+                       int64_t num_rows);
 #define SERVELM_LORA_ROWS_PER_TASK 4
+#define SERVELM_LORA_TASKS(num_rows) (((num_rows) + SERVELM_LORA_ROWS_PER_TASK - 1) / SERVELM_LORA_ROWS_PER_TASK)
 
 #endif /* SERVELM_INTERNAL_H */

@@ -52,9 +52,10 @@ static void lora_dots(const float* a, const float* x, float* h, int64_t w, int64
     for (; j < w; j++) h[j] = lora_dot(a + j * n, x, n);
 }
 
-/* y[:n] += sum_j h[j] * bt[j, :n], j in order: a block of y stays in registers across the w columns
-   (one load and one store of y instead of w), each element summed in the same order as w AXPYs. */
-static void lora_axpys(float* y, const float* bt, const float* h, int64_t w, int64_t n) {
+/* y[:n] += sum_j h[j] * bt[j * ld :][:n], j in order: a block of y stays in registers across the w
+   columns (one load and one store of y instead of w), each element summed in the same order as w
+   AXPYs. `ld`: Bt's row stride (n for a whole row; more for the tail of one). */
+static void lora_axpys(float* y, const float* bt, int64_t ld, const float* h, int64_t w, int64_t n) {
     int64_t i = 0;
 #ifdef SERVELM_HAVE_AVX2
     for (; i + 32 <= n; i += 32) {
@@ -62,7 +63,7 @@ static void lora_axpys(float* y, const float* bt, const float* h, int64_t w, int
         __m256 y2 = _mm256_loadu_ps(y + i + 16), y3 = _mm256_loadu_ps(y + i + 24);
         for (int64_t j = 0; j < w; j++) {
             const __m256 hj = _mm256_set1_ps(h[j]);
-            const float* b = bt + j * n + i;
+            const float* b = bt + j * ld + i;
             y0 = _mm256_fmadd_ps(hj, _mm256_loadu_ps(b), y0);
             y1 = _mm256_fmadd_ps(hj, _mm256_loadu_ps(b + 8), y1);
             y2 = _mm256_fmadd_ps(hj, _mm256_loadu_ps(b + 16), y2);
@@ -75,13 +76,13 @@ static void lora_axpys(float* y, const float* bt, const float* h, int64_t w, int
     }
     for (; i + 8 <= n; i += 8) {
         __m256 yv = _mm256_loadu_ps(y + i);
-        for (int64_t j = 0; j < w; j++) yv = _mm256_fmadd_ps(_mm256_set1_ps(h[j]), _mm256_loadu_ps(bt + j * n + i), yv);
+        for (int64_t j = 0; j < w; j++) yv = _mm256_fmadd_ps(_mm256_set1_ps(h[j]), _mm256_loadu_ps(bt + j * ld + i), yv);
         _mm256_storeu_ps(y + i, yv);
     }
 #endif
     for (; i < n; i++) {
         float v = y[i];
-        for (int64_t j = 0; j < w; j++) v += h[j] * bt[j * n + i];
+        for (int64_t j = 0; j < w; j++) v += h[j] * bt[j * ld + i];
         y[i] = v;
     }
 }
@@ -142,36 +143,24 @@ static void lora_axpys4(float* y, const float* bt, const float* h, int64_t hs, i
             _mm256_storeu_ps(y + r * n + i + 8, acc[r][1]);
         }
     }
-    if (i < n)
-        for (int r = 0; r < QUAD; r++) {
-            /* the rest of each row as the one-row kernel takes it: same per-element order */
-            float* yr = y + r * n + i;
-            const int64_t rest = n - i;
-            int64_t k = 0;
-            for (; k + 8 <= rest; k += 8) {
-                __m256 yv = _mm256_loadu_ps(yr + k);
-                for (int64_t j = 0; j < w; j++)
-                    yv = _mm256_fmadd_ps(_mm256_set1_ps(h[r * hs + j]), _mm256_loadu_ps(bt + j * n + i + k), yv);
-                _mm256_storeu_ps(yr + k, yv);
-            }
-            for (; k < rest; k++) {
-                float v = yr[k];
-                for (int64_t j = 0; j < w; j++) v += h[r * hs + j] * bt[j * n + i + k];
-                yr[k] = v;
-            }
-        }
+    if (i < n)  /* the rest of each row as the one-row kernel takes it: same per-element order */
+        for (int r = 0; r < QUAD; r++) lora_axpys(y + r * n + i, bt + i, n, h + r * hs, w, n - i);
 }
 #endif
 
-void servelm_lora_row(const float* x, float* y, const float* a, const float* bt, int64_t w, int64_t in, int64_t out,
-                      float* h) {
+/* One row's delta, y[:out] += sum_j (A[j] . x) * Bt[j] over the w columns its adapter uses; h [w] is
+   scratch. */
+static void lora_row(const float* x, float* y, const float* a, const float* bt, int64_t w, int64_t in, int64_t out,
+                     float* h) {
     lora_dots(a, x, h, w, in);
-    lora_axpys(y, bt, h, w, out);
+    lora_axpys(y, bt, out, h, w, out);
 }
 
-void servelm_lora_rows(const float* x, float* y, const float* a, const float* bt, const int64_t* row_slots,
-                       const int64_t* widths, int64_t W, int64_t in, int64_t out, float* h, int64_t hs, int64_t b0,
-                       int64_t b1) {
+void servelm_lora_task(const float* x, float* y, const float* a, const float* bt, const int64_t* row_slots,
+                       const int64_t* widths, int64_t W, int64_t in, int64_t out, float* h, int64_t hs, int64_t task,
+                       int64_t num_rows) {
+    const int64_t b0 = task * SERVELM_LORA_ROWS_PER_TASK;
+    const int64_t b1 = b0 + SERVELM_LORA_ROWS_PER_TASK < num_rows ? b0 + SERVELM_LORA_ROWS_PER_TASK : num_rows;
     int64_t b = b0;
     while (b < b1) {
         const int64_t slot = row_slots[b];
@@ -189,7 +178,7 @@ void servelm_lora_rows(const float* x, float* y, const float* a, const float* bt
             continue;
         }
 #endif
-        servelm_lora_row(x + b * in, y + b * out, sa, sb, widths[slot], in, out, h + b * hs);
+        lora_row(x + b * in, y + b * out, sa, sb, widths[slot], in, out, h + b * hs);
         b++;
     }
 }
@@ -198,12 +187,8 @@ void servelm_lora_rows(const float* x, float* y, const float* a, const float* bt
 void lora_bgmv(const float* x, float* out, const float* a, const float* bt, const int64_t* row_slots,
                const int64_t* widths, float* h, int64_t T, int64_t in, int64_t out_features, int64_t W,
                int num_threads) {
-    const int64_t tasks = (T + SERVELM_LORA_ROWS_PER_TASK - 1) / SERVELM_LORA_ROWS_PER_TASK;
+    const int64_t tasks = SERVELM_LORA_TASKS(T);
     const int threads = tasks < num_threads ? (int)(tasks > 0 ? tasks : 1) : num_threads;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t b0 = t * SERVELM_LORA_ROWS_PER_TASK;
-        const int64_t b1 = b0 + SERVELM_LORA_ROWS_PER_TASK < T ? b0 + SERVELM_LORA_ROWS_PER_TASK : T;
-        servelm_lora_rows(x, out, a, bt, row_slots, widths, W, in, out_features, h, W, b0, b1);
-    }
+    for (int64_t t = 0; t < tasks; t++) servelm_lora_task(x, out, a, bt, row_slots, widths, W, in, out_features, h, W, t, T);
 }
