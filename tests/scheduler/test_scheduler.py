@@ -147,6 +147,22 @@ def test_max_num_seqs_bounds_running() -> None:
     assert s.num_running == 2 and s.num_waiting == 1
 
 
+def test_a_request_counts_as_having_waited_from_its_arrival() -> None:
+    """What admission counts as queued (num_waited_for): waiting requests older than the cut, in
+    whatever group or tenant they wait; a running request never counts."""
+    clock = Clock(1000.0)
+    s = make_scheduler(max_num_seqs=1, clock=clock)
+    s.add_request(request("oldest", 3, arrival_time=990.0))
+    s.add_request(request("old", 3, arrival_time=999.0))
+    s.add_request(request("old-urgent", 3, priority=-1, arrival_time=999.2))
+    s.add_request(request("fresh", 3, arrival_time=999.9))
+    step(s)  # the one seat goes to priority -1: "oldest", "old" and "fresh" wait
+    assert s.num_running == 1 and s.num_waiting == 3
+    assert [s.num_waited_for(t) for t in (0.05, 0.5, 0.9, 5.0, 20.0)] == [3, 2, 2, 1, 0]
+    clock.now += 1.0
+    assert s.num_waited_for(0.5) == 3
+
+
 def test_unchunked_prompt_waits_for_a_whole_budget() -> None:
     s = make_scheduler(max_num_batched_tokens=64, enable_chunked_prefill=False)
     s.add_request(request("a", 60))

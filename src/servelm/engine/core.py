@@ -29,7 +29,7 @@ from servelm.lora.adapter import LoRAAdapterError
 from servelm.lora.registry import LoadCall
 from servelm.lora.slots import LoRASlots
 from servelm.scheduler.scheduler import Scheduler
-from servelm.schemas.core_stats import CoreStats, TierStats
+from servelm.schemas.core_stats import QUEUED_AFTER_S, CoreStats, TierStats
 from servelm.structured.masks import MaskFiller
 from servelm.worker.host_residency import HostResidency
 from servelm.worker.model_runner import ModelRunner
@@ -219,6 +219,7 @@ class EngineCore:
         return CoreStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
+            num_queued=self.scheduler.num_waited_for(QUEUED_AFTER_S),
             num_prefilling=self.scheduler.num_prefilling,
             kv_usage=kv.usage,
             num_used_blocks=kv.num_blocks - kv.num_free_blocks,

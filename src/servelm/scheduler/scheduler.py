@@ -174,6 +174,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def num_waited_for(self, seconds: float) -> int:
+        """Waiting requests that arrived `seconds` or more ago."""
+        return self._waiting.num_arrived_before(self._clock() - seconds)
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is unfinished, an abort's output awaits update(), or KV transfers
         are ordered or in flight (a finished request's last blocks are saved by one more step)."""

@@ -37,6 +37,14 @@ class WaitingQueue:
             for members in tenants.values():
                 yield from members
 
+    def num_arrived_before(self, cutoff: float) -> int:
+        """How many waiting requests arrived before `cutoff` (wall clock): a bisect per tenant list."""
+        return sum(
+            bisect.bisect_left(members, (cutoff, -1), key=arrival_key)
+            for tenants in self._groups.values()
+            for members in tenants.values()
+        )
+
     def best_priority(self) -> int | None:
         """The best (lowest) priority among the waiting requests; None when none waits."""
         return min((key[0] for key in self._groups), default=None)

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import msgspec
 
+# A waiting request counts as queued (what --max-waiting-requests bounds, server/admission.py) once
+# it has waited this long. A prompt the scheduler holds back a step or two so that the streams
+# beside it keep their token gap (step pricing) starts within a few steps; counted at once, a burst
+# of 40 tiny prompts on an idle server with 64 free seats and a waiting limit of 4 had its last 7
+# turned away with 429 on a host where each step admitted only part of it.
+QUEUED_AFTER_S = 0.5
+
 
 class TierStats(msgspec.Struct, kw_only=True):
     """KV tiers beyond the pool, by medium ("host", "disk"). Cumulative, but the bytes gauges and
@@ -27,6 +34,7 @@ class CoreStats(msgspec.Struct, kw_only=True):
 
     num_running: int = 0
     num_waiting: int = 0
+    num_queued: int = 0  # of them, those waiting QUEUED_AFTER_S or more
     num_prefilling: int = 0  # running prompts mid-prefill (partial prefills)
     kv_usage: float = 0.0  # fraction of KV blocks held by requests
     num_used_blocks: int = 0

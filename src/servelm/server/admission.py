@@ -5,13 +5,15 @@ never make it fit, so a 429 would send a Retry-After client round for ever).
 Only what really waits counts, never what runs:
 
     waiting = requests being tokenized (API thread pool)
-            + max(waiting in the core,                      (its latest stats: one step old)
+            + max(queued in the core,                       (its latest stats: one step old)
                   engine requests in flight − max_num_seqs)  (more than can ever run at once)
 
 A request's own engine requests count as waiting (the limit bounds the queue it joins).
-The second term covers a burst the core has not reported yet: whatever exceeds the core's
-sequence slots waits for sure. A burst that fits in free slots is all admitted; the core's
-count then catches up within a step if KV blocks, not slots, are what is short. While the
+Queued in the core: requests it has not started after QUEUED_AFTER_S (core_stats.py), so a
+prompt that step pricing holds back a step or two, to keep its neighbours' token gap, is not
+counted as queueing. The second term covers a burst the core has not reported yet: whatever
+exceeds the core's sequence slots waits for sure. A burst that fits in free slots is all
+admitted; the core's count then catches up if KV blocks or compute, not slots, are short. While the
 server drains for shutdown, or while the engine is down (restarting, or given up: the
 supervisor's EngineDown), every new request gets 503 with its reason and Retry-After instead.
 """
@@ -31,7 +33,7 @@ class Admission:
     max_num_seqs: int  # the core's sequence slots: at most this many run at once
     num_tokenizing: Callable[[], int]
     num_engine_in_flight: Callable[[], int]
-    num_core_waiting: Callable[[], int]
+    num_core_queued: Callable[[], int]
     engine_down: Callable[[], EngineDown | None]
     draining: bool = False
     retry_after_s: int = 1
@@ -40,7 +42,7 @@ class Admission:
         in_flight = self.num_engine_in_flight()
         beyond_slots = in_flight - self.max_num_seqs
         # The core's count is capped by what is in flight: stats never outlive their requests.
-        return self.num_tokenizing() + max(min(self.num_core_waiting(), in_flight), beyond_slots, 0)
+        return self.num_tokenizing() + max(min(self.num_core_queued(), in_flight), beyond_slots, 0)
 
     def admit(self, num_engine_requests: int) -> None:
         """Raise the 503/400/429 APIError when the request may not enter; return when it may."""

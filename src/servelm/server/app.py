@@ -202,7 +202,7 @@ async def _start_context(
         max_num_seqs=engine_config.scheduler.max_num_seqs,
         num_tokenizing=lambda: engine.tokenizer.num_pending,
         num_engine_in_flight=lambda: client.num_in_flight,
-        num_core_waiting=lambda: client.stats.num_waiting,
+        num_core_queued=lambda: client.stats.num_queued,
         engine_down=supervisor.down,
     )
     # Its backend is built by the first structured request (~1-2 s, once): built at start-up it
