@@ -112,6 +112,9 @@ def test_an_interrupted_pull_resumes_after_verifying_what_it_held(origin_dir, tm
         with (first.directory / spoiled.file).open("r+b") as f:
             f.seek(spoiled.offset)
             f.write(b"\x00" * 16)
+        # A body the puller held may be logged by the server's writer thread a moment later: count
+        # the first pull's requests once all are in, or one shows up as fetched again.
+        assert server.wait_for_bodies()
         requests_before = len(server.requests)
         startup = StartupTimeline()
         config = EngineConfig.from_flat(model=server.url, download_dir=str(downloads), num_blocks=64)

@@ -141,6 +141,9 @@ class RangeFileServer(ThreadingHTTPServer):
         self.stats_lock = threading.Lock()
         self.bytes_sent = 0
         self.requests: list[tuple[str, int, int]] = []  # (path, start, end) of every body written to its end
+        # Bodies being written: a client may hold a body's last byte before its writer logs it.
+        self._bodies_in_flight = 0
+        self._bodies_done = threading.Condition(self.stats_lock)
         self._thread: threading.Thread | None = None
 
     @property
@@ -157,6 +160,23 @@ class RangeFileServer(ThreadingHTTPServer):
     def stop(self) -> None:
         self.shutdown()
         self.server_close()
+
+    def wait_for_bodies(self, timeout_s: float = 10.0) -> bool:
+        """Wait until no body is being written, so `requests` lists every one a client received
+        whole (its entry is appended after the last byte went out). False on timeout."""
+        with self._bodies_done:
+            return self._bodies_done.wait_for(lambda: self._bodies_in_flight == 0, timeout_s)
+
+    def body_started(self) -> None:
+        with self.stats_lock:
+            self._bodies_in_flight += 1
+
+    def body_ended(self, logged: tuple[str, int, int] | None) -> None:
+        with self._bodies_done:
+            if logged is not None:
+                self.requests.append(logged)
+            self._bodies_in_flight -= 1
+            self._bodies_done.notify_all()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if isinstance(sys.exc_info()[1], ConnectionError):
@@ -242,6 +262,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_body(relative, start, end)
 
     def _send_body(self, path: str, start: int, end: int) -> None:
+        self.server.body_started()
+        written = False
+        try:
+            self._write_body(path, start, end)
+            written = True
+        finally:
+            self.server.body_ended((path, start, end) if written else None)
+
+    def _write_body(self, path: str, start: int, end: int) -> None:
         faults = self.server.faults
         corrupt = faults.take(faults.corrupt, path, start)
         stop = start + (end - start) // 2 if faults.take(faults.truncate, path, start) else end
@@ -267,8 +296,6 @@ class _Handler(BaseHTTPRequestHandler):
                 position += sent
                 with self.server.stats_lock:  # per piece: a transfer cut short still cost the origin its bytes
                     self.server.bytes_sent += sent
-        with self.server.stats_lock:
-            self.server.requests.append((path, start, end))
         if stop < end:
             self.close_connection = True  # the client sees fewer bytes than Content-Length said
 
