@@ -79,6 +79,7 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._compile_started: dict[StructuredSpec, float] = {}  # monotonic start of a spec's own compile
         self.num_compiled = 0  # distinct specs compiled (cache misses)
         self.compile_seconds = 0.0  # their compiles' time, summed (written by the compile thread)
 
@@ -100,12 +101,20 @@ class GrammarCompiler:
             self._backend = self._make_backend()
         return self._backend
 
+    def compiling_for_s(self, spec: StructuredSpec) -> float | None:
+        """How long `spec`'s own compile has run; None while it waits its turn or for the backend
+        to be built (neither is the spec's cost), and once it is over."""
+        started = self._compile_started.get(spec)
+        return None if started is None else time.monotonic() - started
+
     def _compile(self, spec: StructuredSpec) -> CompiledGrammar:
         backend = self._backend_built()
         started = time.perf_counter()
+        self._compile_started[spec] = time.monotonic()
         try:
             return backend.compile(spec)
         finally:
+            self._compile_started.pop(spec, None)
             self.compile_seconds += time.perf_counter() - started
 
     def close(self) -> None:
