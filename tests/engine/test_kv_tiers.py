@@ -200,6 +200,9 @@ def test_a_preempted_request_swaps_back_in_instead_of_recomputing(tiny_dir, refe
     config = EngineConfig.from_flat(
         model=str(tiny_dir), num_blocks=20, block_size=BLOCK_SIZE, max_num_seqs=6, max_num_batched_tokens=96,
         kv_offloading_size=0.01, max_step_ms=0,  # the budget alone: preemption whatever the host's speed
+        # Load whatever a tier holds: under the "cost" policy a busy host's slow measured loads make
+        # recomputing look cheaper, and no preempted request swapped in (the suite under load).
+        kv_load_policy="always",
     )  # fmt: skip
     core = build_engine(config).core
     requests = [
