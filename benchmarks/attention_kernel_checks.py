@@ -56,13 +56,15 @@ class MixedStep:
     pool: torch.Tensor  # [2, blocks, block_size, KVH, D], context already filled
 
 
-def mixed_step(geo: Geometry, dtype: torch.dtype, device: str, max_context: int, seed: int) -> MixedStep:
-    """Six decodes, two chunks after cached context, one fresh prompt, over shuffled blocks."""
+def mixed_step(geo: Geometry, dtype: torch.dtype, device: str, max_context: int, seed: int,
+               max_prompt: int = 400) -> MixedStep:  # fmt: skip
+    """Six decodes, two chunks after cached context, one fresh prompt (of up to `max_prompt`
+    tokens; chunks up to 3/4 of that), over shuffled blocks."""
     rng = random.Random(seed)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     shapes = [(rng.randint(1, max_context), 1) for _ in range(6)]  # (cached, new)
-    shapes += [(rng.randint(16, max_context // 2), rng.randint(17, 300)) for _ in range(2)]
-    shapes.append((0, rng.randint(50, 400)))
+    shapes += [(rng.randint(16, max_context // 2), rng.randint(17, max(17, max_prompt * 3 // 4))) for _ in range(2)]
+    shapes.append((0, rng.randint(min(50, max_prompt), max_prompt)))
     rng.shuffle(shapes)
     bs = geo.block_size
     blocks_per = [(c + n + bs - 1) // bs for c, n in shapes]
@@ -98,11 +100,11 @@ def _attend(backend: AttentionBackend, step: MixedStep, pool: torch.Tensor) -> t
 
 
 def check_backends(device: str, max_context: int = 4096, seed: int = 0,
-                   geometries: tuple[Geometry, ...] = GEOMETRIES) -> list[KernelCheck]:  # fmt: skip
+                   geometries: tuple[Geometry, ...] = GEOMETRIES, max_prompt: int = 400) -> list[KernelCheck]:  # fmt: skip
     checks = []
     for geo in geometries:
         for dtype in (torch.float32, torch.bfloat16):
-            step = mixed_step(geo, dtype, device, max_context, seed)
+            step = mixed_step(geo, dtype, device, max_context, seed, max_prompt)
             ref_pool, pool = step.pool.clone(), step.pool.clone()
             expected = _attend(TorchAttentionBackend(), step, ref_pool).double()
             actual = _attend(TritonAttentionBackend(), step, pool).double()

@@ -3,6 +3,7 @@ start-up and refined by the steps the engine runs; and StepPricing's questions o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -176,3 +177,11 @@ def test_a_chunk_whose_layers_all_fit_stays_within_the_token_budget() -> None:
     chunk = choose_chunk(plan, rest=4, num_computed=0, mid_prefill=False, num_layers=4, max_chunk_tokens=32,
                          block_size=4)  # fmt: skip
     assert chunk == ChunkPlan(2)
+
+
+def test_a_shape_counts_and_sums_every_field_in_order() -> None:
+    """counts() and + are spelled out for speed: they must follow the fields as declared."""
+    names = [f.name for f in dataclasses.fields(StepShape)]
+    shape = StepShape(**{name: float(i + 1) for i, name in enumerate(names)})
+    assert shape.counts() == tuple(float(i + 1) for i in range(len(names)))
+    assert (shape + shape).counts() == tuple(2.0 * (i + 1) for i in range(len(names)))
