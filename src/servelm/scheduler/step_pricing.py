@@ -37,12 +37,14 @@ from servelm.scheduler.step_cost import TBT_STEP_SHARE, StepCostModel, StepShape
 # weights (with layered prefill a chunk spans many steps: one of its layers may take
 # LONE_LAYER_SHARE of the target, so it runs num_layers x LONE_LAYER_SHARE targets' worth). The
 # target is AUTO_TARGET_FACTOR times those repeated costs per target's worth of work, so they take
-# at most 1/AUTO_TARGET_FACTOR of the prompt's time (~7%: room for what the model does not see,
-# inside the 10% a lone prompt may lose). ~180 ms on 2 CPU cores and the default model, tens of
-# milliseconds on a GPU. Clamped to [AUTO_TARGET_MIN_S, AUTO_TARGET_MAX_S]. Pricing the pass per
-# step instead, as if every step started a chunk, gave 440 ms on an AMX Xeon host, where a 16-token
-# request sent beside an 8k-token prompt then waited 0.54 s for its first token.
-AUTO_TARGET_FACTOR = 15.0
+# at most 1/AUTO_TARGET_FACTOR of the prompt's time (~8%: room for what the model does not see,
+# inside the 10% a lone prompt may lose). ~75-100 ms on 2 AMD Zen 4 cores and the default model,
+# tens of milliseconds on a GPU. Clamped to [AUTO_TARGET_MIN_S, AUTO_TARGET_MAX_S]. Pricing the pass
+# per step instead, as if every step started a chunk, gave 440 ms on an AMX Xeon host, where a
+# 16-token request sent beside an 8k-token prompt then waited 0.54 s for its first token. 15 gave
+# 89-115 ms once the calibration stopped under-timing the fixed part (2 AMD cores), and the mixed
+# profile's voice TBT p99 rose from 33 ms (at 86 ms) to 51 ms, past half of vLLM's.
+AUTO_TARGET_FACTOR = 13.0
 AUTO_TARGET_MIN_S = 0.02
 AUTO_TARGET_MAX_S = 1.0
 # A step that completes a prompt delivers its first token at its end: it ends within this share of
