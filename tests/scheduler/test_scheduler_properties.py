@@ -82,6 +82,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finished: set[str] = set()
         self.scheduler = self._make(True, 0, (4, 4), True)
         self.layers_run: dict[str, int] = {}  # layered chunks in flight: layers the runner has run
+        # Tokens each request's KV was allocated for: a layered chunk started over smaller (below)
+        # keeps the blocks of the one it replaced.
+        self.allocated_to: dict[str, int] = {}
 
     def _make(self, chunked: bool, cap: int | None, slots: tuple[int, int], prefix_caching: bool,
               max_step_ms: float = 0.0) -> Scheduler:  # fmt: skip
@@ -164,10 +167,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(layers.num_tokens <= s.config.max_num_batched_tokens for layers in so.layer_slices.values())
         self._check_admission(so)
         self._apply_to_mirrors(so)
+        # A chunk sized while its prompt was alone may start over when decodes' pace binds the step
+        # (Scheduler._schedule_layers): as a new layered chunk from layer 0 or as a token chunk.
+        started_over = {r for r in self.layers_run if r in so.num_scheduled_tokens and r not in so.layer_slices}
+        started_over |= {r for r, layers in so.layer_slices.items() if layers.start_layer == 0 and r in self.layers_run}
+        if started_over:
+            decodes = [r for r in so.num_scheduled_tokens if (q := s.get_request(r)) is not None and q.num_output_tokens]
+            assert decodes, f"{started_over} started their chunks over in a step with no decode to pace"
+        for request_id in started_over:
+            self.layers_run.pop(request_id)
         for request_id, layers in so.layer_slices.items():  # the runner's layered chunks
             mirror = self.mirrors[request_id]
             assert layers.start_layer == self.layers_run.get(request_id, 0) < layers.end_layer <= NUM_LAYERS
             end = mirror.num_computed_tokens + layers.num_tokens
+            self.allocated_to[request_id] = max(self.allocated_to.get(request_id, 0), end)
             assert end <= len(mirror.token_ids) and len(mirror.block_ids) * BLOCK_SIZE >= end
             assert (request_id in so.num_scheduled_tokens) == (layers.end_layer == NUM_LAYERS)
             if layers.end_layer == NUM_LAYERS:
@@ -192,7 +205,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for request_id in so.num_scheduled_tokens:
             request = s.get_request(request_id)
             if request is not None:  # still running: KV exactly covers what is computed (and a chunk in flight)
-                covered = request.num_computed_tokens + request.layered_tokens
+                covered = max(request.num_computed_tokens + request.layered_tokens, self.allocated_to.get(request_id, 0))
                 assert len(self.kv.get_block_ids(request_id)) == -(-covered // BLOCK_SIZE)
 
     def _check_admission(self, so: SchedulerOutput) -> None:
@@ -229,6 +242,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for request_id in so.finished_request_ids | so.preempted_request_ids:
             del self.mirrors[request_id]  # only ids the runner knows
             self.layers_run.pop(request_id, None)  # ... and its chunk in flight with it
+            self.allocated_to.pop(request_id, None)
         for new in so.new_requests:
             assert new.request_id not in self.mirrors
             self.mirrors[new.request_id] = Mirror(

@@ -158,7 +158,24 @@ def test_a_lone_prompts_layered_chunk_fills_its_steps_with_whole_layers() -> Non
         pricing = StepPricing(model, target_s, num_layers=30, layer_share=LONE_LAYER_SHARE)
         tokens = pricing.layered_chunk_tokens(8192, 2000)
         assert pricing.layers_within(tokens, 2000, 30) == 2, target_s
-        assert pricing.layers_within(tokens + 1, 2000, 30) < 2 or tokens == 8192
+
+
+def test_a_layer_priced_a_little_higher_than_when_its_chunk_was_sized_still_fits_unless_paced() -> None:
+    """A chunk's layers are priced again every step, by a fit refitted meanwhile: a few percent
+    more must not leave a lone prompt's step one layer (half empty). Beside other requests (a
+    class's TBT, the decodes' pace), the step stays strictly within its target."""
+    model = calibrated()
+    sized = StepPricing(model, 0.15, num_layers=30, layer_share=LONE_LAYER_SHARE)
+    tokens = sized.layered_chunk_tokens(8192, 2000)
+    two_layers = StepShape(dense_passes=2 / 30) + StepShape.chunk(tokens, 2000, 2 / 30)
+    work_s = seconds(two_layers) - TRUTH[0]
+    tighter_s = TRUTH[0] + 0.95 * work_s  # the same layers now cost ~5% more than the time they have
+    assert StepPricing(model, tighter_s, num_layers=30, layer_share=LONE_LAYER_SHARE).layers_within(tokens, 2000, 30) == 2
+    paced = StepPricing(model, tighter_s, num_layers=30, layer_share=LONE_LAYER_SHARE, paced=True)
+    assert paced.layers_within(tokens, 2000, 30) == 1
+    assert StepPricing(model, tighter_s, num_layers=30).layers_within(tokens, 2000, 30) == 1  # not alone
+    far_tighter_s = TRUTH[0] + 0.7 * work_s
+    assert StepPricing(model, far_tighter_s, num_layers=30).layers_within(tokens, 2000, 30) == 1
 
 
 def test_unpriced_pricing_never_binds() -> None:

@@ -68,6 +68,15 @@ DEEP_CONTEXT = 1024
 # takes the risk of a stream arriving mid-chunk; with other requests about, LAYER_SHARE.
 LAYER_SHARE = 0.15
 LONE_LAYER_SHARE = 0.5
+# A lone prompt's step (LONE_LAYER_SHARE: nothing else in the engine, no class's TBT or decodes'
+# pace to keep) takes one more layer of its layered chunk when all but this share of the layer's
+# predicted time is left: a chunk is sized at one target and its layers
+# are priced again each step, by a fit refitted meanwhile, so k layers sized to fill a step often
+# fit k - 1 times once the price rose a little. Strictly (no tolerance) a lone 8k-token prompt's
+# steps took one layer of two, 438-504 steps where 315-340 did with this tolerance (2 AMD cores,
+# an 85 ms target: 4-8% of its TTFT); a step then runs over its target by at most this share
+# of a layer (a layer: at most LONE_LAYER_SHARE of the target), within the step-time bound's margin.
+LAYER_TOLERANCE = 0.15
 # Shortest remaining work first, within the pace bound: a stream whose last tokens are near is paced
 # at FINISH_SLOWDOWN instead of max_decode_slowdown where running all its remaining steps that way
 # costs the prompts beside it at most FINISH_COST_SHARE of the quickest one's prefill time left. A
@@ -250,14 +259,16 @@ class StepPricing:
         return low
 
     def layers_within(self, num_tokens: int, context: int, max_layers: int) -> int:
-        """Most layers (at most `max_layers`) of a layered chunk that fit the time left (maybe 0)."""
+        """Most layers (at most `max_layers`) of a layered chunk that fit the time left (maybe 0),
+        the last within LAYER_TOLERANCE for a lone prompt's step."""
         if not self.priced():
             return max_layers
         per_layer = self._slice_cost(num_tokens, context, 1)
         left = self.time_left_s()
         if per_layer <= 0:
             return max_layers
-        return max(0, min(max_layers, int(left / per_layer + 1e-9)))
+        tolerance = LAYER_TOLERANCE if self.layer_share == LONE_LAYER_SHARE and not self.paced else 1e-9
+        return max(0, min(max_layers, int(left / per_layer + tolerance)))
 
     # -- shapes --------------------------------------------------------------------------
 
