@@ -101,3 +101,16 @@ def test_slo_met_counts_requests_within_their_class_targets():
     assert s[("servelm:request_slo_met_total", labels)] == 2
     assert sum(v for (name, lbl), v in s.items() if name == "servelm:request_success_total" and ("tenant", "voice") in lbl) == 5
     assert not any(name == "servelm:request_slo_met_total" and ("slo_class", "batch") in lbl for name, lbl in s)
+
+
+def test_step_time_buckets_read_a_p99_against_a_step_target_to_within_15_percent():
+    """Step-time targets are tens to hundreds of ms, and "step p99 <= 1.5x the target" is read from
+    this histogram: from 10 to 200 ms its bounds are at most 15% apart (the token-gap buckets it
+    used had 100 -> 150 ms), and 25/50/75/100 ms stay bounds (benchmarks/batch.py reads them)."""
+    metrics = ServerMetrics("tiny", 1024, CoreStats, num_blocks=64, num_in_api=lambda: 0, num_outputs_queued=lambda: 0)
+    bounds = sorted(float(dict(labels)["le"]) for name, labels in _samples(metrics)
+                    if name == "servelm:engine_step_seconds_bucket")  # fmt: skip
+    window = [b for b in bounds if 0.01 <= b <= 0.2]
+    assert {0.025, 0.05, 0.075, 0.1} <= set(bounds)
+    assert window[0] == 0.01 and window[-1] == 0.2
+    assert all(high / low <= 1.15 for low, high in zip(window, window[1:]))
