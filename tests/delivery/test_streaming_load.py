@@ -46,8 +46,10 @@ def test_streaming_load_overlaps_the_fetch_and_matches_a_local_load(origin_dir, 
     phases = {record.name: record for record in startup.records}
     fetch, load = phases["fetch"], phases["load"]
     # Loading began before the last byte arrived (by order of events, not a share of the fetch's
-    # time: that fails on a slower or busier machine), and could end only after it.
-    assert fetch.started_at <= load.started_at < fetch.ended_at <= load.ended_at, (fetch, load)
+    # time: that fails on a slower or busier machine). Not that it ended after the fetch: the last
+    # chunk stored may hold no tensor (a file's tail, the tokenizer), and a loaded 2-core host saw
+    # the load end 22 ms before it; the parameters' equality below says every tensor's bytes came.
+    assert fetch.started_at <= load.started_at < fetch.ended_at, (fetch, load)
 
     pulled = next((tmp_path / "downloads").iterdir())
     for original in origin_dir.iterdir():
