@@ -4,8 +4,8 @@ Through the API, one fresh server per system: for each long prompt length (--lon
 completion of that many fresh random token ids (max_tokens 1) starts, and --offset-s later a
 16-token one (max_tokens 16) is sent; both stream. Per trial: the long request's TTFT, the short
 one's TTFT and its completion time, counted from its own send. Then the long prompt alone
-(--lone tokens, --lone-trials times, the median kept): its TTFT, the engine's step times and the step-cost model's measured / predicted
-ratio by kind (from /metrics), the reference being `servelm-unchunked` (the whole prompt in one
+(--lone tokens, --lone-trials times, the median kept): its TTFT, the engine's step times and the
+step-cost model's measured / predicted ratio by kind (from /metrics), the reference being `servelm-unchunked` (the whole prompt in one
 step: no step-time bound, a budget of --lone tokens).
 
     PYTHONPATH=src .venv/bin/python benchmarks/short_after_long.py --out /tmp/short-after-long

@@ -158,6 +158,8 @@ def test_a_lone_prompts_layered_chunk_fills_its_steps_with_whole_layers() -> Non
         pricing = StepPricing(model, target_s, num_layers=30, layer_share=LONE_LAYER_SHARE)
         tokens = pricing.layered_chunk_tokens(8192, 2000)
         assert pricing.layers_within(tokens, 2000, 30) == 2, target_s
+        strict = StepPricing(model, target_s, num_layers=30, layer_share=LONE_LAYER_SHARE, paced=True)  # no tolerance
+        assert strict.layers_within(tokens + 1, 2000, 30) < 2 or tokens == 8192  # the largest chunk that fits two
 
 
 def test_a_layer_priced_a_little_higher_than_when_its_chunk_was_sized_still_fits_unless_paced() -> None:

@@ -70,9 +70,9 @@ LAYER_SHARE = 0.15
 LONE_LAYER_SHARE = 0.5
 # A lone prompt's step (LONE_LAYER_SHARE: nothing else in the engine, no class's TBT or decodes'
 # pace to keep) takes one more layer of its layered chunk when all but this share of the layer's
-# predicted time is left: a chunk is sized at one target and its layers
-# are priced again each step, by a fit refitted meanwhile, so k layers sized to fill a step often
-# fit k - 1 times once the price rose a little. Strictly (no tolerance) a lone 8k-token prompt's
+# predicted time is left: a chunk is sized at one target and its layers are priced again each
+# step, by a fit refitted meanwhile, so k layers sized to fill a step often fit k - 1 times once
+# the price rose a little. Strictly (no tolerance) a lone 8k-token prompt's
 # steps took one layer of two, 438-504 steps where 315-340 did with this tolerance (2 AMD cores,
 # an 85 ms target: 4-8% of its TTFT); a step then runs over its target by at most this share
 # of a layer (a layer: at most LONE_LAYER_SHARE of the target), within the step-time bound's margin.
