@@ -85,6 +85,18 @@ def test_noise_never_makes_a_price_negative_and_empty_steps_are_ignored() -> Non
     assert coefficients is not None and all(c >= 0 for c in coefficients)
 
 
+def test_a_fit_that_puts_a_decodes_whole_cost_on_its_context_gives_no_decode_cost() -> None:
+    """Seen in CI: a tiny model's decodes at growing depth, priced by the context alone, left the
+    speculation controller a decode step costing 0 s fixed and 0 s a token, which it refuses."""
+    model = StepCostModel()
+    for context in range(100, 2000, 50):
+        model.observe(StepShape.decode(1, context), 2e-6 * context)
+    coefficients = model.coefficients()
+    assert coefficients is not None and coefficients[0] + coefficients[2] + coefficients[4] < 1e-8
+    assert model.decode_cost() is None
+    assert calibrated().decode_cost() == pytest.approx((TRUTH[0] + TRUTH[2], TRUTH[4]), rel=1e-3)
+
+
 def test_it_refits_every_few_steps_not_every_step() -> None:
     model = calibrated()
     first = model.coefficients()

@@ -48,6 +48,8 @@ REFIT_EVERY = 4
 # Relative ridge towards zero on every coefficient, on features scaled to ~1: keeps the system
 # solvable when the data cannot tell two counts apart (it then shares their cost between them).
 _RIDGE = 1e-6
+# Below this a decode step's fixed part plus a token's price is the ridge's residue, not a measure.
+_NO_COST_S = 1e-6
 
 
 def step_time_target_s(max_step_ms: float, tbt_targets_s: Iterable[float | None]) -> float | None:
@@ -199,9 +201,15 @@ class StepCostModel:
         """(fixed seconds, seconds per extra token) of a decode step, the speculation controller's view:
         a one-row decode step is what a step costs whatever drafts it verifies; a draft verified is
         one more row through the matmuls, priced as a prompt token (the decode-token price also
-        carries each request's own share of the step: its sampling, its metadata)."""
+        carries each request's own share of the step: its sampling, its metadata). None while there
+        is no fit, or while the fit prices both at nothing: a window of decodes at growing depth can
+        put their whole cost on the context they read (a tiny model on a fast host), and a step
+        that costs nothing tells the controller nothing (it keeps its prior view instead)."""
         coefficients = self.coefficients()
-        return None if coefficients is None else (coefficients[0] + coefficients[2], coefficients[4])
+        if coefficients is None:
+            return None
+        fixed_s, per_token_s = coefficients[0] + coefficients[2], coefficients[4]
+        return (fixed_s, per_token_s) if fixed_s + per_token_s > _NO_COST_S else None
 
     def prompt_left_s(self, num_tokens: int, context: int) -> float | None:
         """What the `num_tokens` a prompt has left after `context` of its tokens cost to compute:
