@@ -108,8 +108,9 @@ def _step(requests, seed: int, block_size: int = 4):
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 def test_paged_backend_equals_dense_reference(monkeypatch, batch, use_kernel, block_size):
-    if not use_kernel:
+    if not use_kernel:  # neither compiled kernel: the decode rows gathered, the chunks after context by SDPA
         monkeypatch.setattr(torch_backend, "_paged_kernel", lambda device, dtype: None)
+        monkeypatch.setattr(torch_backend, "_chunk_kernel", lambda common, compute_dtype: None)
     elif torch_backend._paged_kernel(torch.device("cpu"), torch.float32) is None:
         pytest.skip("no C compiler: the kernel cannot be built here")
     requests = BATCHES[batch]
@@ -131,9 +132,12 @@ def test_paged_backend_equals_dense_reference(monkeypatch, batch, use_kernel, bl
     chunked = [r for r, row in zip(requests, as_rows) if not row]
     assert [(c.end - c.start, c.context_blocks is None) for c in metadata.chunks] == [(n, n == s) for n, s in chunked]
 
-    for chunk in metadata.chunks:  # a mask only where one call attends queries after context
-        masked_call = chunk.context_blocks is not None and 1 < chunk.end - chunk.start < SPLIT_ATTENTION_MIN_QUERIES
-        assert (chunk.context_mask is not None) == masked_call
+    for chunk in metadata.chunks:  # one call attends queries after context: the chunk kernel, or SDPA with a mask
+        one_call = chunk.context_blocks is not None and chunk.end - chunk.start < SPLIT_ATTENTION_MIN_QUERIES
+        if chunk.kernel is not None:
+            assert use_kernel and one_call and chunk.context_mask is None
+        else:
+            assert (chunk.context_mask is not None) == (one_call and chunk.end - chunk.start > 1)
 
     out = backend.forward(q, k, v, pool, metadata, SCALE)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

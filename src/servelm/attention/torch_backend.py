@@ -18,7 +18,8 @@
   with nothing cached before it (a whole new prompt) attends to its own fresh K/V with
   SDPA's causal flag, skipping the pool and the mask; a chunk after cached context
   reads its context from the pool by precomputed slots and masks causally (a long chunk on
-  CPU: the context and its own keys in two flash calls, merged, `_context_then_causal`).
+  CPU: the context and its own keys in two flash calls, merged, `_context_then_causal`; a shorter
+  one on CPU in float32: the compiled chunk kernel, straight from the blocks, no gather, no mask).
 """
 
 from __future__ import annotations
@@ -267,15 +268,61 @@ class PrefillChunk:
     # (made per layer it was ~2% of a long prompt's prefill).
     context_mask: torch.Tensor | None = None
     compute_dtype: torch.dtype | None = None  # TorchAttentionBackend.prefill_compute_dtype
+    # With context on CPU in float32: the compiled kernel that attends straight from the blocks, and
+    # the blocks as it reads them (int32); None: gather the context and run SDPA.
+    kernel: PagedChunkKernel | None = None
+    kernel_blocks: torch.Tensor | None = None
 
     def attend(self, query, key, value, kv_cache: LayerKVCache | None, scale: float) -> torch.Tensor:
         s, e = self.start, self.end
         if self.context_blocks is None:
             return _attend(query[s:e], key[s:e], value[s:e], scale, compute_dtype=self.compute_dtype)
         assert kv_cache is not None  # TorchAttentionBackend.forward checked
+        if self.kernel is not None and self.kernel_blocks is not None and _kernel_reads(kv_cache, query):
+            assert isinstance(kv_cache, torch.Tensor)  # _kernel_reads checked
+            context = self.seq_len - (e - s)
+            return self.kernel.chunk_attention(query[s:e].contiguous(), kv_cache[0], kv_cache[1], self.kernel_blocks,
+                                               context, scale)  # fmt: skip
         k = gather_kv_blocks(kv_cache, 0, self.context_blocks, self.seq_len, query.dtype)  # [seq_len, KVH, D]
         v = gather_kv_blocks(kv_cache, 1, self.context_blocks, self.seq_len, query.dtype)
         return _attend(query[s:e], k, v, scale, self.context_mask, self.compute_dtype)
+
+
+class PagedChunkKernel(Protocol):
+    """The compiled CPU chunk-after-context kernel (`cpu_kernels.load()`), see CpuKernels.chunk_attention."""
+
+    def chunk_attention(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
+                        context: int, scale: float) -> torch.Tensor: ...  # fmt: skip
+
+
+# The kernel's limits (csrc/chunk_attention.c): head_dim a multiple of 8 up to this, and at most
+# CHUNK_KERNEL_MAX_GROUP query heads per KV head.
+CHUNK_KERNEL_MAX_HEAD_DIM = 256
+CHUNK_KERNEL_MAX_GROUP = 48
+
+
+def _chunk_kernel(common: CommonAttentionInputs, compute_dtype: torch.dtype | None) -> PagedChunkKernel | None:
+    """The chunk kernel when a step's chunks after context may take it: CPU, a float32 model and pool,
+    attention computed in float32, and a build that has it."""
+    if common.device.type != "cpu" or common.dtype != torch.float32 or common.kv_dtype != torch.float32:
+        return None
+    if compute_dtype not in (None, torch.float32):
+        return None
+    kernels = cpu_kernels.load()
+    return kernels if kernels is not None and kernels.has_chunk_attention else None
+
+
+def _kernel_reads(kv_cache: LayerKVCache, query: torch.Tensor) -> bool:
+    """Whether this layer's pool and queries fit the chunk kernel (a latent pool or another head
+    geometry takes the SDPA path)."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+        return False
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        return False
+    heads, head_dim = query.shape[1], query.shape[2]
+    kv_heads = kv_cache.shape[3]
+    return (kv_cache.shape[4] == head_dim and head_dim % 8 == 0 and head_dim <= CHUNK_KERNEL_MAX_HEAD_DIM
+            and heads % kv_heads == 0 and heads // kv_heads <= CHUNK_KERNEL_MAX_GROUP)  # fmt: skip
 
 
 def _build_chunks(common: CommonAttentionInputs, indices: list[int],
@@ -293,12 +340,16 @@ def _build_chunks(common: CommonAttentionInputs, indices: list[int],
         per_request = [common.block_table[i, :n].long() for i, n in zip(with_context, num_blocks)]
         on_device = torch.cat(per_request).to(common.device, non_blocking=True)
         context = dict(zip(with_context, on_device.split(num_blocks)))
-    masks = {
-        i: _causal_mask(starts[i + 1] - starts[i], seq_lens[i], common.device)
-        for i in context
-        if not _splits_at_context(starts[i + 1] - starts[i], common.device)  # no mask then (_attend)
-    }
-    return tuple(PrefillChunk(starts[i], starts[i + 1], context.get(i), seq_lens[i], masks.get(i), compute_dtype)
+    # Chunks SDPA would attend in one masked call go to the kernel where it applies; those it
+    # splits in two flash calls stay there (as fast as the kernel, or faster, from 256 queries).
+    masked = [i for i in context if not _splits_at_context(starts[i + 1] - starts[i], common.device)]
+    kernel = _chunk_kernel(common, compute_dtype) if masked else None
+    kernel_blocks = {i: context[i].to(torch.int32) for i in masked} if kernel is not None else {}
+    # (A kernel chunk on a layer the kernel cannot read, a latent pool, makes its mask in _attend.)
+    masks = {i: _causal_mask(starts[i + 1] - starts[i], seq_lens[i], common.device) for i in masked
+             if i not in kernel_blocks}  # fmt: skip
+    return tuple(PrefillChunk(starts[i], starts[i + 1], context.get(i), seq_lens[i], masks.get(i), compute_dtype,
+                              kernel if i in kernel_blocks else None, kernel_blocks.get(i))
                  for i in indices)  # fmt: skip
 
 

@@ -3,6 +3,8 @@
 Callers, on every layer of every step in the engine core process:
 - `attention/torch_backend.py`: `decode_attention`, paged decode attention for float32 queries on
   CPU over a float32 pool or an int8 one with per-(token, head) scales (source: `csrc/paged_decode_attention.c`);
+  and `chunk_attention`, a prompt chunk after cached context attended straight from a float32 pool,
+  flash-style (source: `csrc/chunk_attention.c`; AVX2 + FMA builds only, `has_chunk_attention`);
 - `models/linear_methods.py` (BlockLinearMethod): `block_gemm_prepared`, a few rows times GGUF
   Q4_0 / Q4_1 / Q8_0 blocks as the file stores them (source: `csrc/block_gemm.c`);
 - `models/fused_decode.py`: `decode_layers`, every decoder layer of a small decode step in one call
@@ -97,12 +99,18 @@ class CpuKernels:
         lib.lora_bgmv.restype = None
         lib.moe_experts.argtypes = [ptr] * 9 + [i64] * 4 + [c_int]
         lib.moe_experts.restype = i64
+        lib.chunk_attention.argtypes = [ptr] * 5 + [i64] * 8 + [ctypes.c_float, c_int]
+        lib.chunk_attention.restype = i64
+        lib.chunk_attention_supported.argtypes = []
+        lib.chunk_attention_supported.restype = c_int
         lib.block_gemm_simd_level.argtypes = []
         lib.block_gemm_simd_level.restype = c_int
         self._lib = lib
         self.library = library
         # Which loops the block matmul was built with: 2 AVX-512, 1 AVX2 + FMA, 0 plain C.
         self.block_gemm_simd_level: int = lib.block_gemm_simd_level()
+        # Whether `chunk_attention` was built (it needs AVX2 + FMA); the torch path otherwise.
+        self.has_chunk_attention: bool = bool(lib.chunk_attention_supported())
 
     def decode_attention(
         self,
@@ -184,6 +192,47 @@ class CpuKernels:
             probs.data_ptr(), v_pool.data_ptr(), v_scales_ptr, batch.tables_ptr, batch.lens_ptr, out.data_ptr(),
             num_requests, heads, kv_heads, head_dim, block_size, max_blocks, max_len, threads,
         )  # fmt: skip
+        return out
+
+    def chunk_attention(
+        self,
+        query: torch.Tensor,  # [Q, H, D] float32: a prompt chunk's queries, positions context..context + Q - 1
+        k_pool: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32, one layer's K (the chunk's own written)
+        v_pool: torch.Tensor,  # same shape, the layer's V
+        blocks: torch.Tensor,  # [n] int32: the request's blocks in order, covering context + Q positions
+        context: int,  # cached positions before the chunk
+        scale: float,
+    ) -> torch.Tensor:  # [Q, H, D] float32
+        """softmax(scale * q . K) . V of each query over keys 0..its own position, read from the request's
+        blocks (csrc/chunk_attention.c). Needs `has_chunk_attention`, D a multiple of 8 up to 256 and at
+        most 48 query heads per KV head."""
+        check_tensor("query", query, torch.float32, 3)
+        check_tensor("k_pool", k_pool, torch.float32, 4)
+        check_tensor("v_pool", v_pool, torch.float32, 4)
+        check_tensor("blocks", blocks, torch.int32, 1)
+        check_shape("v_pool", v_pool, tuple(k_pool.shape), "k_pool's")
+        num_queries, heads, head_dim = query.shape
+        num_blocks, block_size, kv_heads, pool_head_dim = k_pool.shape
+        context = check_int("context", context, minimum=0)
+        if pool_head_dim != head_dim or heads % kv_heads:
+            raise KernelArgumentError(
+                f"k_pool: expected [num_blocks, block_size, kv_heads dividing query's {heads} heads, head_dim "
+                f"{head_dim} as in query], found {tuple(k_pool.shape)}"
+            )
+        out = torch.empty_like(query)
+        bad = self._lib.chunk_attention(
+            query.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), blocks.data_ptr(), out.data_ptr(), blocks.numel(),
+            num_blocks, num_queries, context, heads, kv_heads, head_dim, block_size, float(scale),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if bad != -1:
+            raise KernelArgumentError(
+                f"blocks: entry {bad} ({int(blocks[bad])}) is outside the pool's {num_blocks} blocks" if bad >= 0 else
+                f"blocks: {blocks.numel()} blocks of {block_size} cannot hold context {context} + {num_queries} "
+                "queries" if bad == -2 else
+                f"chunk_attention: not built for this CPU, or head_dim {head_dim} / {heads // kv_heads} query "
+                "heads per KV head unsupported" if bad == -3 else "chunk_attention: out of memory"
+            )  # fmt: skip
         return out
 
     def block_gemm(self, x: torch.Tensor, blocks: torch.Tensor, block_type: int) -> torch.Tensor:  # [M, N] float32
