@@ -1,5 +1,6 @@
 """The CPU chunk-after-context attention kernel (csrc/chunk_attention.c) against SDPA over the same
-K/V gathered by hand: chunk sizes across its query tiles (one row, a partial tile, several tiles),
+K/V gathered by hand: chunk sizes across its query tiles (one row, a partial tile, several tiles,
+one and two row groups),
 context before the chunk from none to several key tiles, GQA groupings up to its 48-row limit, head
 sizes, block sizes that do and do not divide its 32-key tile, blocks scattered through the pool; and
 in the attention backend, a step whose chunk after context takes the kernel against the same step
@@ -53,7 +54,8 @@ def _reference(query: torch.Tensor, pool: torch.Tensor, blocks: torch.Tensor, co
     [
         (1, 70, 9, 3, 64, 16),  # one row
         (37, 0, 9, 3, 64, 16),  # no context: only the causal part, several partial tiles
-        (100, 300, 9, 3, 64, 16),  # the default model's geometry, tiles of 16 positions x 3 heads
+        (100, 300, 9, 3, 64, 16),  # the default model's geometry: items of 32 positions x 3 heads, two row groups
+        (40, 61, 14, 2, 24, 32),  # 7 heads a group: 13 positions, 91 rows, the second group padded
         (20, 45, 4, 4, 8, 5),  # no grouping, the smallest head, blocks that split the key tile
         (13, 33, 48, 1, 16, 7),  # 48 query heads on one KV head: one position fills a tile
         (64, 129, 32, 8, 128, 16),  # a Llama-8B layer

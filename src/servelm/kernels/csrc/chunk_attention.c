@@ -33,11 +33,13 @@
 #include "simd.h"
 
 #define KT 32       /* keys per tile: two default blocks */
-/* Query rows per item (positions x the query heads sharing a KV head): what one register block covers
-   (6 vectors). Two blocks per key tile (96 rows, reading the pool half as often) measured slower: their
-   queries and outputs no longer fit L1 beside the tile. */
-#define MAX_ROWS 48
 #define MAX_D 256
+/* Query rows (positions x the query heads sharing a KV head) one register block covers: 6 vectors. */
+#define GROUP_ROWS 48
+/* Query rows per item: two groups take each key tile in turn, so the pool is read half as often as
+   with one (deep in a long prompt the reads of the context, not the arithmetic, set the pace). */
+#define MAX_ROWS 96
+#define GROUP_FLOATS (2 * MAX_D * GROUP_ROWS + KT * GROUP_ROWS)
 
 int chunk_attention_supported(void) {
 #ifdef SERVELM_HAVE_AVX2
@@ -150,33 +152,83 @@ ALWAYS_INLINE void tile_softmax(float* St, float* m, float* l, float* alpha, con
     }
 }
 
-/* One (KV head, query tile) item: rows r = pi * G + g are position i0 + pi, query head kh * G + g;
-   padded to RP = 8 NV rows (zero queries at the last real position, dropped at the end). Each
-   key tile is read from the pool once for all rows. */
-ALWAYS_INLINE void chunk_tile_nv(const float* q, const float* k_pool, const float* v_pool, const int32_t* blocks,
-                                 float* out, chunk_shape sh, int64_t kh, int64_t i0, int64_t i1, float* work,
-                                 const float* zeros, int NV) {
-    /* RP a constant wherever NV is: every offset into the tile buffers folds at compile time */
-    const int64_t G = sh.H / sh.KVH, D = sh.D, R = (i1 - i0) * G, RP = 8 * NV, row_stride = sh.KVH * D;
-    float* Qt = work;                  /* [D][RP] */
-    float* Ot = Qt + MAX_D * MAX_ROWS; /* [D][RP] */
-    float* St = Ot + MAX_D * MAX_ROWS; /* [KT][RP] */
-    float m[MAX_ROWS], l[MAX_ROWS], alpha[MAX_ROWS], pos[MAX_ROWS];
+/* Rows [r0, r0 + R) of an item (at most GROUP_ROWS: one register block), with their own buffers and
+   softmax state: queries and outputs transposed ([D][RP]), a tile's scores ([KT][RP]). */
+typedef struct {
+    float *Qt, *Ot, *St;
+    float m[GROUP_ROWS], l[GROUP_ROWS], alpha[GROUP_ROWS], pos[GROUP_ROWS];
+    int64_t r0, R, last_pos;
+} row_group;
+
+static void group_init(row_group* g, const float* q, chunk_shape sh, int64_t kh, int64_t i0, int64_t r0, int64_t R,
+                       float* buffers) {
+    const int64_t G = sh.H / sh.KVH, D = sh.D, RP = (R + 7) / 8 * 8;
+    g->Qt = buffers;
+    g->Ot = buffers + MAX_D * GROUP_ROWS;
+    g->St = buffers + 2 * MAX_D * GROUP_ROWS;
+    g->r0 = r0;
+    g->R = R;
+    g->last_pos = sh.context + i0 + (r0 + R - 1) / G;
+    for (int64_t r = 0; r < RP; r++) {
+        const int64_t row = r0 + (r < R ? r : R - 1); /* padding repeats the last row's position, zero query */
+        const float* src = q + ((i0 + row / G) * sh.H + kh * G + row % G) * D;
+        for (int64_t d = 0; d < D; d++) {
+            g->Qt[d * RP + r] = r < R ? src[d] * sh.scale : 0.f;
+            g->Ot[d * RP + r] = 0.f;
+        }
+        g->m[r] = -INFINITY;
+        g->l[r] = 0.f;
+        g->pos[r] = (float)(sh.context + i0 + row / G);
+    }
+}
+
+/* The group's scores, softmax and P . V over one key tile; RP = 8 NV a constant here. */
+ALWAYS_INLINE void group_tile_nv(row_group* g, const float* const* krows, const float* const* vrows, int64_t j0,
+                                 int64_t n, int64_t D, int NV) {
+    const int64_t RP = 8 * NV;
+    const int masked = j0 + KT > (int64_t)g->pos[0] + 1; /* some key of the tile lies past some row */
+    tile_scores(g->Qt, krows, g->St, D, RP, NV);
+    tile_softmax(g->St, g->m, g->l, g->alpha, g->pos, j0, n, masked, RP, NV);
+    tile_pv(g->St, vrows, g->Ot, g->alpha, D, RP, NV);
+}
+
+static void group_tile(row_group* g, const float* const* krows, const float* const* vrows, int64_t j0, int64_t n,
+                       int64_t D) {
+    if (j0 > g->last_pos) return; /* every key of the tile lies past every row of the group */
+    switch ((g->R + 7) / 8) { /* a constant vector count: the accumulators stay in registers */
+#define GROUP_CASE(NV) \
+    case NV: group_tile_nv(g, krows, vrows, j0, n, D, NV); break;
+        GROUP_CASE(1) GROUP_CASE(2) GROUP_CASE(3) GROUP_CASE(4) GROUP_CASE(5)
+        default: group_tile_nv(g, krows, vrows, j0, n, D, 6); break;
+#undef GROUP_CASE
+    }
+}
+
+static void group_finish(const row_group* g, float* out, chunk_shape sh, int64_t kh, int64_t i0) {
+    const int64_t G = sh.H / sh.KVH, D = sh.D, RP = (g->R + 7) / 8 * 8;
+    for (int64_t r = 0; r < g->R; r++) {
+        const int64_t row = g->r0 + r;
+        float* dst = out + ((i0 + row / G) * sh.H + kh * G + row % G) * D;
+        const float inv = 1.f / g->l[r];
+        for (int64_t d = 0; d < D; d++) dst[d] = g->Ot[d * RP + r] * inv;
+    }
+}
+
+/* One (KV head, query tile) item: rows r = pi * G + g are position i0 + pi, query head kh * G + g, in
+   groups of GROUP_ROWS. Each key tile is read from the pool once for all of them: the groups take
+   it in turn while it sits in L1. */
+static void chunk_tile(const float* q, const float* k_pool, const float* v_pool, const int32_t* blocks, float* out,
+                       chunk_shape sh, int64_t kh, int64_t i0, int64_t i1, float* work, const float* zeros) {
+    const int64_t G = sh.H / sh.KVH, D = sh.D, R = (i1 - i0) * G, row_stride = sh.KVH * D;
+    row_group groups[MAX_ROWS / GROUP_ROWS];
+    const int64_t num_groups = (R + GROUP_ROWS - 1) / GROUP_ROWS;
+    for (int64_t k = 0; k < num_groups; k++) {
+        const int64_t r0 = k * GROUP_ROWS;
+        group_init(&groups[k], q, sh, kh, i0, r0, R - r0 < GROUP_ROWS ? R - r0 : GROUP_ROWS, work + k * GROUP_FLOATS);
+    }
     const float* krows[KT];
     const float* vrows[KT];
-    for (int64_t r = 0; r < RP; r++) {
-        const int64_t pi = r < R ? r / G : (R - 1) / G;
-        const float* src = q + ((i0 + pi) * sh.H + kh * G + (r < R ? r % G : 0)) * D;
-        for (int64_t d = 0; d < D; d++) {
-            Qt[d * RP + r] = r < R ? src[d] * sh.scale : 0.f;
-            Ot[d * RP + r] = 0.f;
-        }
-        m[r] = -INFINITY;
-        l[r] = 0.f;
-        pos[r] = (float)(sh.context + i0 + pi);
-    }
-    const int64_t num_keys = sh.context + i1; /* the tile's last position sees keys 0..context + i1 - 1 */
-    const int64_t first_masked = sh.context + i0 + 1; /* keys from here on are hidden from some row */
+    const int64_t num_keys = sh.context + i1; /* the item's last position sees keys 0..context + i1 - 1 */
     for (int64_t j0 = 0; j0 < num_keys; j0 += KT) {
         const int64_t n = num_keys - j0 < KT ? num_keys - j0 : KT;
         for (int64_t j = 0; j < KT; j++) {
@@ -199,39 +251,21 @@ ALWAYS_INLINE void chunk_tile_nv(const float* q, const float* k_pool, const floa
                 __builtin_prefetch(v + b, 0, 3);
             }
         }
-        const int masked = j0 + KT > first_masked;
-        tile_scores(Qt, krows, St, D, RP, NV);
-        tile_softmax(St, m, l, alpha, pos, j0, n, masked, RP, NV);
-        tile_pv(St, vrows, Ot, alpha, D, RP, NV);
+        for (int64_t k = 0; k < num_groups; k++) group_tile(&groups[k], krows, vrows, j0, n, D);
     }
-    for (int64_t r = 0; r < R; r++) {
-        float* dst = out + ((i0 + r / G) * sh.H + kh * G + r % G) * D;
-        const float inv = 1.f / l[r];
-        for (int64_t d = 0; d < D; d++) dst[d] = Ot[d * RP + r] * inv;
-    }
-}
-
-static void chunk_tile(const float* q, const float* k_pool, const float* v_pool, const int32_t* blocks, float* out,
-                       chunk_shape sh, int64_t kh, int64_t i0, int64_t i1, float* work, const float* zeros) {
-    switch (((i1 - i0) * (sh.H / sh.KVH) + 7) / 8) { /* a constant vector count: accumulators in registers */
-#define TILE_CASE(NV) \
-    case NV: chunk_tile_nv(q, k_pool, v_pool, blocks, out, sh, kh, i0, i1, work, zeros, NV); break;
-        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5)
-        default: chunk_tile_nv(q, k_pool, v_pool, blocks, out, sh, kh, i0, i1, work, zeros, 6); break;
-#undef TILE_CASE
-    }
+    for (int64_t k = 0; k < num_groups; k++) group_finish(&groups[k], out, sh, kh, i0);
 }
 #endif
 
 /* Returns -1 after writing out; -2 when context + Q keys exceed the table (or Q < 1), the index of
    the first table entry outside [0, num_blocks), or -3 when this build or these shapes are not
-   supported (G > MAX_ROWS, D not a multiple of 8 or over MAX_D): then nothing is read or written. */
+   supported (G > GROUP_ROWS, D not a multiple of 8 or over MAX_D): then nothing is read or written. */
 int64_t chunk_attention(const float* q, const float* k_pool, const float* v_pool, const int32_t* blocks, float* out,
                         int64_t num_table_blocks, int64_t num_blocks, int64_t Q, int64_t context, int64_t H,
                         int64_t KVH, int64_t D, int64_t bs, float scale, int num_threads) {
 #ifdef SERVELM_HAVE_AVX2
     if (Q < 1 || context < 0) return -2;
-    if (KVH < 1 || H % KVH || H / KVH > MAX_ROWS || D % 8 || D > MAX_D || bs < 1) return -3;
+    if (KVH < 1 || H % KVH || H / KVH > GROUP_ROWS || D % 8 || D > MAX_D || bs < 1) return -3;
     const int64_t bad = first_invalid_block(blocks, num_table_blocks, context + Q, bs, num_blocks);
     if (bad != -1) return bad;
     /* Positions per item: as many as MAX_ROWS rows hold, fewer when that would leave a thread
@@ -242,7 +276,7 @@ int64_t chunk_attention(const float* q, const float* k_pool, const float* v_pool
     if (TQ > MAX_ROWS / G) TQ = MAX_ROWS / G;
     const int64_t tiles = (Q + TQ - 1) / TQ;
     const chunk_shape sh = {H, KVH, D, bs, context, Q, scale};
-    const size_t work_floats = (size_t)(2 * MAX_D * MAX_ROWS + KT * MAX_ROWS + MAX_D);
+    const size_t work_floats = (size_t)(MAX_ROWS / GROUP_ROWS * GROUP_FLOATS + MAX_D);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -251,7 +285,7 @@ int64_t chunk_attention(const float* q, const float* k_pool, const float* v_pool
 #pragma omp atomic write
             failed = 1;
         }
-        float* zeros = work ? work + 2 * MAX_D * MAX_ROWS + KT * MAX_ROWS : NULL; /* [MAX_D]: a key row past the tile */
+        float* zeros = work ? work + MAX_ROWS / GROUP_ROWS * GROUP_FLOATS : NULL; /* [MAX_D]: a key row past the tile */
         if (zeros)
             for (int64_t d = 0; d < MAX_D; d++) zeros[d] = 0.f;
         /* Later tiles see more keys: the largest first balances the threads' shares. */
