@@ -214,6 +214,7 @@ class CpuKernels:
         num_queries, heads, head_dim = query.shape
         num_blocks, block_size, kv_heads, pool_head_dim = k_pool.shape
         context = check_int("context", context, minimum=0)
+        check_int("query rows", num_queries, minimum=1)
         if pool_head_dim != head_dim or heads % kv_heads:
             raise KernelArgumentError(
                 f"k_pool: expected [num_blocks, block_size, kv_heads dividing query's {heads} heads, head_dim "
@@ -225,11 +226,10 @@ class CpuKernels:
             num_blocks, num_queries, context, heads, kv_heads, head_dim, block_size, float(scale),
             torch.get_num_threads(),
         )  # fmt: skip
+        if bad == -2:  # the table: which way it failed, said from here (nothing was read)
+            raise KernelArgumentError(_chunk_table_error(blocks, block_size, num_blocks, context, num_queries))
         if bad != -1:
             raise KernelArgumentError(
-                f"blocks: entry {bad} ({int(blocks[bad])}) is outside the pool's {num_blocks} blocks" if bad >= 0 else
-                f"blocks: {blocks.numel()} blocks of {block_size} cannot hold context {context} + {num_queries} "
-                "queries" if bad == -2 else
                 f"chunk_attention: not built for this CPU, or head_dim {head_dim} / {heads // kv_heads} query "
                 "heads per KV head unsupported" if bad == -3 else "chunk_attention: out of memory"
             )  # fmt: skip
@@ -372,6 +372,19 @@ class CpuKernels:
                 f"block table row {call.block_tables[bad].tolist()}"
             )
         return call.hidden
+
+
+def _chunk_table_error(blocks: torch.Tensor, block_size: int, num_blocks: int, context: int, num_queries: int) -> str:
+    """What is wrong with a chunk's block table the kernel refused: too short, or an entry it uses outside the pool."""
+    needed = -(-(context + num_queries) // block_size)
+    if blocks.numel() < needed:
+        return f"blocks: {blocks.numel()} blocks of {block_size} cannot hold context {context} + {num_queries} queries"
+    used = blocks[:needed]
+    outside = torch.nonzero((used < 0) | (used >= num_blocks)).flatten()
+    if outside.numel() == 0:
+        return f"context {context} + {num_queries} queries: more positions than the kernel indexes (2^31 - 1)"
+    bad = int(outside[0])
+    return f"blocks: entry {bad} ({int(blocks[bad])}) is outside the pool's {num_blocks} blocks"
 
 
 def check_block_weight(name: str, blocks: torch.Tensor, block_type: int) -> None:

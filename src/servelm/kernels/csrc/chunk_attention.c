@@ -9,15 +9,17 @@
        for each KV head kh and each tile of TQ chunk positions (its G = H / KVH query heads each:
        R = TQ * G rows that read the same keys):
            for each tile of KT keys (from the blocks, in order; none past the tile's last position):
-               S = Qs . K^T                      scores, the query rows pre-scaled
+               S = K . Q^T                       scores, the query rows pre-scaled
                causal mask on the keys past a row's own position
                m' = max(m, rowmax S); P = e^(S - m'); l = l e^(m - m') + rowsum P
                O = O e^(m - m') + P . V
            out = O / l
 
    so every key and value row is read once per tile of R rows, never copied per query head, and the
-   context is never gathered. The key tile is transposed into a small buffer once and then read by
-   every row (scores: three rows by 32 keys per register block; P . V: three rows by 32 of D).
+   context is never gathered. The rows are the vector lanes: queries, scores and outputs are held
+   transposed ([D][R], [KT][R], [D][R]), so a key or value element is broadcast against eight rows at
+   once (register blocks of two keys or two of D by up to six vectors of rows) and the softmax runs
+   eight rows a vector, with no horizontal sums.
 
    Shapes: q [Q, H, D] float32; pools [num_blocks, bs, KVH, D] float32 (the K or the V half of one
    layer); blocks [num_table_blocks] int32, the request's blocks in order (position p in block
@@ -30,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "internal.h"
 #include "simd.h"
 
 #define KT 32       /* keys per tile: two default blocks */
@@ -49,19 +52,9 @@ int chunk_attention_supported(void) {
 #endif
 }
 
-/* -1 when every position the chunk reads lies in the table and every block id it uses in the pool;
-   else -2 (lengths) or the index of the first bad table entry. */
-static int64_t first_invalid_block(const int32_t* blocks, int64_t num_table_blocks, int64_t num_keys, int64_t bs,
-                                   int64_t num_blocks) {
-    if (num_keys < 1 || num_keys > num_table_blocks * bs) return -2;
-    for (int64_t j = 0; j < (num_keys + bs - 1) / bs; j++)
-        if (blocks[j] < 0 || blocks[j] >= num_blocks) return j;
-    return -1;
-}
-
 #ifdef SERVELM_HAVE_AVX2
 typedef struct {
-    int64_t H, KVH, D, bs, context, Q;
+    int64_t H, KVH, D, bs, context;
     float scale;
 } chunk_shape;
 
@@ -257,17 +250,19 @@ static void chunk_tile(const float* q, const float* k_pool, const float* v_pool,
 }
 #endif
 
-/* Returns -1 after writing out; -2 when context + Q keys exceed the table (or Q < 1), the index of
-   the first table entry outside [0, num_blocks), or -3 when this build or these shapes are not
-   supported (G > GROUP_ROWS, D not a multiple of 8 or over MAX_D): then nothing is read or written. */
+/* Returns -1 after writing out; -2 when context + Q keys exceed the table (or Q < 1) or a table entry
+   they use lies outside [0, num_blocks); -3 when this build or these shapes are not supported
+   (G > GROUP_ROWS, D not a multiple of 8 or over MAX_D): then nothing is read or written. */
 int64_t chunk_attention(const float* q, const float* k_pool, const float* v_pool, const int32_t* blocks, float* out,
                         int64_t num_table_blocks, int64_t num_blocks, int64_t Q, int64_t context, int64_t H,
                         int64_t KVH, int64_t D, int64_t bs, float scale, int num_threads) {
 #ifdef SERVELM_HAVE_AVX2
-    if (Q < 1 || context < 0) return -2;
+    if (Q < 1 || context < 0 || context + Q > INT32_MAX) return -2;
     if (KVH < 1 || H % KVH || H / KVH > GROUP_ROWS || D % 8 || D > MAX_D || bs < 1) return -3;
-    const int64_t bad = first_invalid_block(blocks, num_table_blocks, context + Q, bs, num_blocks);
-    if (bad != -1) return bad;
+    /* The chunk is one request of the decode kernel's check: its keys within the table, the blocks
+       they use within the pool. */
+    const int32_t num_keys = (int32_t)(context + Q);
+    if (servelm_first_invalid_request(blocks, &num_keys, 1, num_table_blocks, bs, num_keys, num_blocks) >= 0) return -2;
     /* Positions per item: as many as MAX_ROWS rows hold, fewer when that would leave a thread
        without work (a short chunk: at least two items a thread). */
     const int64_t G = H / KVH, threads = num_threads > 1 ? num_threads : 1;
@@ -275,7 +270,7 @@ int64_t chunk_attention(const float* q, const float* k_pool, const float* v_pool
     int64_t TQ = (Q + tiles_wanted - 1) / tiles_wanted;
     if (TQ > MAX_ROWS / G) TQ = MAX_ROWS / G;
     const int64_t tiles = (Q + TQ - 1) / TQ;
-    const chunk_shape sh = {H, KVH, D, bs, context, Q, scale};
+    const chunk_shape sh = {H, KVH, D, bs, context, scale};
     const size_t work_floats = (size_t)(MAX_ROWS / GROUP_ROWS * GROUP_FLOATS + MAX_D);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
