@@ -127,6 +127,10 @@ def test_each_cause(tmp_path: Path, current: dict, cause: str):
     [
         # slow readers: the API takes their outputs late, outputs pile up; steps as before
         ({"itl": 0.5, "outputs_queued": 300.0}, "output"),
+        # ...and their backlog's CPU slows the steps too (2 cores), by far less than the gaps grew
+        ({"itl": 0.2, "client_tbt": 0.2, "network": 0.001, "step_s": 0.016, "outputs_queued": 300.0}, "output"),
+        # long prompts' chunks AND a backlog: the steps grew as much as the gaps, so the steps it is
+        ({"itl": 0.2, "step_s": 0.2, "step_tokens": 2000, "outputs_queued": 300.0}, "scheduler"),
         # steps got longer (long prompts' chunks in them): every stream's gaps with them
         ({"itl": 0.2, "step_s": 0.2, "step_tokens": 2000}, "scheduler"),
         ({"itl": 0.2, "loop_lag": 0.1}, "frontend"),

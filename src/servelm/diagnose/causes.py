@@ -30,8 +30,13 @@
        late takes its tokens in bursts, many gaps near 0 and a few long ones, and its time per
        token is what grew). Its growth goes to one cause:
 
-         steps grew (engine step mean x STEP_GROWTH)  → load when the load grew, else scheduler
-         outputs pile up in the API (OUTPUT_BACKLOG)  → output   (streams not read: slow clients)
+         steps grew (engine step mean x STEP_GROWTH)  → load when the load grew, else scheduler,
+                                                        unless outputs piled up and the steps' growth
+                                                        is under STEPS_EXPLAIN of the gaps' growth
+         outputs pile up in the API (OUTPUT_BACKLOG)  → output   (streams not read: slow clients; on
+                                                        2 cores their backlog also slows the steps:
+                                                        CI's slow-readers window had steps x1.56,
+                                                        +4 ms, against the client's gaps +26 ms)
          the API event loop runs late (lag p99 x 2)   → frontend
          none of these, on the client's figure        → network  (the server kept pace; the path did not)
 
@@ -53,6 +58,7 @@ from servelm.diagnose.signals import COMPONENTS, Signals
 
 CAUSES = ("scheduler", "kv_cache", "output", "network", "frontend", "load", "disaggregation", "grammar", "none")
 STEP_GROWTH = 1.5  # engine steps this much longer (mean): the gaps between tokens are the steps
+STEPS_EXPLAIN = 0.5  # ...when their growth is at least this share of the gaps' growth (see steps_explain_tbt)
 OUTPUT_BACKLOG = 10.0  # outputs queued in the API (max over the window) that count as a pile-up, if 2x the baseline
 LOAD_GROWTH = 1.5  # rate or request size up by this factor: the same queueing is simply more work
 KV_USAGE_FULL = 0.9
@@ -232,10 +238,25 @@ def outputs_piled_up(baseline: Signals, current: Signals) -> bool:
     return after is not None and after >= OUTPUT_BACKLOG and after >= 2 * before
 
 
+def steps_explain_tbt(baseline: Signals, current: Signals, measured_by: str) -> bool:
+    """Did the steps' own growth make up at least STEPS_EXPLAIN of the time-between-tokens growth?
+    A token takes at least one step, so longer steps lengthen every gap by as much; a gap that grew
+    far more than the steps did grew somewhere else (a client reading late sees its own gaps)."""
+    step_before, step_after = signal_value(baseline, "step_time_mean_s"), signal_value(current, "step_time_mean_s")
+    tbt_before, tbt_after = signal_value(baseline, measured_by), signal_value(current, measured_by)
+    if None in (step_before, step_after, tbt_before, tbt_after):
+        return True  # nothing to weigh them by: the steps' growth stands
+    assert step_before is not None and step_after is not None and tbt_before is not None and tbt_after is not None
+    return step_after - step_before >= STEPS_EXPLAIN * (tbt_after - tbt_before)
+
+
 def tbt_cause(baseline: Signals, current: Signals, measured_by: str) -> str:
-    if _grew(baseline, current, "step_time_mean_s", STEP_GROWTH):
+    piled_up = outputs_piled_up(baseline, current)
+    if _grew(baseline, current, "step_time_mean_s", STEP_GROWTH) and (
+        not piled_up or steps_explain_tbt(baseline, current, measured_by)
+    ):
         return "load" if load_grew(baseline, current) else "scheduler"
-    if outputs_piled_up(baseline, current):
+    if piled_up:
         return "output"
     if _grew(baseline, current, "loop_lag_p99_s", 2.0):
         return "frontend"
