@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # a type of the stubs only
 
 from servelm.sampling_params import StructuredSpec
 from servelm.structured.grammars import GrammarError
+from servelm.structured.regex_classes import ascii_shorthands
 
 JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
@@ -84,7 +85,7 @@ def grammar_text(spec: StructuredSpec) -> str:
         if spec.kind == "json":
             return llguidance.LLMatcher.grammar_from_json_schema(json.loads(spec.text), defaults=JSON_OPTIONS)
         if spec.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.text)
+            return llguidance.LLMatcher.grammar_from_regex(ascii_shorthands(spec.text))
         if spec.kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark(choice_lark(json.loads(spec.text)))
         if spec.kind == "grammar":
