@@ -64,22 +64,29 @@ def test_greedy_tokens_are_the_references_with_chunks_prefix_hits_and_preemption
         built.core.close()
 
 
+DEFAULT_MODEL_PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "The three primary colours are"]
+
+
+def default_model_greedy_tokens(tp: int, cp: int) -> dict:
+    built = build_engine(EngineConfig.from_flat(num_blocks=64, tensor_parallel_size=tp, context_parallel_size=cp,
+                                                threads_per_rank=1))  # fmt: skip
+    try:
+        ids = [built.tokenizer.encode(p) for p in DEFAULT_MODEL_PROMPTS]
+        return run_requests(built.core, greedy_requests(ids, [24, 24]), [0, 0]).tokens
+    finally:
+        built.core.close()
+
+
+@pytest.fixture(scope="module")
+def one_rank_default_tokens() -> dict:
+    """The default model's greedy tokens on one rank: every layout's reference, computed once."""
+    return default_model_greedy_tokens(1, 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "cp2"])
-def test_default_model_greedy_output_is_unchanged(layout):
-    tp, cp = LAYOUTS[layout]
-    prompts = ["Write a Python function that returns the n-th Fibonacci number.", "The three primary colours are"]
-    outputs = {}
-    for name, (t, c) in {"one rank": (1, 1), layout: (tp, cp)}.items():
-        built = build_engine(EngineConfig.from_flat(num_blocks=64, tensor_parallel_size=t, context_parallel_size=c,
-                                                    threads_per_rank=1))  # fmt: skip
-        try:
-            ids = [built.tokenizer.encode(p) for p in prompts]
-            run = run_requests(built.core, greedy_requests(ids, [24, 24]), [0, 0])
-            outputs[name] = run.tokens
-        finally:
-            built.core.close()
-    assert outputs[layout] == outputs["one rank"]
+def test_default_model_greedy_output_is_unchanged(layout, one_rank_default_tokens):
+    assert default_model_greedy_tokens(*LAYOUTS[layout]) == one_rank_default_tokens
 
 
 def followers_of(pid: int) -> list[psutil.Process]:
