@@ -21,6 +21,7 @@ from servelm.kv import KVCacheManager
 from servelm.sampling_params import SamplingParams
 from servelm.scheduler.scheduler import Scheduler
 from servelm.scheduler.step_cost import StepShape
+from servelm.schemas.ttft import percentile
 
 BLOCK_SIZE = 16
 # A calibration shaped like a small GPU model's (seconds): fixed, dense pass, per decode token,
@@ -35,8 +36,13 @@ def calibrated_scheduler(num_running: int, max_step_ms: float) -> Scheduler:
     scheduler = Scheduler(config, kv, eos_token_ids=[2], num_layers=32)
     shapes = [StepShape(dense_passes=1) + StepShape.chunk(n, d) for n in (64, 512, 2048) for d in (0, 2048, 8192)]
     shapes += [StepShape.decode(1, d) + StepShape.decode(1, d) for d in (128, 4096)]
-    scheduler.step_cost.calibrate([(x, sum(c * f for c, f in zip(TRUTH, x.features()))) for x in shapes])
+    scheduler.step_cost.calibrate([(x, truth_seconds(x)) for x in shapes])
     return scheduler
+
+
+def truth_seconds(shape: StepShape) -> float:
+    """What a step of `shape` takes on the pretend machine: the calibration's and every step's time."""
+    return sum(c * f for c, f in zip(TRUTH, shape.features()))
 
 
 def measure(num_running: int, num_steps: int, max_step_ms: float) -> tuple[list[float], list[float], list[int]]:
@@ -45,6 +51,7 @@ def measure(num_running: int, num_steps: int, max_step_ms: float) -> tuple[list[
     never = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for i in range(num_running):
         scheduler.add_request(EngineRequest(request_id=f"d{i}", prompt_token_ids=[3 + (i + j) % 500 for j in range(200)], sampling_params=never))
+    decoding = [scheduler.get_request(f"d{i}") for i in range(num_running)]  # never finish: the same objects throughout
     long_prompt = 0
     schedule_s: list[float] = []
     update_s: list[float] = []
@@ -55,7 +62,8 @@ def measure(num_running: int, num_steps: int, max_step_ms: float) -> tuple[list[
     step = 0
     while len(schedule_s) < num_steps:
         step += 1
-        if warm and not any(r.is_prefilling for r in scheduler._running) and step % 20 == 0:  # a long prompt now and then
+        last_long = scheduler.get_request(f"long{long_prompt}")
+        if warm and (last_long is None or not last_long.is_prefilling) and step % 20 == 0:  # a long prompt now and then
             long_prompt += 1
             scheduler.add_request(EngineRequest(request_id=f"long{long_prompt}", prompt_token_ids=[5 + j % 700 for j in range(8000)],
                                                 sampling_params=SamplingParams(temperature=0.0, max_tokens=4)))  # fmt: skip
@@ -68,15 +76,14 @@ def measure(num_running: int, num_steps: int, max_step_ms: float) -> tuple[list[
             done = request is not None and request.num_computed_tokens + num >= request.num_tokens
             sampled[request_id] = [7] if done else []
         shape, _ = scheduler.executed_shape(output)  # the runner "took" what the calibration's truth says
-        seconds = sum(c * f for c, f in zip(TRUTH, shape.features()))
-        scheduler.update(output, ModelOutput(sampled, execute_seconds=seconds))
+        scheduler.update(output, ModelOutput(sampled, execute_seconds=truth_seconds(shape)))
         end = time.perf_counter()
         if warm:
             schedule_s.append(middle - start)
             update_s.append(end - middle)
             rows.append(len(output.num_scheduled_tokens))
-        warm = warm or (not len(scheduler._waiting)
-                        and all(r.num_output_tokens > 0 for r in scheduler._running if r.request_id.startswith("d")))
+        warm = warm or (scheduler.num_waiting == 0
+                        and all(r is not None and r.num_output_tokens > 0 for r in decoding))
     return schedule_s, update_s, rows
 
 
@@ -91,13 +98,13 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|")
     for num_running in (int(n) for n in args.running.split(",")):
         schedule_s, update_s, rows = measure(num_running, args.steps, args.max_step_ms)
-
-        def p(values: list[float], q: float) -> float:
-            return sorted(values)[int(q * (len(values) - 1))] * 1000
-
         both = statistics.median(s + u for s, u in zip(schedule_s, update_s)) * 1000
-        print(f"| {num_running} | {statistics.median(rows):.0f} | {p(schedule_s, 0.5):.2f} / {p(schedule_s, 0.9):.2f} "
-              f"| {p(update_s, 0.5):.2f} / {p(update_s, 0.9):.2f} | {both:.2f} ms, {both / 20:.1%} |")  # fmt: skip
+        print(f"| {num_running} | {statistics.median(rows):.0f} | {ms(schedule_s, 50):.2f} / {ms(schedule_s, 90):.2f} "
+              f"| {ms(update_s, 50):.2f} / {ms(update_s, 90):.2f} | {both:.2f} ms, {both / 20:.1%} |")  # fmt: skip
+
+
+def ms(seconds: list[float], q: float) -> float:
+    return (percentile(seconds, q) or 0.0) * 1000
 
 
 if __name__ == "__main__":

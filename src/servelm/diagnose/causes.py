@@ -238,16 +238,20 @@ def outputs_piled_up(baseline: Signals, current: Signals) -> bool:
     return after is not None and after >= OUTPUT_BACKLOG and after >= 2 * before
 
 
+def _growth(baseline: Signals, current: Signals, name: str) -> float | None:
+    """current - baseline of a signal; None where either window lacks it."""
+    before, after = signal_value(baseline, name), signal_value(current, name)
+    return None if before is None or after is None else after - before
+
+
 def steps_explain_tbt(baseline: Signals, current: Signals, measured_by: str) -> bool:
     """Did the steps' own growth make up at least STEPS_EXPLAIN of the time-between-tokens growth?
     A token takes at least one step, so longer steps lengthen every gap by as much; a gap that grew
     far more than the steps did grew somewhere else (a client reading late sees its own gaps)."""
-    step_before, step_after = signal_value(baseline, "step_time_mean_s"), signal_value(current, "step_time_mean_s")
-    tbt_before, tbt_after = signal_value(baseline, measured_by), signal_value(current, measured_by)
-    if None in (step_before, step_after, tbt_before, tbt_after):
+    steps, gaps = _growth(baseline, current, "step_time_mean_s"), _growth(baseline, current, measured_by)
+    if steps is None or gaps is None:
         return True  # nothing to weigh them by: the steps' growth stands
-    assert step_before is not None and step_after is not None and tbt_before is not None and tbt_after is not None
-    return step_after - step_before >= STEPS_EXPLAIN * (tbt_after - tbt_before)
+    return steps >= STEPS_EXPLAIN * gaps
 
 
 def tbt_cause(baseline: Signals, current: Signals, measured_by: str) -> str:
