@@ -43,21 +43,28 @@ def tokenizer():
     return load_tokenizer(default_model_path())
 
 
+def compiler_for(backend: str, tokenizer):
+    return make_backend(backend, tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
+
+def takes(grammar, tokenizer, text: str) -> bool:
+    """Does the grammar take `text` whole: every token of it, then the end?"""
+    tokens = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+    return grammar.matcher().num_acceptable(tokens) == len(tokens)
+
+
 @pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
 def test_both_backends_take_exactly_the_ascii_language(tokenizer, backend: str):
-    compiler = make_backend(backend, tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    compiler = compiler_for(backend, tokenizer)
     for pattern, reference in PATTERNS.items():
         grammar = compiler.compile(StructuredSpec(kind="regex", text=pattern))
         for text in TEXTS:
-            tokens = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
-            taken = grammar.matcher().num_acceptable(tokens) == len(tokens)  # every token, then the end
-            assert taken == bool(re.fullmatch(reference, text)), (backend, pattern, text)
+            assert takes(grammar, tokenizer, text) == bool(re.fullmatch(reference, text)), (backend, pattern, text)
 
 
 @pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
 def test_a_schemas_pattern_reads_the_shorthands_the_same_way(tokenizer, backend: str):
-    compiler = make_backend(backend, tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
-    grammar = compiler.compile(StructuredSpec(kind="json", text=json.dumps({"type": "string", "pattern": r"^\d\w$"})))
+    schema = {"type": "string", "pattern": r"^\d\w$"}
+    grammar = compiler_for(backend, tokenizer).compile(StructuredSpec(kind="json", text=json.dumps(schema)))
     for text, valid in (('"1a"', True), ('"١a"', False), ('"1é"', False)):
-        tokens = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
-        assert (grammar.matcher().num_acceptable(tokens) == len(tokens)) is valid, (backend, text)
+        assert takes(grammar, tokenizer, text) is valid, (backend, text)
