@@ -145,7 +145,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, launch_server=None)
     scenario.add_argument("--api-key", default=None)
     scenario.add_argument("--tokenizer", default=None)
     scenario.add_argument("--quick", action="store_true", help="CI size: short windows, prompts for the tiny model")
-    scenario.add_argument("--rate", type=float, default=None, help="requests/s in both windows (default: the scenario's)")
+    scenario.add_argument("--rate", type=float, default=None, help="requests/s in both windows (default: the scenario's "
+                          "share of the capacity it measures first, or its fixed rate)")
     scenario.add_argument("--seconds", type=float, default=None, help="each window's length (default: the scenario's)")
     scenario.add_argument("--sessions", type=int, default=None,
                           help="conversations open at once (voice, longchat; default 4): more offer a high rate")  # fmt: skip
@@ -308,7 +309,9 @@ def _scenario(args: argparse.Namespace) -> int:
         result = run_scenario(SCENARIOS[name], options, args.launch_server)
         results.append(result)
         verdict = "ok" if result.ok else "WRONG" if result.top_cause else f"no diagnosis ({result.error})"
-        print(f"{name}: expected {result.expected_cause}, diagnose named {result.top_cause}: {verdict}  ({out})")
+        sized = f"{result.rate:.3g} req/s" + (f" of {result.capacity:.3g} measured" if result.capacity else "")
+        print(f"{name}: expected {result.expected_cause}, diagnose named {result.top_cause}: {verdict}  "
+              f"({sized}; {out})")
     if args.name == "all":
         import json
 

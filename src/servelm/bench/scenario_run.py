@@ -1,6 +1,7 @@
 """Runs one scenario (bench.scenarios): both windows against one server, then `servelm diagnose`.
 
-    [start the server]  ─▶ baseline: prepare ─▶ WindowRecorder ⟨ bench run ⟩ ─▶ DIR/baseline
+    [start the server]  ─▶ [capacity: the baseline's traffic, closed loop ─▶ DIR/capacity; rate = share of it]
+                        ─▶ baseline: prepare ─▶ WindowRecorder ⟨ bench run ⟩ ─▶ DIR/baseline
                         ─▶ today:    [proxy] prepare ─▶ WindowRecorder ⟨ bench run ⟩ ─▶ DIR/today
                         ─▶ diagnose(DIR/baseline, DIR/today) ─▶ DIR/diagnosis.json, DIR/diagnosis.txt
 
@@ -35,6 +36,8 @@ from servelm.diagnose.sources import load_signals
 ServerLauncher = Callable[[str | None, list[str]], AbstractContextManager[str]]
 
 WINDOWS = ("baseline", "today")
+PROBE = "capacity"
+PROBE_LIMIT_S = 900.0  # the capacity probe's longest run (it ends with its requests; this bounds a stuck one)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class ScenarioResult:
     top_cause: str | None  # None: diagnose failed (see error)
     out_dir: Path
     error: str | None = None
+    rate: float | None = None  # the windows' requests/s
+    capacity: float | None = None  # requests/s the probe measured (None: the size's fixed rate)
 
     @property
     def ok(self) -> bool:
@@ -66,7 +71,8 @@ class ScenarioResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "expected_cause": self.expected_cause, "top_cause": self.top_cause,
-                "ok": self.ok, "out_dir": str(self.out_dir), "error": self.error}  # fmt: skip
+                "ok": self.ok, "out_dir": str(self.out_dir), "error": self.error, "rate": self.rate,
+                "capacity": self.capacity}  # fmt: skip
 
 
 def bench_config(load: WindowLoad, size: ScenarioSize, base_url: str, out_dir: Path, options: ScenarioOptions) -> BenchConfig:
@@ -101,20 +107,45 @@ async def run_window(label: str, load: WindowLoad, size: ScenarioSize, server_ur
     return window_dir
 
 
+def measure_capacity(load: WindowLoad, size: ScenarioSize, server_url: str, options: ScenarioOptions) -> float:
+    """Requests/s the server completes with `load`'s traffic (the baseline's): size.probe_requests
+    of them, closed loop at size.probe_concurrency in flight, recorded in DIR/capacity. Other
+    tokens than either window's (salt), so that it warms neither's prefixes; it does warm the
+    server, which the baseline would otherwise pay for in its first requests."""
+    config = replace(bench_config(load, size, server_url, options.out_dir / PROBE, options),
+                     num_requests=size.probe_requests, duration_s=PROBE_LIMIT_S)  # fmt: skip
+    target = prepare(config)
+    report = run_once(target, config, Load("concurrency", size.probe_concurrency), config.out_dir, salt=len(WINDOWS))
+    overall = report["summary"]["overall"]
+    if overall["num_ok"] < size.probe_requests:
+        raise RuntimeError(f"the capacity probe completed {overall['num_ok']} of {size.probe_requests} requests "
+                           f"(see {config.out_dir}): the server cannot carry the baseline's traffic at all")  # fmt: skip
+    return float(overall["request_throughput"])
+
+
 def run_scenario(scenario: Scenario, options: ScenarioOptions, launcher: ServerLauncher | None = None) -> ScenarioResult:
     """Both windows (on `options.base_url`, or on a server `launcher` starts with the scenario's
-    flags), then the diagnosis. Writes everything under options.out_dir (see module doc)."""
+    flags), then the diagnosis. Writes everything under options.out_dir (see module doc). A size
+    with a utilization first measures the server's capacity for the baseline (unless
+    options.rate fixes the rate)."""
     size = scenario.size(options.quick)
-    if options.rate is not None or options.seconds is not None:
-        size = replace(size, rate=options.rate or size.rate, seconds=options.seconds or size.seconds)
+    if options.rate is not None:
+        size = replace(size, rate=options.rate, utilization=None)
+    if options.seconds is not None:
+        size = replace(size, seconds=options.seconds)
     if options.base_url is None and options.tokenizer is None:
         options = replace(options, tokenizer=options.model)  # the server started here serves that model
     options.out_dir.mkdir(parents=True, exist_ok=True)
-    (options.out_dir / "scenario.json").write_text(json.dumps(_describe(scenario, size, options), indent=1, default=str))
+    capacity: float | None = None
+    _write_description(scenario, size, options, capacity)
     with _server(scenario, options, launcher) as server_url:
+        if size.utilization is not None:
+            capacity = measure_capacity(scenario.baseline, size, server_url, options)
+            size = size.at_capacity(capacity)
+            _write_description(scenario, size, options, capacity)
         for label, load in zip(WINDOWS, (scenario.baseline, scenario.today), strict=True):
             asyncio.run(run_window(label, load, size, server_url, options))
-    return diagnose_windows(scenario, options.out_dir)
+    return replace(diagnose_windows(scenario, options.out_dir), rate=size.rate, capacity=capacity)
 
 
 def diagnose_windows(scenario: Scenario, out_dir: Path) -> ScenarioResult:
@@ -126,6 +157,11 @@ def diagnose_windows(scenario: Scenario, out_dir: Path) -> ScenarioResult:
     (out_dir / "diagnosis.json").write_text(json.dumps(to_json(diagnosis), indent=1))
     (out_dir / "diagnosis.txt").write_text(to_text(diagnosis))
     return ScenarioResult(scenario.name, scenario.expected_cause, diagnosis.top_cause, out_dir)
+
+
+def _write_description(scenario: Scenario, size: ScenarioSize, options: ScenarioOptions, capacity: float | None) -> None:
+    described = {**_describe(scenario, size, options), "capacity_req_s": capacity}
+    (options.out_dir / "scenario.json").write_text(json.dumps(described, indent=1, default=str))
 
 
 @contextlib.contextmanager
