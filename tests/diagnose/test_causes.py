@@ -23,6 +23,7 @@ BASE = {
     "prompt_tokens": 100, "long_prompts": 0, "generation_tokens": 20, "step_s": 0.01, "step_tokens": 50,
     "preemptions": 0, "hits": 5000, "queries": 10000, "evicted": 0, "kv_usage": 0.3, "waiting": 0.5,
     "outputs_queued": 0.0, "loop_lag": 0.001, "network": None, "itl": 0.03, "client_tbt": 0.03,
+    "evicted_misses": None,  # prompt tokens missed on evicted blocks (None: an older server, not exported)
 }  # fmt: skip
 
 
@@ -61,6 +62,8 @@ def write_window(directory: Path, label: str, **changes: float | None) -> Path:
         "servelm:prefix_cache_queries", float(w["queries"])
     )
     lines += _counter("servelm:prefix_cache_evicted_blocks", float(w["evicted"]), 'model_name="m",tenant="docs"')
+    if w["evicted_misses"] is not None:
+        lines += _counter("servelm:prefix_cache_evicted_misses", float(w["evicted_misses"]))
     directory.mkdir(parents=True)
     (directory / "metrics_start.prom").write_text("")
     (directory / "metrics_end.prom").write_text("\n".join(lines) + "\n")
@@ -101,7 +104,8 @@ def _diagnose(tmp_path: Path, baseline: dict, current: dict) -> dict:
         # every prompt twice as long
         ({"queue": 0.3, "prefill": 0.2, "prompt_tokens": 200}, "load"),
         ({"preemption": 0.4, "queue": 0.1, "preemptions": 80, "kv_usage": 0.97}, "kv_cache"),
-        # prefill grew because cached prefixes were evicted: recompute
+        # prefill grew because cached prefixes were evicted: recompute (a server without the
+        # evicted-miss count: inferred from the hit rate falling with evictions up)
         ({"prefill": 0.3, "hits": 1000, "evicted": 500}, "kv_cache"),
         ({"output": 0.5, "outputs_queued": 300.0}, "output"),
         # the same traffic, streams not read: their backlog's CPU slows the prefills (2 cores)
@@ -147,6 +151,26 @@ def test_when_ttft_holds_the_time_between_tokens_is_explained(tmp_path: Path, cu
     if cause != "none":
         assert report["latency"] == "tbt" and report["causes"][0]["components"] == ["tbt"]
         assert report["causes"][0]["explains_s"] > 0.1 and report["causes"][0]["knob"]
+
+
+@pytest.mark.parametrize(
+    ("baseline_misses", "current", "cause"),
+    [
+        # long unique documents join: the token hit rate falls (they hit nothing) and evictions
+        # rise (the finished documents' blocks), but no prompt missed a block it once had
+        (0, {"prefill": 0.3, "queries": 40000, "hits": 5000, "evicted": 500, "evicted_misses": 0,
+             "long_prompts": 10, "step_s": 0.1, "step_tokens": 2000}, "scheduler"),
+        # the same, and the others' prefixes were evicted under them: 2,000 of 7,000 reusable tokens lost
+        (0, {"prefill": 0.3, "queries": 40000, "hits": 5000, "evicted": 500, "evicted_misses": 2000,
+             "long_prompts": 10, "step_s": 0.1, "step_tokens": 2000}, "kv_cache"),
+        # losses the baseline already had are not today's cause
+        (1000, {"prefill": 0.3, "hits": 4500, "evicted": 500, "evicted_misses": 1100}, "scheduler"),
+    ],
+)  # fmt: skip
+def test_prefixes_lost_is_measured_by_misses_on_evicted_blocks(tmp_path: Path, baseline_misses: int, current: dict,
+                                                               cause: str):  # fmt: skip
+    report = _diagnose(tmp_path, {"evicted_misses": baseline_misses}, current)
+    assert report["top_cause"] == cause, json.dumps(report["causes"], indent=1)
 
 
 def test_longer_prompts_served_from_the_prefix_cache_are_not_more_load(tmp_path: Path):

@@ -90,6 +90,36 @@ def test_eviction_is_lazy_and_counted() -> None:
     assert [b.block_id for b in hit.blocks] == [0]  # block 0 survived at the tail
 
 
+def test_misses_on_evicted_blocks_are_counted() -> None:
+    """The ghost list: a lookup that misses a block the pool had cached and evicted counts its
+    tokens (lost to memory pressure); a block never cached does not, nor one cached again."""
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    admit(kv, "a", [1, 2, 3, 4])
+    kv.free("a")
+    admit(kv, "c", [9, 9, 9, 9, 9, 9])  # evicts block 1 ([3, 4] after [1, 2])
+    kv.free("c")
+    assert kv.stats.num_evicted_miss_tokens == 0
+    [_, three_four] = kv.get_computed_blocks("look", [1, 2, 3, 4, 5]).block_hashes
+    assert kv.pool.was_evicted(three_four)
+    admit(kv, "a2", [1, 2, 3, 4, 5])  # hits [1, 2], misses the evicted [3, 4], computes and caches it again
+    assert kv.stats.num_hit_tokens == 2 and kv.stats.num_evicted_miss_tokens == 2
+    assert not kv.pool.was_evicted(three_four)
+    kv.free("a2")
+    admit(kv, "d", [7, 7, 7, 7, 7])  # never cached: a miss, not a loss
+    assert kv.stats.num_evicted_miss_tokens == 2
+
+
+def test_the_ghost_list_holds_the_last_pool_size_of_evictions() -> None:
+    kv = KVCacheManager(num_blocks=2, block_size=2)
+    hashes = []
+    for i in range(5):  # each prompt's one full block evicts the one before it
+        admit(kv, f"r{i}", [i, i, i])
+        hashes.append(kv.get_computed_blocks(f"q{i}", [i, i, i]).block_hashes[0])
+        kv.free(f"r{i}")
+    # 0, 1, 2 and 3 were evicted; the list keeps the last two (num_blocks); 4 is still cached
+    assert [kv.pool.was_evicted(h) for h in hashes] == [False, False, True, True, False]
+
+
 def test_allocation_is_all_or_nothing() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)
     admit(kv, "a", [1, 2, 3, 4])  # blocks 0, 1 cached

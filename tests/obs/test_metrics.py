@@ -31,7 +31,7 @@ def test_buckets_and_priority_classes():
 
 def test_request_and_core_metrics():
     stats = CoreStats(num_running=3, num_waiting=2, kv_usage=0.25, num_used_blocks=16, prefix_queries=100,
-                      prefix_hits=40, num_preemptions=1)  # fmt: skip
+                      prefix_hits=40, prefix_evicted_misses=12, num_preemptions=1)  # fmt: skip
     metrics = ServerMetrics("tiny", 1024, lambda: stats, num_blocks=64, num_in_api=lambda: 5, num_outputs_queued=lambda: 7)
     events = [RequestEvent(E.ARRIVED, 10.0), RequestEvent(E.SCHEDULED, 10.5), RequestEvent(E.FIRST_TOKEN, 11.0),
               RequestEvent(E.FINISHED, 13.0)]  # fmt: skip
@@ -56,6 +56,7 @@ def test_request_and_core_metrics():
     assert s[("servelm:num_requests_running", model)] == 3 and s[("servelm:num_requests_waiting", model)] == 2
     assert s[("servelm:kv_cache_usage_perc", model)] == 0.25 and s[("servelm:kv_cache_used_blocks", model)] == 16
     assert s[("servelm:prefix_cache_queries_total", model)] == 100 and s[("servelm:prefix_cache_hits_total", model)] == 40
+    assert s[("servelm:prefix_cache_evicted_misses_total", model)] == 12
     assert s[("servelm:num_preemptions_total", model)] == 1 and s[("servelm:num_requests_in_api", model)] == 5
 
 

@@ -15,7 +15,9 @@
                        kv_cache     when the KV cache was the limit (preemptions rose, usage near full), else
                        scheduler    (short requests waited behind others' prefills)
          prefill     → load         when the load grew, else
-                       kv_cache     when cached prefixes were evicted and the hit rate fell (recompute), else
+                       kv_cache     when evictions cost prompts their cached prefixes (recompute: the share
+                                    of reusable prefix tokens missed on evicted blocks rose by 0.1; from
+                                    servers without that count, the hit rate fell with evictions up), else
                        output       (queue too) when outputs piled up in the API (OUTPUT_BACKLOG): streams
                                     not read; their backlog's CPU slows the engine's steps on a small host, else
                        scheduler    (long prompts' chunks share the steps: longer steps, more tokens per step)
@@ -63,6 +65,7 @@ OUTPUT_BACKLOG = 10.0  # outputs queued in the API (max over the window) that co
 LOAD_GROWTH = 1.5  # rate or request size up by this factor: the same queueing is simply more work
 KV_USAGE_FULL = 0.9
 HIT_RATE_DROP = 0.1  # absolute fall of prefix hits / queries that counts as "the cache lost its prefixes"
+PREFIX_LOSS_RISE = 0.1  # ... or, where the server counts misses on evicted blocks, the same rise of prefix_loss_rate
 
 KNOBS = {
     "scheduler": "cap long prompts' chunks (--long-prefill-token-threshold), let more prompts prefill at once "
@@ -87,7 +90,7 @@ EVIDENCE = {
     "scheduler": ("ttft.queue", "ttft.prefill", "waiting_mean", "step_time_mean_s", "step_time_p90_s",
                   "tokens_per_step_mean", "partial_prefills_mean", "prompt_tokens_per_request", "prompt_tokens_p50"),
     "kv_cache": ("ttft.preemption", "ttft.queue", "ttft.prefill", "preemptions_per_s", "kv_usage_mean",
-                 "kv_usage_max", "prefix_hit_rate", "prefix_evictions_per_s"),
+                 "kv_usage_max", "prefix_hit_rate", "prefix_evictions_per_s", "prefix_loss_rate"),
     "output": ("ttft.output", "output_backlog_mean", "outputs_queued_mean", "outputs_queued_max", "loop_lag_mean_s"),
     "network": ("ttft.network", "client_ttft_mean_s", "ttft_p90_s"),
     "frontend": ("ttft.ingress", "loop_lag_mean_s", "loop_lag_p99_s", "prompt_tokens_per_request"),
@@ -206,6 +209,12 @@ def kv_limited(baseline: Signals, current: Signals) -> bool:
 
 
 def prefixes_lost(baseline: Signals, current: Signals) -> bool:
+    """Evictions cost prompts their cached prefixes. Measured directly where the server counts
+    misses on blocks it had evicted (prefix_loss_rate); else inferred from a falling hit rate with
+    evictions up, which new unique prompts (long documents: they hit nothing) also make fall."""
+    loss_before, loss_after = signal_value(baseline, "prefix_loss_rate"), signal_value(current, "prefix_loss_rate")
+    if loss_before is not None and loss_after is not None:
+        return loss_after - loss_before >= PREFIX_LOSS_RISE
     before, after = signal_value(baseline, "prefix_hit_rate"), signal_value(current, "prefix_hit_rate")
     fell = before is not None and after is not None and before - after >= HIT_RATE_DROP
     return fell and _grew(baseline, current, "prefix_evictions_per_s", 2.0)

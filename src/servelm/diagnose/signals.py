@@ -49,6 +49,7 @@ SIGNAL_DOCS = {
     "preemptions_per_s": "preemptions per second",
     "prefix_hit_rate": "prefix-cache hits / queries (prompt tokens)",
     "prefix_evictions_per_s": "hashed blocks evicted from the prefix cache per second",
+    "prefix_loss_rate": "prompt tokens missed because their cached blocks were evicted / (those + hits)",
     "kv_usage_mean": "KV cache usage (0-1), mean",
     "kv_usage_max": "KV cache usage (0-1), max",
     "output_backlog_mean": "outputs waiting in a stream's queue when it takes them, mean",
@@ -112,6 +113,7 @@ def window_signals(window: Window) -> Signals:
     requests = window.counter(P + "request_success")
     prompt_tokens = window.counter(P + "prompt_tokens")
     queries, hits = window.counter(P + "prefix_cache_queries"), window.counter(P + "prefix_cache_hits")
+    evicted_misses = window.counter(P + "prefix_cache_evicted_misses")
     step, step_tokens = window.histogram(P + "engine_step_seconds"), window.histogram(P + "iteration_tokens")
     lag = window.histogram(P + "api_event_loop_lag_seconds")
     itl = window.histogram(P + "inter_token_latency_seconds")
@@ -142,6 +144,9 @@ def window_signals(window: Window) -> Signals:
         "preemptions_per_s": window.rate(P + "num_preemptions"),
         "prefix_hit_rate": _ratio(hits, queries),
         "prefix_evictions_per_s": window.rate(P + "prefix_cache_evicted_blocks"),
+        # Of the prompt tokens the cache held (or had held), the share lost to evictions: unlike
+        # the hit rate, not lowered by new unique prompts (a long document hits nothing either way).
+        "prefix_loss_rate": _ratio(evicted_misses, _plus(hits, evicted_misses)),
         "kv_usage_mean": _gauge(window, "kv_cache_usage_perc", "mean"),
         "kv_usage_max": _gauge(window, "kv_cache_usage_perc", "max"),
         "output_backlog_mean": _mean(window.histogram(P + "stream_output_backlog")),

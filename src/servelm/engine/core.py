@@ -225,6 +225,7 @@ class EngineCore:
             num_used_blocks=kv.num_blocks - kv.num_free_blocks,
             prefix_queries=prefix.num_queried_tokens,
             prefix_hits=prefix.num_hit_tokens,
+            prefix_evicted_misses=prefix.num_evicted_miss_tokens,
             prefix_evictions_by_tenant=dict(prefix.evicted_blocks_by_tenant),
             num_preemptions=self.scheduler.step_log.num_preemptions,
             spec_num_drafts=spec.num_drafts if spec else 0,

@@ -15,12 +15,16 @@ Free queue (doubly linked, O(1) append / pop / remove from the middle):
 - A freed block WITHOUT a hash (a partial last block, a duplicate, or prefix caching
   off) holds nothing anyone can hit, so it goes to the head and is reused before
   any cached block.
+- Evicted hashes are remembered, the last pool-size of them (a ghost list, as in ARC): a
+  later lookup that misses on one of them lost that block to memory pressure, and would
+  have hit in a pool twice the size (PrefixCacheStats.num_evicted_miss_tokens). Evictions
+  alone cannot say that: most are blocks nobody asks for again (a finished document's).
 """
 
 from __future__ import annotations
 
 import enum
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -145,6 +149,7 @@ class PrefixCacheStats:
 
     num_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
     num_hit_tokens: int = 0  # of those, tokens served from cached blocks
+    num_evicted_miss_tokens: int = 0  # of the rest, tokens in blocks evicted before the lookup (the ghost list)
     num_evicted_blocks: int = 0  # cached blocks whose hash was dropped to reuse the block
     # ... by the tenant whose request cached each. A tenant gets its key (at 0) when it first
     # caches a block, the default tenant from the start: a counter that exists reads 0, not
@@ -187,6 +192,8 @@ class BlockPool:
         self._cached: dict[BlockHash, KVBlock] = {}
         # Undrained events; only recorded when someone will drain them (else they pile up).
         self._events: list[KVCacheEvent] = []
+        # The hashes of the last num_blocks evictions, oldest first (module doc: the ghost list).
+        self._ghosts: OrderedDict[BlockHash, None] = OrderedDict()
 
     @property
     def num_free_blocks(self) -> int:
@@ -195,6 +202,11 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
+
+    def was_evicted(self, block_hash: BlockHash) -> bool:
+        """`block_hash` was cached here and evicted (among the last num_blocks evictions), and
+        has not been cached again since."""
+        return block_hash in self._ghosts
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         """Take `num_blocks` from the head of the free queue, each with refcount 1."""
@@ -245,12 +257,14 @@ class BlockPool:
         block.block_hash = block_hash
         block.cached_by = self.stats.tenant_key(tenant)
         self._cached[block_hash] = block
+        self._ghosts.pop(block_hash, None)
         self._emit(KVEventType.STORED, block)
         return True
 
-    def record_prefix_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+    def record_prefix_query(self, num_queried_tokens: int, num_hit_tokens: int, num_evicted_miss_tokens: int = 0) -> None:
         self.stats.num_queried_tokens += num_queried_tokens
         self.stats.num_hit_tokens += num_hit_tokens
+        self.stats.num_evicted_miss_tokens += num_evicted_miss_tokens
 
     def take_events(self) -> list[KVCacheEvent]:
         """Events since the last call, oldest first. Calling it twice returns [] the second time."""
@@ -262,6 +276,9 @@ class BlockPool:
         del self._cached[block.block_hash]
         self._emit(KVEventType.REMOVED, block)
         self.stats.count_eviction(block.cached_by)
+        self._ghosts[block.block_hash] = None
+        if len(self._ghosts) > self.num_blocks:
+            self._ghosts.popitem(last=False)
         block.block_hash = block.cached_by = None
 
     def _emit(self, event_type: KVEventType, block: KVBlock) -> None:

@@ -193,7 +193,10 @@ class KVCacheManager:
             state.extra_key = computed_blocks.extra_key
             state.num_cached_blocks = len(hit)
             if self.enable_prefix_caching:
-                self.pool.record_prefix_query(computed_blocks.num_queried_tokens, computed_blocks.num_computed_tokens)
+                missed = computed_blocks.block_hashes[len(hit) :]
+                evicted = sum(1 for block_hash in missed if self.pool.was_evicted(block_hash))
+                self.pool.record_prefix_query(computed_blocks.num_queried_tokens, computed_blocks.num_computed_tokens,
+                                              evicted * self.block_size)  # fmt: skip
         self.pool.touch(hit)
         new_blocks = hit + self.pool.allocate(num_fresh)
         state.blocks.extend(new_blocks)

@@ -40,6 +40,7 @@ class CoreStats(msgspec.Struct, kw_only=True):
     num_used_blocks: int = 0
     prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # cumulative tokens found there
+    prefix_evicted_misses: int = 0  # cumulative tokens missed there because their blocks were evicted
     num_preemptions: int = 0  # cumulative
     # cumulative hashed blocks evicted from the prefix cache, by the tenant whose request cached them
     prefix_evictions_by_tenant: dict[str, int] = {}
