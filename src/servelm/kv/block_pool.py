@@ -15,10 +15,11 @@ Free queue (doubly linked, O(1) append / pop / remove from the middle):
 - A freed block WITHOUT a hash (a partial last block, a duplicate, or prefix caching
   off) holds nothing anyone can hit, so it goes to the head and is reused before
   any cached block.
-- Evicted hashes are remembered, the last pool-size of them (a ghost list, as in ARC): a
-  later lookup that misses on one of them lost that block to memory pressure, and would
-  have hit in a pool twice the size (PrefixCacheStats.num_evicted_miss_tokens). Evictions
-  alone cannot say that: most are blocks nobody asks for again (a finished document's).
+- Evicted hashes are remembered, the last pool-size of them (a ghost list, as in ARC), at
+  most MAX_GHOSTS: a later lookup that misses on one of them lost that block to memory
+  pressure, and would have hit in a pool twice the size (PrefixCacheStats.
+  num_evicted_miss_tokens). Evictions alone cannot say that: most are blocks nobody asks
+  for again (a finished document's).
 """
 
 from __future__ import annotations
@@ -175,6 +176,11 @@ class PrefixCacheStats:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
 
+# A GPU pool may hold millions of blocks: past this many hashes (~10 MB of them) the ghost list
+# keeps only the latest evictions, and a miss on a block evicted longer ago goes uncounted.
+MAX_GHOSTS = 1 << 16
+
+
 class BlockPool:
     def __init__(
         self, num_blocks: int, enable_prefix_caching: bool = True, enable_kv_events: bool = False
@@ -277,7 +283,7 @@ class BlockPool:
         self._emit(KVEventType.REMOVED, block)
         self.stats.count_eviction(block.cached_by)
         self._ghosts[block.block_hash] = None
-        if len(self._ghosts) > self.num_blocks:
+        if len(self._ghosts) > min(self.num_blocks, MAX_GHOSTS):
             self._ghosts.popitem(last=False)
         block.block_hash = block.cached_by = None
 
