@@ -109,6 +109,33 @@ def test_misses_on_evicted_blocks_are_counted() -> None:
     assert kv.stats.num_evicted_miss_tokens == 2
 
 
+def test_only_evicted_blocks_the_lookup_could_have_hit_count() -> None:
+    """Never the block holding the last token (a lookup never hits it), nor blocks after a first
+    missed block that was never cached."""
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    admit(kv, "a", [1, 2, 3, 4, 5])  # caches [1, 2] and [3, 4]
+    kv.free("a")
+    admit(kv, "c", [9, 9, 9, 9, 9, 9, 9, 9])  # takes every block: both of a's are evicted
+    kv.free("c")
+    admit(kv, "aligned", [1, 2, 3, 4])  # [3, 4] holds its last token: no lookup could hit it
+    assert kv.stats.num_evicted_miss_tokens == 2  # [1, 2] only
+    kv.free("aligned")
+    kv2 = KVCacheManager(num_blocks=4, block_size=2)
+    admit(kv2, "a", [1, 2, 3, 4, 5])
+    kv2.free("a")
+    admit(kv2, "c", [9, 9, 9, 9, 9, 9, 9, 9])
+    kv2.free("c")
+    admit(kv2, "other", [7, 7, 1, 2, 3])  # [7, 7] never cached: what follows is another chain
+    assert kv2.stats.num_evicted_miss_tokens == 0
+
+
+def test_a_lookup_not_recorded_counts_nothing() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    hit = kv.get_computed_blocks("a", [1, 2, 3])
+    assert kv.allocate_slots("a", 3, num_computed_tokens=0, computed_blocks=hit, record_query=False) is not None
+    assert (kv.stats.num_queried_tokens, kv.stats.num_hit_tokens, kv.stats.num_evicted_miss_tokens) == (0, 0, 0)
+
+
 def test_the_ghost_list_holds_the_last_pool_size_of_evictions() -> None:
     kv = KVCacheManager(num_blocks=2, block_size=2)
     hashes = []

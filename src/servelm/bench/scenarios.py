@@ -50,8 +50,9 @@ class WindowLoad:
 @dataclass(frozen=True)
 class ScenarioSize:
     """A window's size. With `utilization`, `rate` is only the plan: the windows run at that share
-    of the rate the server sustains with the baseline's traffic, measured first (scenario_run.py's
-    capacity probe), so that the baseline is healthy and the injected cause is what moves, on a
+    of the throughput the server reaches with the baseline's traffic, measured first with a few in
+    flight (scenario_run.py's capacity probe; a lower bound where more would batch better), so
+    that the baseline is healthy and the injected cause is what moves, on a
     2-core CPU and on a GPU alike; a fixed rate overloads the one and idles the other."""
 
     rate: float  # requests/s, the same in both windows

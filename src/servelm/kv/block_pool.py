@@ -150,7 +150,7 @@ class PrefixCacheStats:
 
     num_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
     num_hit_tokens: int = 0  # of those, tokens served from cached blocks
-    num_evicted_miss_tokens: int = 0  # of the rest, tokens in blocks evicted before the lookup (the ghost list)
+    num_evicted_miss_tokens: int = 0  # of the rest, tokens lost to evictions (KVCacheManager._evicted_miss_tokens)
     num_evicted_blocks: int = 0  # cached blocks whose hash was dropped to reuse the block
     # ... by the tenant whose request cached each. A tenant gets its key (at 0) when it first
     # caches a block, the default tenant from the start: a counter that exists reads 0, not
@@ -198,7 +198,7 @@ class BlockPool:
         self._cached: dict[BlockHash, KVBlock] = {}
         # Undrained events; only recorded when someone will drain them (else they pile up).
         self._events: list[KVCacheEvent] = []
-        # The hashes of the last num_blocks evictions, oldest first (module doc: the ghost list).
+        # The hashes of the last min(num_blocks, MAX_GHOSTS) evictions, oldest first (module doc: the ghost list).
         self._ghosts: OrderedDict[BlockHash, None] = OrderedDict()
 
     @property
@@ -210,8 +210,8 @@ class BlockPool:
         return self._cached.get(block_hash)
 
     def was_evicted(self, block_hash: BlockHash) -> bool:
-        """`block_hash` was cached here and evicted (among the last num_blocks evictions), and
-        has not been cached again since."""
+        """`block_hash` was cached here and evicted (among the last min(num_blocks, MAX_GHOSTS)
+        evictions), and has not been cached again since."""
         return block_hash in self._ghosts
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:

@@ -163,12 +163,15 @@ class KVCacheManager:
         *,
         num_computed_tokens: int,
         computed_blocks: ComputedBlocks | None = None,
+        record_query: bool = True,
     ) -> list[int] | None:
         """Make room for KV of tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
 
         Pass `computed_blocks` on a request's first allocation only: the lookup, or
         ComputedBlocks.miss(extra_key) when it skips the lookup (without one its blocks are
-        cached with no extra key). `num_computed_tokens` must then equal the lookup's.
+        cached with no extra key). `num_computed_tokens` must then equal the lookup's. The
+        lookup counts in the prefix-cache stats unless `record_query` is False: a KV-tier load's
+        allocation, whose request is looked up again (and counted) once its blocks are in.
 
         All or nothing: returns None and changes nothing when too few blocks are free.
         Free cached blocks count as free and are evicted lazily. Returns the block ids
@@ -192,15 +195,26 @@ class KVCacheManager:
             state.block_hashes = list(computed_blocks.block_hashes)
             state.extra_key = computed_blocks.extra_key
             state.num_cached_blocks = len(hit)
-            if self.enable_prefix_caching:
-                missed = computed_blocks.block_hashes[len(hit) :]
-                evicted = sum(1 for block_hash in missed if self.pool.was_evicted(block_hash))
+            if self.enable_prefix_caching and record_query:
                 self.pool.record_prefix_query(computed_blocks.num_queried_tokens, computed_blocks.num_computed_tokens,
-                                              evicted * self.block_size)  # fmt: skip
+                                              self._evicted_miss_tokens(computed_blocks, len(hit)))  # fmt: skip
         self.pool.touch(hit)
         new_blocks = hit + self.pool.allocate(num_fresh)
         state.blocks.extend(new_blocks)
         return [block.block_id for block in new_blocks]
+
+    def _evicted_miss_tokens(self, lookup: ComputedBlocks, num_hit_blocks: int) -> int:
+        """Tokens the lookup would have hit but for evictions, within the blocks a lookup may hit
+        (never the one holding the last token): when the first block it missed had been evicted,
+        that block and the run after it that is evicted too or still cached (the eviction broke
+        the chain there: they are recomputed with it), up to a block never cached."""
+        max_hit_blocks = max(0, lookup.num_queried_tokens - 1) // self.block_size
+        lost = 0
+        for block_hash in lookup.block_hashes[num_hit_blocks:max_hit_blocks]:
+            if not (self.pool.was_evicted(block_hash) or (lost and self.pool.get_cached_block(block_hash))):
+                break
+            lost += 1
+        return lost * self.block_size
 
     def max_new_tokens(
         self, request_id: str, *, num_computed_tokens: int, computed_blocks: ComputedBlocks | None = None

@@ -105,7 +105,7 @@ class TierLoads:
             return False
         block_ids = self._kv.allocate_slots(
             request.request_id, len(media) * self._kv.block_size,
-            num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit,
+            num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit, record_query=False,
         )  # fmt: skip
         if block_ids is None:
             return False  # no room now; it is admitted (or tried again) as usual
@@ -138,7 +138,7 @@ class TierLoads:
             )  # a lone pull over the cap: compute
         block_ids = self._kv.allocate_slots(
             request.request_id, num_blocks * block_size,
-            num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit,
+            num_computed_tokens=hit.num_computed_tokens, computed_blocks=hit, record_query=False,
         )  # fmt: skip
         if block_ids is None:
             return Admission.COMPUTE
