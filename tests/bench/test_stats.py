@@ -216,3 +216,16 @@ def test_summaries_are_consistent_for_any_records(raw: list, duration: float):
         ttft = group.ttft_s
         if ttft["count"]:
             assert ttft["p50"] <= ttft["p90"] <= ttft["p95"] <= ttft["p99"]
+
+
+def test_a_stream_cut_at_the_runs_end_counts_the_gaps_its_client_saw():
+    """Survivorship: the window's end cuts the streams read slowest; their gaps are the TBT that grew."""
+    finished = record(0, "chat", 0.1, [0.02] * 10)
+    cut = record(1, "chat", 0.1, [0.5] * 4)
+    cut.status = "cancelled"  # it had its first token and 4 gaps when the run ended
+    failed = record(2, "chat", 0.1, [0.9] * 4)
+    failed.status = "error"  # an error's gaps are not a reading speed: left out
+    summary = summarize([finished, cut, failed], {}, 10.0)
+    assert summary.overall.tbt_s["count"] == 14
+    assert summary.overall.tbt_s["mean"] == pytest.approx((10 * 0.02 + 4 * 0.5) / 14)
+    assert summary.overall.num_ok == 1 and summary.overall.num_cancelled == 1
