@@ -198,8 +198,9 @@ class BlockPool:
         self._cached: dict[BlockHash, KVBlock] = {}
         # Undrained events; only recorded when someone will drain them (else they pile up).
         self._events: list[KVCacheEvent] = []
-        # The hashes of the last min(num_blocks, MAX_GHOSTS) evictions, oldest first (module doc: the ghost list).
+        # The hashes of the last max_ghosts evictions, oldest first (module doc: the ghost list).
         self._ghosts: OrderedDict[BlockHash, None] = OrderedDict()
+        self.max_ghosts = min(num_blocks, MAX_GHOSTS)
 
     @property
     def num_free_blocks(self) -> int:
@@ -210,8 +211,8 @@ class BlockPool:
         return self._cached.get(block_hash)
 
     def was_evicted(self, block_hash: BlockHash) -> bool:
-        """`block_hash` was cached here and evicted (among the last min(num_blocks, MAX_GHOSTS)
-        evictions), and has not been cached again since."""
+        """`block_hash` was cached here and evicted (among the last max_ghosts evictions), and has
+        not been cached again since."""
         return block_hash in self._ghosts
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
@@ -283,7 +284,7 @@ class BlockPool:
         self._emit(KVEventType.REMOVED, block)
         self.stats.count_eviction(block.cached_by)
         self._ghosts[block.block_hash] = None
-        if len(self._ghosts) > min(self.num_blocks, MAX_GHOSTS):
+        if len(self._ghosts) > self.max_ghosts:
             self._ghosts.popitem(last=False)
         block.block_hash = block.cached_by = None
 

@@ -141,9 +141,8 @@ class KVCacheManager:
             block_hashes = []
         extend_block_hashes(block_hashes, token_ids, self.block_size, extra_key)
         self._lookup_hashes[request_id] = (extra_key, block_hashes)
-        max_hit_blocks = max(0, len(token_ids) - 1) // self.block_size
         blocks: list[KVBlock] = []
-        for block_hash in block_hashes[:max_hit_blocks]:
+        for block_hash in block_hashes[: self._max_hit_blocks(len(token_ids))]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -208,13 +207,17 @@ class KVCacheManager:
         (never the one holding the last token): when the first block it missed had been evicted,
         that block and the run after it that is evicted too or still cached (the eviction broke
         the chain there: they are recomputed with it), up to a block never cached."""
-        max_hit_blocks = max(0, lookup.num_queried_tokens - 1) // self.block_size
         lost = 0
-        for block_hash in lookup.block_hashes[num_hit_blocks:max_hit_blocks]:
+        for block_hash in lookup.block_hashes[num_hit_blocks : self._max_hit_blocks(lookup.num_queried_tokens)]:
             if not (self.pool.was_evicted(block_hash) or (lost and self.pool.get_cached_block(block_hash))):
                 break
             lost += 1
         return lost * self.block_size
+
+    def _max_hit_blocks(self, num_tokens: int) -> int:
+        """Full blocks a lookup of `num_tokens` may hit: never the one holding the last token,
+        which is still computed so that it yields logits."""
+        return max(0, num_tokens - 1) // self.block_size
 
     def max_new_tokens(
         self, request_id: str, *, num_computed_tokens: int, computed_blocks: ComputedBlocks | None = None

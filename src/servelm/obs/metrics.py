@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from servelm.datatypes import EventType, RequestEvent, RequestSlo
+from servelm.kv.block_pool import MAX_GHOSTS
 from servelm.obs.attribution import PULL_EVENTS, TTFTBreakdown, kv_load_spans
 from servelm.obs.startup import PHASES
 from servelm.schemas.core_stats import CoreStats, TierStats
@@ -357,8 +358,8 @@ class _CoreCollector(Collector):
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
             ("prefix_cache_evicted_misses", "Prompt tokens not found in the prefix cache because their blocks "
-             "had been evicted (among the last pool-size evictions, at most 65,536): recomputed for want of KV "
-             "memory.", stats.prefix_evicted_misses),
+             f"had been evicted (among the last pool-size evictions, at most {MAX_GHOSTS:,}): recomputed for want "
+             "of KV memory.", stats.prefix_evicted_misses),
             ("num_preemptions", "Preemptions (a running request lost its blocks).", stats.num_preemptions),
             ("spec_decode_num_drafts", "Speculative decoding: request-steps that verified draft tokens.",
              stats.spec_num_drafts),
