@@ -141,10 +141,11 @@ class _ChatView:
                 entries = [e for e in (self._stream_entry(d, started) for d in deltas) if e is not None]
                 completion_tokens += sum(len(d.token_ids) for d in deltas)
                 if entries:
-                    yield sse({**header, "choices": entries, **prompt_ids})  # the prompt's ids: first chunk only
+                    chunk = sse({**header, "choices": entries, **prompt_ids})  # the prompt's ids: first chunk only
                     prompt_ids = {}
                     if any(d.token_ids for d in deltas):
-                        self.gen.timeline.stamp(ApiStamp.FIRST_BYTE_WRITTEN)
+                        self.gen.timeline.stamp(ApiStamp.FIRST_BYTE_WRITTEN)  # before the hand-off: see ApiStamp
+                    yield chunk
             body = self.body
             for event in stream_tail(self.ctx, self.gen, header, body.include_usage, body.wants_timeline,
                                      len(self.gen.prompts[0]), completion_tokens):  # fmt: skip

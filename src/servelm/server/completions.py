@@ -203,9 +203,10 @@ class _CompletionView:
                     entries = [e for e in rendered if e is not None]
                 completion_tokens += 0 if self.drop_generated else sum(len(d.token_ids) for d in deltas)
                 if entries:
-                    yield sse({**header, "choices": entries})
+                    chunk = sse({**header, "choices": entries})
                     if any(d.token_ids for d in deltas):
-                        self.gen.timeline.stamp(ApiStamp.FIRST_BYTE_WRITTEN)
+                        self.gen.timeline.stamp(ApiStamp.FIRST_BYTE_WRITTEN)  # before the hand-off: see ApiStamp
+                    yield chunk
             body = self.body
             for event in stream_tail(self.ctx, self.gen, header, body.include_usage, body.wants_timeline,
                                      self._prompt_tokens(), completion_tokens):  # fmt: skip
