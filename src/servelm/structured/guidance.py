@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 
 if TYPE_CHECKING:  # a type of the stubs only
     from llguidance._lib import JsonCompileOptions
@@ -39,7 +38,11 @@ class GuidanceMatcher:
         return bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        # What llguidance.torch.fill_next_token_bitmask does, without importing that module: its
+        # import compiles a kernel with torch.compile, which loads dynamo and inductor (3 s on
+        # 2 cores, paid by the first structured request of every engine process).
+        words = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())
