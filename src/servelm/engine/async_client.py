@@ -26,6 +26,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -104,6 +105,19 @@ def _core_process_entry(config: EngineConfig, input_address: str, output_address
     from servelm.engine.core_process import run_engine_core
 
     run_engine_core(config, input_address, output_address)
+    _exit_at_once()
+
+
+def _exit_at_once() -> None:
+    """End the core process after a clean run_engine_core, skipping Python's finalization: what it
+    must do on the way out (sockets closed, followers stopped, the KV tiers' last saves on disk) is
+    done by then, and tearing down torch, the model and the KV pool took another ~1 s (tiny model,
+    2 cores), which the API process waits for at every stop and restart. A core that raised exits
+    the usual way, with its traceback and a non-zero status."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @dataclass
@@ -142,6 +156,7 @@ def _waiting_core_entry(arguments: multiprocessing.connection.Connection) -> Non
         return
     arguments.close()
     run_engine_core(config, input_address, output_address)
+    _exit_at_once()
 
 
 def _hand_to_waiting_core(

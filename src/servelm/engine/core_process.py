@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 # Idle poll interval while a prefill worker holds exports: how soon a pull served or a hold
 # expired is heard of (an empty step each time; cheap).
 HOUSEKEEPING_POLL_MS = 50
+# Idle poll interval otherwise: how soon a core whose API process died (kill -9) notices, exits
+# and frees its memory for a restarted server.
+IDLE_POLL_MS = 250
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
@@ -123,7 +126,7 @@ def _serve(
         # otherwise wait (bounded, to notice orphaning; shorter while exports wait for their pulls,
         # which only a step hears of).
         housekeeping = core.has_housekeeping() or lora_calls.pending
-        timeout_ms = 0 if core.has_work() or warming else HOUSEKEEPING_POLL_MS if housekeeping else 1000
+        timeout_ms = 0 if core.has_work() or warming else HOUSEKEEPING_POLL_MS if housekeeping else IDLE_POLL_MS
         while ready := dict(poller.poll(timeout_ms)):
             timeout_ms = 0
             if kv_events is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from pathlib import Path
+
+from servelm.testing.process_tree import alive
 
 
 def child_pids(pid: int, cmdline_has: str = "") -> list[int]:
@@ -27,10 +28,11 @@ def child_pids(pid: int, cmdline_has: str = "") -> list[int]:
 
 
 def kill_hard(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """kill -9 `process`, then wait for its children (a server's engine core) to notice and go."""
+    """kill -9 `process`, then wait for its children (a server's engine core) to notice and go
+    (exited: a zombie waiting for init to reap it holds no memory or port)."""
     children = child_pids(process.pid)
     process.kill()
     process.wait(timeout=10)
     deadline = time.monotonic() + timeout_s
-    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
