@@ -165,7 +165,7 @@ SCENARIOS: dict[str, Scenario] = {
             today=WindowLoad(profile="chat", slow_readers=0.5, slow_reader_logprobs=20, read_delay_ms=250.0,
                              read_bytes=512),  # fmt: skip
             full=ScenarioSize(rate=0.5, seconds=90.0, max_output_tokens=768, utilization=HEALTHY),
-            quick=ScenarioSize(rate=3.0, seconds=10.0, length_scale=0.12, max_output_tokens=400, drain_s=20.0),
+            quick=ScenarioSize(rate=3.0, seconds=10.0, length_scale=0.12, max_output_tokens=400, drain_s=10.0),
             quick_server_args=_QUICK_SERVER,
         ),
         Scenario(
