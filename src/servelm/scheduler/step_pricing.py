@@ -30,7 +30,19 @@ from dataclasses import dataclass, field
 
 from servelm.datatypes import SchedulerOutput
 from servelm.scheduler.request import Request
-from servelm.scheduler.step_cost import TBT_STEP_SHARE, StepCostModel, StepShape, step_time_target_s
+from servelm.scheduler.step_cost import (
+    FEATURES,
+    TBT_STEP_SHARE,
+    StepCostModel,
+    StepShape,
+    chunk_pairs,
+    step_time_target_s,
+)
+
+# Where the cost model's coefficients (FEATURES order) price what a prompt chunk adds.
+_DENSE_PASSES, _PROMPT_TOKENS, _PROMPT_PAIRS, _CHUNK_CONTEXT = (
+    FEATURES.index(name) for name in ("dense_passes", "prompt_tokens", "prompt_pairs", "chunk_context")
+)
 
 # The default target (max_step_ms unset) bounds what chunking a lone long prompt may lose: a step
 # repeats what every step pays (Python, launching, sampling) and a chunk repeats a pass over the
@@ -165,6 +177,8 @@ class StepPricing:
     shape: StepShape = field(default_factory=StepShape)
     has_prompt: bool = False  # the step's main forward carries prompt tokens (its dense pass is in `shape`)
     base_target_s: float | None = field(init=False)  # the target before any first-token bound
+    # (shape, coefficients, its predicted seconds) as last priced by _shape_s
+    _priced_shape: tuple[StepShape, tuple[float, ...], float] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.base_target_s = self.target_s
@@ -211,11 +225,10 @@ class StepPricing:
 
     def fits_chunk(self, num_tokens: int, context: int) -> bool:
         """Would the step, with this chunk added, still end within the target?"""
-        if not self.priced():
+        coefficients = self.model.coefficients()
+        if self.target_s is None or coefficients is None:
             return True
-        assert self.target_s is not None
-        predicted = self.model.predict(self.shape + self._chunk_shape(num_tokens, context))
-        return predicted is not None and predicted <= self.target_s
+        return self._shape_s(coefficients) + self._chunk_s(coefficients, num_tokens, context) <= self.target_s
 
     def largest_chunk(self, limit: int, context: int) -> int:
         """Most tokens (at most `limit`) of a chunk after `context` that keep the step within the target."""
@@ -236,7 +249,7 @@ class StepPricing:
             return 0.0
         alone = self._chunk_shape(num_tokens, context)
         total = sum(c * x for c, x in zip(coefficients[1:], alone.counts()))
-        overhead = coefficients[1] * alone.dense_passes + coefficients[6] * alone.chunk_context
+        overhead = coefficients[_DENSE_PASSES] * alone.dense_passes + coefficients[_CHUNK_CONTEXT] * alone.chunk_context
         return overhead / total if total > 0 else 0.0
 
     def layered_chunk_tokens(self, limit: int, context: int) -> int:
@@ -271,6 +284,23 @@ class StepPricing:
         return max(0, min(max_layers, int(left / per_layer + tolerance)))
 
     # -- shapes --------------------------------------------------------------------------
+
+    # The model is linear in a shape's counts, so a candidate chunk is priced as the step's time
+    # so far (computed once per shape) plus the chunk's own terms, without building shapes: the
+    # scheduler asks this for every waiting prompt it considers, ~10 times each in largest_chunk's
+    # search (as shapes, a third of a scheduling step's Python).
+    def _shape_s(self, coefficients: tuple[float, ...]) -> float:
+        cached = self._priced_shape
+        if cached is None or cached[0] is not self.shape or cached[1] is not coefficients:
+            cached = (self.shape, coefficients, sum(c * x for c, x in zip(coefficients, self.shape.features())))
+            self._priced_shape = cached
+        return cached[2]
+
+    def _chunk_s(self, coefficients: tuple[float, ...], num_tokens: int, context: int) -> float:
+        """What `_chunk_shape(num_tokens, context)` adds to the step's predicted time."""
+        seconds = (coefficients[_PROMPT_TOKENS] * num_tokens + coefficients[_PROMPT_PAIRS] * chunk_pairs(num_tokens, context)
+                   + coefficients[_CHUNK_CONTEXT] * context)  # fmt: skip
+        return seconds if self.has_prompt else seconds + coefficients[_DENSE_PASSES]
 
     def _chunk_shape(self, num_tokens: int, context: int) -> StepShape:
         pass_shape = StepShape() if self.has_prompt else StepShape(dense_passes=1.0)
