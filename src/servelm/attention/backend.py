@@ -171,6 +171,8 @@ class AttentionBackend(Protocol):
     the same inputs writes the same values twice.
     """
 
+    name: str  # "torch", "triton", ...: what --attention-backend calls it
+
     def build_metadata(self, common: CommonAttentionInputs) -> AttentionMetadata: ...
 
     def forward(

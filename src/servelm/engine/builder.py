@@ -273,7 +273,7 @@ def _assemble_around(config: EngineConfig, rank_zero: RankZero, arch: ModelArchC
     )  # fmt: skip
     with startup.phase("warmup"):
         warm_up(runner)
-        calibration = calibrate(runner)
+        calibration = calibrate(runner) if _timings_describe_hardware(model, device) else []
     kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, config.kv_events.enabled)
     grammars = _grammar_compiler(config, tokenizer, arch.vocab_size, eos_ids)
     scheduler = Scheduler(
@@ -378,6 +378,13 @@ def _layered_prefill_layers(runner: ModelRunner) -> int:
     """The layers the scheduler may slice a chunk by: the model's, where the runner runs layered
     chunks (not under context parallelism); 0 elsewhere."""
     return len(runner.model.decoder_layers) if runner.layered_chunks is not None else 0
+
+
+def _timings_describe_hardware(model: LlamaForCausalLM, device: torch.device) -> bool:
+    """False for Triton attention on a CPU: only Triton's interpreter runs it there (tests, kernel
+    debugging), and its times describe no hardware (calibrating took 16 s of a tiny model's
+    start-up). Without the prior the cost model learns from real steps, as it did before calibration."""
+    return not (device.type == "cpu" and attention_backend_of(model).name == "triton")
 
 
 def _seed_step_cost(scheduler: Scheduler, steps: list[TimedStep]) -> None:
