@@ -17,6 +17,11 @@ def tokenizer(tiny_model_dir):
     return load_tokenizer(str(tiny_model_dir))
 
 
+@pytest.fixture(scope="module")
+def limits(tokenizer):
+    return PromptLimits.for_tokenizer(tokenizer, max_model_len=1024)  # reads the whole vocabulary: once
+
+
 # Control characters other than whitespace are left out: the tokenizer drops some of them (hypothesis
 # found '\x1d' -> no token at all), so a text of them spells no token; the bound refuses a long run
 # of them, which costs nobody a prompt (it would be empty).
@@ -25,8 +30,7 @@ PRINTABLE = st.characters(blacklist_categories=("Cc", "Cs"))
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(PRINTABLE, min_size=1, max_size=400) | st.text(alphabet=" \n\t-=#", min_size=1, max_size=2000))
-def test_no_text_spells_more_than_the_longest_token_per_token(tokenizer, text):
-    limits = PromptLimits.for_tokenizer(tokenizer, max_model_len=1024)
+def test_no_text_spells_more_than_the_longest_token_per_token(tokenizer, limits, text):
     ids = tokenizer.backend_tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
     assert len(text) <= limits.max_token_chars * len(ids)
 
