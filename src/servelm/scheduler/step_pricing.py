@@ -211,7 +211,8 @@ class StepPricing:
     # -- questions -----------------------------------------------------------------------
 
     def predicted_s(self) -> float | None:
-        return self.model.predict(self.shape)
+        coefficients = self.model.coefficients()
+        return None if coefficients is None else self._shape_s(coefficients)
 
     def priced(self) -> bool:
         """Whether time binds this step: a target and a fit to price against it."""
@@ -247,9 +248,8 @@ class StepPricing:
         coefficients = self.model.coefficients()
         if coefficients is None or num_tokens <= 0:
             return 0.0
-        alone = self._chunk_shape(num_tokens, context)
-        total = sum(c * x for c, x in zip(coefficients[1:], alone.counts()))
-        overhead = coefficients[_DENSE_PASSES] * alone.dense_passes + coefficients[_CHUNK_CONTEXT] * alone.chunk_context
+        total = self._chunk_s(coefficients, num_tokens, context)
+        overhead = coefficients[_CHUNK_CONTEXT] * context + (0.0 if self.has_prompt else coefficients[_DENSE_PASSES])
         return overhead / total if total > 0 else 0.0
 
     def layered_chunk_tokens(self, limit: int, context: int) -> int:
