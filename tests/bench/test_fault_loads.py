@@ -141,3 +141,69 @@ def test_voice_output_tokens_is_a_bench_flag(capsys):
     # A bad range is one line naming the flag, before any server is asked.
     assert main(["bench", "run", "--voice-output-tokens", "300-200", "--base-url", "http://127.0.0.1:9"]) == 2
     assert "--voice-output-tokens wants 1 <= LOW <= HIGH, got 300-200" in capsys.readouterr().err
+
+
+def _turns_as_the_server_saw_them(requests: list[WorkloadRequest], records: dict) -> dict[int, list[dict[str, str]]]:
+    """Each longchat turn's messages rebuilt from the replies the run really got (the plan's for the first turn)."""
+    sent: dict[int, list[dict[str, str]]] = {}
+    for request in requests:
+        assert request.messages is not None
+        if request.turn is None:
+            sent[request.index] = request.messages
+            continue
+        assert request.after is not None
+        reply = records[request.after].output_text
+        assert reply, "every turn got text: a resent reply is the real one"
+        sent[request.index] = [*sent[request.after], {"role": "assistant", "content": reply},
+                               {"role": "user", "content": request.turn.text}]  # fmt: skip
+    return sent
+
+
+def _run_sessions(bench_server, requests: list[WorkloadRequest], tokens: TokenSource) -> dict:
+    for i, request in enumerate(requests):
+        request.arrival_s = 0.05 * i
+    client = ClientConfig(base_url=bench_server.base_url, endpoint="completions", keep_output_text=True)
+    result = asyncio.run(run_workload(requests, client, RunLimits(duration_s=120, progress=False), tokens))
+    records = {r.index: r for r in result.records}
+    assert len(records) == len(requests) and all(r.ok for r in records.values())
+    return records
+
+
+def test_a_session_turn_resends_the_reply_the_server_gave(bench_server, tokens: TokenSource):
+    """A chat client resends what the model said: the next turn's history holds the real reply (so the
+    server's prefix cache covers it), not the profile's planned stand-in."""
+    limits = LengthLimits(max_context=1024, max_output_tokens=24)
+    requests = build_workload("longchat", 10, tokens, limits, seed=3, sessions=2)
+    continued = [r for r in requests if r.turn is not None]
+    assert len(continued) >= 6
+    records = _run_sessions(bench_server, requests, tokens)
+    sent = _turns_as_the_server_saw_them(requests, records)
+    for request in continued:
+        assert sent[request.index] != request.messages  # the replies are the model's, not the plan's
+        rendered = httpx.post(f"{bench_server.base_url}/tokenize", json={"messages": sent[request.index]},
+                              timeout=30).json()["count"]  # fmt: skip
+        assert records[request.index].num_prompt_tokens == rendered
+    # The history up to the reply was cached; the reply too, wherever its text re-tokenizes into the
+    # generated tokens (a random model's need not): with a planned stand-in no reply token ever hits.
+    cached_beyond_previous_prompt = 0
+    for request in continued:
+        previous, record = records[request.after], records[request.index]
+        assert record.num_cached_tokens >= previous.num_prompt_tokens // 16 * 16
+        cached_beyond_previous_prompt += record.num_cached_tokens - previous.num_prompt_tokens
+    assert cached_beyond_previous_prompt > 0
+
+
+def test_a_completions_turn_resends_the_reply_and_counts_it_exactly(bench_server, tokens: TokenSource):
+    limits = LengthLimits(max_context=1024, prompt_scale=0.5, max_output_tokens=24)
+    requests = build_workload("voice", 10, tokens, limits, seed=3, sessions=2)
+    planned = {r.index: r.num_prompt_tokens for r in requests}
+    records = _run_sessions(bench_server, requests, tokens)
+    # The runner counted each prompt with the real reply in it, exactly as the server did.
+    assert all(r.num_prompt_tokens == r.expected_prompt_tokens for r in records.values())
+    resent = [records[r.index] for r in requests if r.turn is not None]
+    assert len(resent) >= 5 and any(r.expected_prompt_tokens != planned[r.index] for r in resent)
+    for request in requests:
+        if request.turn is not None:
+            previous, record = records[request.after], records[request.index]
+            assert record.shared_prefix_tokens >= previous.num_prompt_tokens - tokens.num_special_tokens
+            assert record.num_cached_tokens >= previous.num_prompt_tokens // 16 * 16

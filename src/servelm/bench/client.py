@@ -193,8 +193,10 @@ async def send_request(
     record: RequestRecord,
     clock: Callable[[], float],
     tokens: TokenSource | None,
+    keep_text: bool = False,
 ) -> RequestRecord:
-    """Send `request`, filling `record` as chunks arrive (so a cancelled request keeps what it got)."""
+    """Send `request`, filling `record` as chunks arrive (so a cancelled request keeps what it got).
+    The record keeps the streamed text with `keep_text` or the config's `keep_output_text`."""
     chat = config.is_chat(request)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     stream = _Stream()
@@ -222,7 +224,7 @@ async def send_request(
         return _failed(record, record.end_s, stream.error)
     _count_tokens(record, request, stream, tokens, chat)
     record.finish_reason = stream.finish_reason
-    if config.keep_output_text:
+    if config.keep_output_text or keep_text:
         record.output_text = "".join(stream.text)
     if stream.breakdown_ms:
         record.ttft_breakdown_s = {k: v / 1000.0 for k, v in stream.breakdown_ms.items()}

@@ -2,15 +2,16 @@
 
     voice      short turns (prompt 30-200, output 20-80 or `voice_output_tokens`) in multi-turn sessions that resend the
                whole conversation so far: each turn's prompt starts with the previous turn's prompt
-               and reply, token for token (the reply is generated here, as if the model had said it)
+               and the reply the server actually gave (the runner fills it in: workload.NextTurn;
+               the plan's reply, drawn here, stands in for one that never came)
     code       a few repositories, each a long context (1-4k tokens) resent with a small edit (5-30
                tokens replaced, in its second half: the file being worked on sits last) and a short
                question (10-60); outputs 50-300
     analytics  documents (prompt 500-2000, or `document_tokens`) after one shared instruction
                block, outputs 10-100, sent at a lower priority
     longchat   long chat sessions (20-40 turns) sent as `messages`: every turn resends the whole
-               conversation, which the server renders with the chat template and tokenizes
-               again, growing to thousands of tokens (capped by the context)
+               conversation with the server's actual replies, which the server renders with the chat
+               template and tokenizes again, growing to thousands of tokens (capped by the context)
     chat       ShareGPT-like lengths: log-normal fits of ShareGPT's prompt and reply lengths (or
                pairs drawn from a ShareGPT JSON file, --chat-dataset)
     mixed      each request's class drawn by weight
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Protocol
 
 from servelm.bench.tokens import TokenSource
-from servelm.bench.workload import DEFAULT_PRIORITIES, LengthLimits, WorkloadRequest
+from servelm.bench.workload import DEFAULT_PRIORITIES, LengthLimits, NextTurn, WorkloadRequest
 
 PROFILES = ("voice", "code", "analytics", "chat", "longchat")
 
@@ -77,6 +78,7 @@ class _Base(ABC):
         session_id: str | None = None,
         after: int | None = None,
         shared_prefix_tokens: int = 0,
+        turn: NextTurn | None = None,
     ) -> WorkloadRequest:
         # Truncating the tail keeps whatever prefix the prompt shares with earlier ones.
         prompt_ids = prompt_ids[: self.prompt_budget(max_tokens)]
@@ -91,6 +93,7 @@ class _Base(ABC):
             session_id=session_id,
             after=after,
             shared_prefix_tokens=shared_prefix_tokens,
+            turn=turn,
         )
 
 
@@ -98,9 +101,14 @@ class _Base(ABC):
 class _Session:
     session_id: str
     turns_left: int
-    history: list[int] = field(default_factory=list)  # every earlier turn's prompt and reply
+    history: list[int] = field(default_factory=list)  # every earlier turn's prompt and (planned) reply
     last_index: int | None = None
     messages: list[dict[str, str]] = field(default_factory=list)  # the same history as chat messages
+    last_reply: str = ""  # the last turn's planned reply (NextTurn.planned_reply of the next turn)
+
+    def next_turn(self, text: str) -> NextTurn | None:
+        """How the next turn, whose own part is `text`, continues this session (None: it opens it)."""
+        return None if self.last_index is None else NextTurn(text=text, planned_reply=self.last_reply)
 
 
 @dataclass
@@ -132,9 +140,11 @@ class VoiceProfile(_Base):
             session = self._new_session()
         prompt_ids = session.history + user_ids
         request = self.request(index, prompt_ids, max_tokens, session_id=session.session_id,
-                               after=session.last_index, shared_prefix_tokens=len(session.history))  # fmt: skip
+                               after=session.last_index, shared_prefix_tokens=len(session.history),
+                               turn=session.next_turn(self.tokens.exact_text(user_ids)))  # fmt: skip
         reply_ids = self.tokens.sample(self.text_rng, max_tokens)
         session.history = request.prompt_ids + reply_ids
+        session.last_reply = self.tokens.exact_text(reply_ids)
         session.turns_left -= 1
         session.last_index = index
         return request
@@ -152,8 +162,7 @@ class LongChatProfile(VoiceProfile):
     name: str = "longchat"
     turns: tuple[int, int] = (20, 40)
     user_tokens: tuple[int, int] = (40, 160)  # each user message
-    reply_tokens: tuple[int, int] = (80, 240)  # each assistant reply kept in the history
-    output: tuple[int, int] = (16, 64)  # what this turn asks the server to generate
+    output: tuple[int, int] = (16, 64)  # what this turn asks the server to generate (and the planned reply)
 
     def next(self, index: int) -> WorkloadRequest:
         session = self._pick_session()
@@ -164,17 +173,19 @@ class LongChatProfile(VoiceProfile):
             session.turns_left = 0  # the conversation outgrew the context: the user starts over
             session = self._new_session()
         user_ids = user_ids[: max(self.prompt_budget(max_tokens) - TEMPLATE_TOKENS_PER_MESSAGE, 1)]
-        messages = [*session.messages, {"role": "user", "content": self.tokens.exact_text(user_ids)}]
+        user_text = self.tokens.exact_text(user_ids)
+        messages = [*session.messages, {"role": "user", "content": user_text}]
         prompt_ids = session.history + user_ids
         request = WorkloadRequest(
             index=index, traffic_class=self.name, prompt_ids=prompt_ids,
             num_prompt_tokens=len(prompt_ids) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages), max_tokens=max_tokens,
             priority=DEFAULT_PRIORITIES.get(self.name, 0), session_id=session.session_id, after=session.last_index,
             shared_prefix_tokens=len(session.history), prompt_text="".join(m["content"] for m in messages),
-            messages=messages,
+            messages=messages, turn=session.next_turn(user_text),
         )  # fmt: skip
-        reply_ids = self.tokens.sample(self.text_rng, self.limits.prompt(self.rng.randint(*self.reply_tokens)))
-        session.messages = [*messages, {"role": "assistant", "content": self.tokens.exact_text(reply_ids)}]
+        reply_ids = self.tokens.sample(self.text_rng, max_tokens)
+        session.last_reply = self.tokens.exact_text(reply_ids)
+        session.messages = [*messages, {"role": "assistant", "content": session.last_reply}]
         session.history = prompt_ids + reply_ids
         session.turns_left -= 1
         session.last_index = index

@@ -1,7 +1,8 @@
 """Replays a workload against a server: open loop at the requests' arrival times, or closed loop.
 
     open loop    one task per request sleeps until its arrival time, then sends; a session's next
-                 turn also waits for the previous turn to finish (a user answers what they heard)
+                 turn also waits for the previous turn to finish (a user answers what they heard),
+                 and resends the reply that turn actually got (workload.NextTurn)
     closed loop  `concurrency` workers, each sending the next request as soon as its last one ended
 
 Every run is bounded: by the workload's length (the request count) and by `duration_s` of wall
@@ -17,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 from tqdm import tqdm
@@ -64,9 +65,30 @@ class _Run:
     interrupted: bool = False
     progress: tqdm | None = None
     slow_http: httpx.AsyncClient | None = None  # for requests marked slow_reader (bench.slow_reader)
+    sent: dict[int, WorkloadRequest] = field(default_factory=dict)  # a continued turn's previous turn, as sent
+    replies: dict[int, str] = field(default_factory=dict)  # ... and the text it got back
+    continued: set[int] = field(default_factory=set)  # requests that a later turn continues
 
     def __post_init__(self) -> None:
         self.finished = {r.index: asyncio.Event() for r in self.requests}
+        self.continued = {r.after for r in self.requests if r.turn is not None and r.after is not None}
+
+    def as_sent(self, request: WorkloadRequest) -> WorkloadRequest:
+        """`request` with its history as the server really saw it: the previous turn as sent, the
+        reply it actually got, then this turn (NextTurn). Unchanged when it continues nothing."""
+        turn, previous = request.turn, self.sent.get(request.after) if request.after is not None else None
+        if turn is None or previous is None:
+            return request
+        reply = self.replies.get(previous.index, "")
+        if previous.messages is not None:
+            messages = turn.messages(previous.messages, reply)
+            return replace(request, messages=messages, prompt_text="".join(m["content"] for m in messages))
+        history = turn.history(previous.prompt_text, reply)
+        if self.tokens is None:
+            return replace(request, prompt_text=history + turn.text)
+        # Counted as the server will count them: a reply's text need not re-tokenize into its tokens.
+        return replace(request, prompt_text=history + turn.text, shared_prefix_tokens=self.tokens.count(history),
+                       num_prompt_tokens=self.tokens.count(history + turn.text) + self.tokens.num_special_tokens)  # fmt: skip
 
     def clock(self) -> float:
         return time.perf_counter() - self.t0
@@ -78,6 +100,7 @@ class _Run:
             delay = due_s - self.clock()
             if delay > 0:
                 await asyncio.sleep(delay)
+            request = self.as_sent(request)
             record = RequestRecord(
                 index=request.index, traffic_class=request.traffic_class, priority=request.priority,
                 session_id=request.session_id, max_tokens=request.max_tokens,
@@ -87,7 +110,12 @@ class _Run:
             self.records[request.index] = record
             record.slow_reader = request.slow_reader and self.slow_http is not None
             via = self.slow_http if record.slow_reader and self.slow_http is not None else http
-            await send_request(via, self.client, request, record, self.clock, self.tokens)
+            keep_text = request.index in self.continued
+            await send_request(via, self.client, request, record, self.clock, self.tokens, keep_text=keep_text)
+            if keep_text:
+                self.sent[request.index], self.replies[request.index] = request, record.output_text or ""
+                if not self.client.keep_output_text:
+                    record.output_text = None
         except asyncio.CancelledError:
             started = self.records.get(request.index)  # None: cancelled before it was sent
             if started is not None and started.status == "pending":

@@ -3,7 +3,8 @@
 A workload is a plain list of `WorkloadRequest`s, built ahead of the run from a seed (so
 the same seed gives the same prompts, lengths and arrival times), then replayed by the
 runner. Requests of one multi-turn session name the turn before them (`after`): the runner
-sends a turn only once the previous one has finished, as a user would.
+sends a turn only once the previous one has finished, as a user would, and resends what the
+server actually replied (`NextTurn`), as a chat client does.
 """
 
 from __future__ import annotations
@@ -74,6 +75,30 @@ def parse_slo(spec: str, base: dict[str, SLO]) -> dict[str, SLO]:
     return {**base, name.strip(): SLO(**values)}
 
 
+@dataclass(frozen=True)
+class NextTurn:
+    """How a session's turn continues the one before it (`WorkloadRequest.after`).
+
+    Its prompt is the previous turn's prompt as it was sent, the reply the server actually gave,
+    then `text`: a chat client resends what the model said, so the server's cached prefix covers
+    the whole history and only the new turn is new work. A history of replies the model never
+    wrote would make every turn recompute the last reply (and, in a chat, everything after it).
+    The workload's own `prompt_ids`/`prompt_text`/`messages` are the plan: what is sent when the
+    previous turn's reply is exactly `planned_reply`.
+    """
+
+    text: str  # completions: appended after the reply; as `messages`: the new user message's content
+    planned_reply: str  # the previous turn's reply as the profile drew it: resent when that turn got no text
+
+    def history(self, previous_prompt: str, reply: str) -> str:
+        """What a completions prompt resends before `text`; `reply` "" stands for one that never came."""
+        return previous_prompt + (reply or self.planned_reply)
+
+    def messages(self, previous: list[dict[str, str]], reply: str) -> list[dict[str, str]]:
+        return [*previous, {"role": "assistant", "content": reply or self.planned_reply},
+                {"role": "user", "content": self.text}]  # fmt: skip
+
+
 @dataclass
 class WorkloadRequest:
     """One request to send. Prompts are token ids of clean words (see bench.tokens)."""
@@ -94,6 +119,7 @@ class WorkloadRequest:
     # None: `prompt_text` is the prompt (or the one user message).
     messages: list[dict[str, str]] | None = field(default=None, repr=False)
     slow_reader: bool = False  # its client reads the stream slowly (ClientConfig.slow_reading says how)
+    turn: NextTurn | None = field(default=None, repr=False)  # with `after`: resend the actual reply (NextTurn)
 
     def describe(self) -> dict[str, Any]:
         """The request without its prompt: what the JSON report keeps."""
@@ -109,6 +135,7 @@ class WorkloadRequest:
             "arrival_s": self.arrival_s,
             "num_messages": None if self.messages is None else len(self.messages),
             "slow_reader": self.slow_reader,
+            "resends_reply": self.turn is not None,
         }
 
 
