@@ -40,7 +40,12 @@
                                                         CI's slow-readers window had steps x1.56,
                                                         +4 ms, against the client's gaps +26 ms)
          the API event loop runs late (lag p99 x 2)   → frontend
-         none of these, on the client's figure        → network  (the server kept pace; the path did not)
+         none of these, on the client's figure        → network  when the server kept pace (its own gaps
+                                                        grew by under SERVER_SHARE of the client's), else output
+
+       "Steps grew" is x STEP_GROWTH, or any growth that makes up STEPS_EXPLAIN of the gaps' growth
+       where the server's own gaps grew with the client's (decode over longer contexts: a token's
+       step grows by less than x1.5 but is most of what its gap grew).
 
        A stream that its client does not read delays no other stream's tokens in servelm (each
        stream has its own queue), so slow readers show here, or in step 2 only through the CPU
@@ -61,6 +66,7 @@ from servelm.diagnose.signals import COMPONENTS, Signals
 CAUSES = ("scheduler", "kv_cache", "output", "network", "frontend", "load", "disaggregation", "grammar", "none")
 STEP_GROWTH = 1.5  # engine steps this much longer (mean): the gaps between tokens are the steps
 STEPS_EXPLAIN = 0.5  # ...when their growth is at least this share of the gaps' growth (see steps_explain_tbt)
+SERVER_SHARE = 0.5  # the server's own gaps grew by this share of the client's: not the path (server_gaps_grew)
 OUTPUT_BACKLOG = 10.0  # outputs queued in the API (max over the window) that count as a pile-up, if 2x the baseline
 LOAD_GROWTH = 1.5  # rate or request size up by this factor: the same queueing is simply more work
 KV_USAGE_FULL = 0.9
@@ -263,17 +269,32 @@ def steps_explain_tbt(baseline: Signals, current: Signals, measured_by: str) -> 
     return steps >= STEPS_EXPLAIN * gaps
 
 
+def server_gaps_grew(baseline: Signals, current: Signals, measured_by: str) -> bool:
+    """Did the server's own gaps (the API's inter-token latency) grow by at least SERVER_SHARE of
+    what the client saw? Then the time was lost before the API took the tokens, not on the path.
+    Without the client's figure, the server's is the one measured."""
+    if measured_by != "client_tbt_mean_s":
+        return True
+    server, client = _growth(baseline, current, "itl_mean_s"), _growth(baseline, current, measured_by)
+    return server is not None and client is not None and server >= SERVER_SHARE * client
+
+
 def tbt_cause(baseline: Signals, current: Signals, measured_by: str) -> str:
     piled_up = outputs_piled_up(baseline, current)
-    if _grew(baseline, current, "step_time_mean_s", STEP_GROWTH) and (
-        not piled_up or steps_explain_tbt(baseline, current, measured_by)
-    ):
+    in_server = server_gaps_grew(baseline, current, measured_by)
+    # Steps that grew x STEP_GROWTH lengthen every gap; so do steps that grew less, where the
+    # server's gaps grew with the client's and the steps make up most of it (decode rows attending
+    # over longer histories: steps x1.43 for gaps x1.6, the long-histories scenario on Zen 3).
+    steps_grew = _grew(baseline, current, "step_time_mean_s", STEP_GROWTH) or (
+        in_server and _grew(baseline, current, "step_time_mean_s", 1.0) and steps_explain_tbt(baseline, current, measured_by)
+    )
+    if steps_grew and (not piled_up or steps_explain_tbt(baseline, current, measured_by)):
         return "load" if load_grew(baseline, current) else "scheduler"
     if piled_up:
         return "output"
     if _grew(baseline, current, "loop_lag_p99_s", 2.0):
         return "frontend"
-    return "network" if measured_by == "client_tbt_mean_s" else "output"
+    return "output" if in_server else "network"
 
 
 def _cause(
