@@ -195,13 +195,15 @@ SCENARIOS: dict[str, Scenario] = {
             # engine keeps both threads: with one, the API's tokenizer threads slow it enough that
             # its prefill growth outweighs the ingress on 2 cores. Named frontend in 5 of 8 runs
             # (the rest within the noise floor): a benchmark, not a CI test (RESULTS.md, issue 11).
-            # At full size on 2 cores it does not show (2026-12-07, Zen 3, half the measured
-            # capacity): on the default model prefill grew 2,306 ms a request against ingress's
-            # 21.5 ms; on the tiny model 66 ms against 31 ms. Ingress is the cause only once the
-            # API process nears a core's worth of it (rate x ~35 ms ~ 1), ~28 req/s: three times
-            # what this host sustains even on the tiny engine. The bench's histories also carry
-            # replies the model never wrote (uncached, so every turn recomputes one): a client
-            # resending the model's own replies would leave less for the engine to grow.
+            # At full size on 2 cores it does not show. With histories of replies the model never
+            # wrote (2026-12-07, Zen 3, half the measured capacity) every turn recomputed the last
+            # reply and all after it: prefill grew 2,306 ms a request on the default model against
+            # ingress's 21.5 ms. Resending the real replies (2026-12-08, workload.NextTurn), the
+            # prefix cache covers the history and TTFT falls (default model 1,477 -> 1,004 ms;
+            # ingress +7.5 ms; decode over longer histories grows the gaps x1.6: scheduler); on
+            # the tiny model ingress is the only component that grows (+16.8 ms) but TTFT's +10 ms
+            # is within the 50 ms noise floor. A frontend fault needs the API process near a
+            # core's worth of tokenizing (rate x ~20-35 ms ~ 1): more than this host's engine sustains.
             quick=ScenarioSize(rate=16.0, seconds=10.0, max_output_tokens=32, drain_s=30.0),
         ),
     )
