@@ -105,9 +105,11 @@ def write_tiny_checkpoint(
     *,
     init_std: float = 0.1,
     max_shard_size: str | None = None,
+    tokenizer: Any = None,
     **overrides: Any,
 ) -> Path:
-    """Save a random float32 model + the default tokenizer with `save_pretrained`; returns the directory.
+    """Save a random float32 model + a tokenizer (None: the default model's) with `save_pretrained`;
+    returns the directory.
 
     `overrides` go into the transformers config (e.g. num_hidden_layers=4, tie_word_embeddings=True).
     Every parameter, biases and norm weights included, is drawn from the seed so that a loader
@@ -118,7 +120,7 @@ def write_tiny_checkpoint(
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
     out = Path(directory)
-    tokenizer = load_gguf_tokenizer(default_model_path())
+    tokenizer = tokenizer if tokenizer is not None else load_gguf_tokenizer(default_model_path())
     config_class = getattr(transformers, ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
     values = {
         **_TINY_CONFIG,
