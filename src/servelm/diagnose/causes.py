@@ -282,13 +282,14 @@ def server_gaps_grew(baseline: Signals, current: Signals, measured_by: str) -> b
 def tbt_cause(baseline: Signals, current: Signals, measured_by: str) -> str:
     piled_up = outputs_piled_up(baseline, current)
     in_server = server_gaps_grew(baseline, current, measured_by)
+    steps_explain = steps_explain_tbt(baseline, current, measured_by)
     # Steps that grew x STEP_GROWTH lengthen every gap; so do steps that grew less, where the
     # server's gaps grew with the client's and the steps make up most of it (decode rows attending
     # over longer histories: steps x1.43 for gaps x1.6, the long-histories scenario on Zen 3).
     steps_grew = _grew(baseline, current, "step_time_mean_s", STEP_GROWTH) or (
-        in_server and _grew(baseline, current, "step_time_mean_s", 1.0) and steps_explain_tbt(baseline, current, measured_by)
+        in_server and _grew(baseline, current, "step_time_mean_s", 1.0) and steps_explain
     )
-    if steps_grew and (not piled_up or steps_explain_tbt(baseline, current, measured_by)):
+    if steps_grew and (not piled_up or steps_explain):
         return "load" if load_grew(baseline, current) else "scheduler"
     if piled_up:
         return "output"
